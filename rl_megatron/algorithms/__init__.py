@@ -1,0 +1,1 @@
+"""RL math as pure tensor functions: advantages, losses, KL control, loss aggregation."""

@@ -1,0 +1,489 @@
+"""The typed configuration of a run: one dataclass per YAML section.
+
+Every field has a default that works at small scale and a comment with its meaning and
+unit. `load_config(path, overrides)` reads YAML + dotted overrides (see `config_io.py`);
+`validate(config, world_size)` holds every cross-field check, in one place, and names the
+dotted key in each error.
+
+Batch vocabulary (global counts, all ranks together):
+    data.train_batch_size   prompts per training step
+    rollout.n               responses per prompt → train_batch_size·n sequences per step
+    actor.mini_batch_size   sequences per optimizer step (PPO mini-batch)
+    actor.micro_batch_size  sequences per forward/backward on one DP rank
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from rl_megatron.config_io import ConfigError, from_dict, load_yaml, to_dict
+
+__all__ = ["Config", "ConfigError", "load_config", "validate", "to_dict"]
+
+Dtype = Literal["bf16", "fp16", "fp32"]
+AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
+KLEstimator = Literal["k1", "k2", "k3"]
+LossAggMode = Literal[
+    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+]
+
+
+@dataclass
+class ModelConfig:
+    # Hugging Face checkpoint directory (config.json + safetensors). When set, the
+    # architecture fields below are read from its config.json and must not be given here.
+    hf_path: str | None = None
+    # Architecture for randomly initialised models (tests, the CPU demo, benchmarks).
+    num_layers: int | None = None  # transformer layers
+    hidden_size: int | None = None
+    num_attention_heads: int | None = None
+    num_query_groups: int | None = None  # KV heads (GQA); None = num_attention_heads
+    ffn_hidden_size: int | None = None
+    vocab_size: int | None = None  # true vocabulary size, before padding
+    max_position_embeddings: int = 4096  # longest prompt + response, in tokens
+    rope_theta: float = 10000.0
+    norm_epsilon: float = 1e-5
+    tie_word_embeddings: bool = False
+    # Pad the vocabulary to a multiple of this × tp (Megatron's convention).
+    make_vocab_size_divisible_by: int = 128
+    dtype: Dtype = "bf16"  # parameter / compute dtype; optimizer state stays fp32
+    tokenizer_path: str | None = None  # HF tokenizer; None = hf_path
+    recompute_activations: bool = False  # full activation recompute per layer
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor-parallel size
+    pp: int = 1  # pipeline-parallel size
+    vpp: int | None = None  # virtual pipeline chunks per stage (interleaved 1F1B); None = off
+    cp: int = 1  # context-parallel size
+    ep: int = 1  # expert-parallel size (MoE models only)
+    sequence_parallel: bool = False  # shard LayerNorm/dropout activations over tp
+    # Seconds before a stuck collective fails the run instead of hanging it.
+    timeout_s: int = 1800
+
+
+@dataclass
+class RolloutConfig:
+    engine: Literal["vllm", "megatron"] = "vllm"
+    tp: int = 1  # generation tensor-parallel size t_g; must divide parallel.tp·parallel.pp
+    n: int = 1  # responses per prompt
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = off
+    max_prompt_length: int = 512  # tokens
+    max_response_length: int = 512  # tokens
+    # What to do with a prompt longer than max_prompt_length: keep its last tokens, or
+    # refuse the whole batch naming the sample. Either way the count is reported.
+    prompt_overflow: Literal["truncate_left", "reject"] = "truncate_left"
+    gpu_memory_utilization: float = 0.5  # fraction of GPU memory vLLM may use (weights + KV)
+    enable_sleep_mode: bool = True  # free vLLM's KV cache and weights while training runs
+    enforce_eager: bool = False  # disable CUDA graphs in vLLM
+    weight_sync_bucket_mb: int = 512  # transfer bucket for 3D resharding, MiB
+    val_temperature: float = 0.0  # 0 = greedy evaluation
+
+
+@dataclass
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"] = "fixed"
+    kl_coef: float = 0.001  # initial β
+    target_kl: float = 0.1  # adaptive only: per-token KL target
+    horizon: int = 10000  # adaptive only: steps (in sequences) to reach the target
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: AdvEstimator = "gae"
+    gamma: float = 1.0  # discount
+    lam: float = 1.0  # GAE λ
+    norm_adv_by_std: bool = True  # GRPO: divide by the group std (False = Dr. GRPO)
+    use_kl_in_reward: bool = False  # subtract β·KL(actor‖ref) from token rewards
+    kl_penalty: KLEstimator = "k1"  # estimator for the reward penalty
+    kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0  # floor of the cosine/linear decay
+    lr_warmup_steps: int = 0  # optimizer steps of linear warm-up
+    lr_decay_style: Literal["constant", "cosine", "linear"] = "constant"
+    lr_decay_steps: int | None = None  # None = the run's total optimizer steps
+    weight_decay: float = 0.01
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0  # global grad-norm clip; 0 = off
+
+
+@dataclass
+class OffloadConfig:
+    params: bool = False  # move weights to pinned CPU memory between phases
+    grads: bool = False  # move gradient buffers
+    optimizer: bool = False  # move optimizer state
+
+
+@dataclass
+class ActorConfig:
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    mini_batch_size: int = 8  # sequences per optimizer step (global)
+    micro_batch_size: int = 1  # sequences per forward/backward per DP rank
+    ppo_epochs: int = 1
+    clip_ratio_low: float = 0.2  # ε_low of the PPO clip
+    clip_ratio_high: float = 0.2  # ε_high (clip-higher, DAPO)
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages; must be > 1
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False  # KL(actor‖ref) as a loss term (GRPO style)
+    kl_loss_coef: float = 0.001
+    kl_loss_type: KLEstimator = "k3"
+    loss_agg_mode: LossAggMode = "token-mean"
+    use_dynamic_batch: bool = False  # token-budget micro-batches instead of fixed size
+    max_tokens_per_micro_batch: int = 16384  # with use_dynamic_batch
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+@dataclass
+class CriticConfig:
+    enable: bool | None = None  # None = on exactly when algorithm.adv_estimator is gae
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
+    mini_batch_size: int = 8
+    micro_batch_size: int = 1
+    ppo_epochs: int = 1
+    cliprange_value: float = 0.5  # clip of the value update
+    init_from: str | None = None  # checkpoint of a reward model; None = the actor's weights
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
+
+
+@dataclass
+class ReferenceConfig:
+    enable: bool | None = None  # None = on when a KL term is used
+    micro_batch_size: int = 1
+    offload_params: bool = True
+
+
+@dataclass
+class RewardConfig:
+    type: Literal["rule", "model"] = "rule"
+    # Rule reward: a registry name (gsm8k, boxed_math, exact_match) or "module:function".
+    function: str = "exact_match"
+    model_path: str | None = None  # HF *ForSequenceClassification checkpoint, type=model
+    micro_batch_size: int = 1
+    # A reward function that raises on a sample: score it `error_score` and count it, or stop.
+    on_error: Literal["score", "raise"] = "score"
+    error_score: float = 0.0
+
+
+@dataclass
+class DataConfig:
+    train_files: list[str] = field(default_factory=list)  # JSONL / Parquet
+    val_files: list[str] = field(default_factory=list)
+    prompt_key: str = "prompt"  # text field; or `messages` for chat data
+    answer_key: str = "answer"  # field the rule reward compares against
+    train_batch_size: int = 8  # prompts per step (global)
+    val_batch_size: int = 16
+    shuffle: bool = True
+    apply_chat_template: bool = False
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int | None = None  # None = total_epochs over the data
+    total_epochs: int = 1
+    seed: int = 1234
+    deterministic: bool = False  # seeded + deterministic kernels: two runs match bit for bit
+    output_dir: str = "runs"  # run folder = output_dir/experiment_name
+    experiment_name: str = "default"
+    val_interval: int = 0  # steps between evaluations; 0 = off
+    dry_run: bool = False  # resolve, initialise, print the layout, exit
+
+
+@dataclass
+class CheckpointConfig:
+    save_interval: int = 0  # steps between checkpoints; 0 = only on SIGTERM and at the end
+    keep_last: int = 2  # older checkpoints are deleted
+    resume: Literal["auto", "never"] = "auto"  # auto = from the newest in the run folder
+    resume_from: str | None = None  # a specific checkpoint directory (overrides resume)
+    save_on_sigterm: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    tensorboard: bool = False  # also write TensorBoard events (needs `tensorboard`)
+    log_interval: int = 1  # steps between console lines
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    reference: ReferenceConfig = field(default_factory=ReferenceConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.trainer.output_dir) / self.trainer.experiment_name
+
+
+def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> Config:
+    """Read YAML `path`, apply dotted `overrides` (`actor.optim.lr=1e-6`), type-check.
+
+    Cross-field checks that need the world size live in `validate`.
+    Raises ConfigError with a one-line message naming the key or file.
+    """
+    raw = load_yaml(path, overrides or [])
+    config = from_dict(Config, raw)
+    _fill_architecture_from_hf(config)
+    _resolve_defaults(config)
+    return config
+
+
+_HF_ARCH_FIELDS = {
+    "num_layers": "num_hidden_layers",
+    "hidden_size": "hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads",
+    "ffn_hidden_size": "intermediate_size",
+    "vocab_size": "vocab_size",
+}
+
+
+def _fill_architecture_from_hf(config: Config) -> None:
+    model = config.model
+    if model.hf_path is None:
+        return
+    config_json = Path(model.hf_path) / "config.json"
+    if not config_json.is_file():
+        raise ConfigError(f"model.hf_path: {config_json} not found")
+    try:
+        hf = json.loads(config_json.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"model.hf_path: {config_json} is not valid JSON ({exc})") from None
+    for ours, theirs in _HF_ARCH_FIELDS.items():
+        given = getattr(model, ours)
+        value = hf.get(theirs)
+        if value is None and ours == "num_query_groups":
+            value = hf.get("num_attention_heads")
+        if given is not None and given != value:
+            raise ConfigError(
+                f"model.{ours}: {given} given, but {config_json} says {theirs}={value}; "
+                "leave architecture fields out when model.hf_path is set"
+            )
+        setattr(model, ours, value)
+
+
+def _resolve_defaults(config: Config) -> None:
+    """Turn the `None = derived` defaults into concrete values."""
+    model = config.model
+    if model.num_query_groups is None:
+        model.num_query_groups = model.num_attention_heads
+    if model.tokenizer_path is None:
+        model.tokenizer_path = model.hf_path
+    if config.critic.enable is None:
+        config.critic.enable = config.algorithm.adv_estimator == "gae"
+    if config.reference.enable is None:
+        config.reference.enable = config.algorithm.use_kl_in_reward or config.actor.use_kl_loss
+
+
+def _require(condition: bool, key: str, message: str) -> None:
+    if not condition:
+        raise ConfigError(f"{key}: {message}")
+
+
+def validate(config: Config, world_size: int) -> None:
+    """Every range and cross-field check; raises ConfigError naming the dotted key."""
+    m, p, r, a, act, cr = (
+        config.model,
+        config.parallel,
+        config.rollout,
+        config.algorithm,
+        config.actor,
+        config.critic,
+    )
+    for key in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "ffn_hidden_size",
+        "vocab_size",
+    ):
+        _require(
+            getattr(m, key) is not None, f"model.{key}", "required when model.hf_path is not set"
+        )
+        _require(getattr(m, key) > 0, f"model.{key}", f"must be > 0, got {getattr(m, key)}")
+    _require(m.num_query_groups > 0, "model.num_query_groups", "must be > 0")
+    _require(
+        m.num_attention_heads % m.num_query_groups == 0,
+        "model.num_query_groups",
+        f"{m.num_query_groups} does not divide num_attention_heads={m.num_attention_heads}",
+    )
+    _require(
+        m.make_vocab_size_divisible_by > 0, "model.make_vocab_size_divisible_by", "must be > 0"
+    )
+
+    for key in ("tp", "pp", "cp", "ep"):
+        _require(getattr(p, key) >= 1, f"parallel.{key}", f"must be >= 1, got {getattr(p, key)}")
+    _require(
+        m.num_attention_heads % p.tp == 0,
+        "parallel.tp",
+        f"{p.tp} does not divide model.num_attention_heads={m.num_attention_heads}",
+    )
+    _require(
+        m.num_query_groups % p.tp == 0,
+        "parallel.tp",
+        f"{p.tp} does not divide model.num_query_groups={m.num_query_groups}",
+    )
+    _require(
+        m.ffn_hidden_size % p.tp == 0,
+        "parallel.tp",
+        f"{p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}",
+    )
+    _require(
+        m.num_layers % p.pp == 0,
+        "parallel.pp",
+        f"{p.pp} does not divide model.num_layers={m.num_layers}",
+    )
+    model_parallel = p.tp * p.pp * p.cp
+    _require(
+        world_size % model_parallel == 0,
+        "parallel",
+        f"world size {world_size} is not divisible by tp·pp·cp = {p.tp}·{p.pp}·{p.cp}",
+    )
+    dp = world_size // model_parallel
+    if p.vpp is not None:
+        _require(p.vpp >= 2, "parallel.vpp", f"must be >= 2 or null, got {p.vpp}")
+        _require(p.pp >= 2, "parallel.vpp", "interleaved pipelining needs parallel.pp >= 2")
+        _require(
+            m.num_layers % (p.pp * p.vpp) == 0,
+            "parallel.vpp",
+            f"pp·vpp = {p.pp * p.vpp} does not divide model.num_layers={m.num_layers}",
+        )
+    _require(
+        not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", "needs parallel.tp > 1"
+    )
+    _require(
+        p.ep == 1, "parallel.ep", "expert parallelism needs an MoE model; none is supported yet"
+    )
+    _require(p.timeout_s > 0, "parallel.timeout_s", "must be > 0")
+
+    _require(r.tp >= 1, "rollout.tp", f"must be >= 1, got {r.tp}")
+    _require(
+        (p.tp * p.pp) % r.tp == 0,
+        "rollout.tp",
+        f"{r.tp} does not divide parallel.tp·parallel.pp = {p.tp * p.pp}",
+    )
+    _require(
+        m.num_attention_heads % r.tp == 0 and m.num_query_groups % r.tp == 0,
+        "rollout.tp",
+        f"{r.tp} does not divide the attention heads / query groups of the model",
+    )
+    _require(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
+    _require(r.temperature >= 0, "rollout.temperature", "must be >= 0")
+    _require(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
+    _require(r.top_k == -1 or r.top_k > 0, "rollout.top_k", "must be -1 (off) or > 0")
+    _require(r.max_prompt_length > 0, "rollout.max_prompt_length", "must be > 0")
+    _require(r.max_response_length > 0, "rollout.max_response_length", "must be > 0")
+    _require(
+        r.max_prompt_length + r.max_response_length <= m.max_position_embeddings,
+        "rollout.max_response_length",
+        f"max_prompt_length + max_response_length = "
+        f"{r.max_prompt_length + r.max_response_length} exceeds "
+        f"model.max_position_embeddings={m.max_position_embeddings}",
+    )
+    _require(
+        0 < r.gpu_memory_utilization <= 1,
+        "rollout.gpu_memory_utilization",
+        f"must be in (0, 1], got {r.gpu_memory_utilization}",
+    )
+    _require(r.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb", "must be > 0")
+
+    _require(0 <= a.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {a.gamma}")
+    _require(0 <= a.lam <= 1, "algorithm.lam", f"must be in [0, 1], got {a.lam}")
+    _require(a.kl_ctrl.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", "must be >= 0")
+    _require(a.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl", "must be > 0")
+    _require(a.kl_ctrl.horizon > 0, "algorithm.kl_ctrl.horizon", "must be > 0")
+    if a.adv_estimator == "gae":
+        _require(bool(cr.enable), "critic.enable", "algorithm.adv_estimator=gae needs a critic")
+    if a.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
+        _require(
+            r.n >= 2, "rollout.n", f"algorithm.adv_estimator={a.adv_estimator} needs n >= 2 samples"
+        )
+    if a.use_kl_in_reward or act.use_kl_loss:
+        _require(bool(config.reference.enable), "reference.enable", "a KL term needs the reference")
+
+    sequences = config.data.train_batch_size * r.n
+    _require(config.data.train_batch_size > 0, "data.train_batch_size", "must be > 0")
+    _require(
+        config.data.train_batch_size % dp == 0,
+        "data.train_batch_size",
+        f"{config.data.train_batch_size} prompts do not split over {dp} data-parallel ranks",
+    )
+    for section, role in (("actor", act), ("critic", cr)):
+        if section == "critic" and not cr.enable:
+            continue
+        _validate_optim(role.optim, f"{section}.optim")
+        _require(role.ppo_epochs >= 1, f"{section}.ppo_epochs", "must be >= 1")
+        _require(role.micro_batch_size >= 1, f"{section}.micro_batch_size", "must be >= 1")
+        _require(
+            sequences % role.mini_batch_size == 0,
+            f"{section}.mini_batch_size",
+            f"{role.mini_batch_size} does not divide the {sequences} sequences of a step "
+            "(data.train_batch_size · rollout.n)",
+        )
+        _require(
+            role.mini_batch_size % (role.micro_batch_size * dp) == 0,
+            f"{section}.mini_batch_size",
+            f"{role.mini_batch_size} is not divisible by micro_batch_size·dp = "
+            f"{role.micro_batch_size}·{dp}",
+        )
+    _require(0 <= act.clip_ratio_low < 1, "actor.clip_ratio_low", "must be in [0, 1)")
+    _require(act.clip_ratio_high >= 0, "actor.clip_ratio_high", "must be >= 0")
+    _require(act.clip_ratio_c > 1, "actor.clip_ratio_c", f"must be > 1, got {act.clip_ratio_c}")
+    _require(act.max_tokens_per_micro_batch > 0, "actor.max_tokens_per_micro_batch", "must be > 0")
+    _require(cr.cliprange_value > 0, "critic.cliprange_value", "must be > 0")
+    if config.reward.type == "model":
+        _require(config.reward.model_path is not None, "reward.model_path", "needed by type=model")
+
+    t = config.trainer
+    _require(t.total_epochs >= 1, "trainer.total_epochs", "must be >= 1")
+    _require(t.total_steps is None or t.total_steps >= 1, "trainer.total_steps", "must be >= 1")
+    _require(t.val_interval >= 0, "trainer.val_interval", "must be >= 0")
+    c = config.checkpoint
+    _require(c.save_interval >= 0, "checkpoint.save_interval", "must be >= 0")
+    _require(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
+    _require(config.logging.log_interval >= 1, "logging.log_interval", "must be >= 1")
+
+
+def _validate_optim(optim: OptimConfig, key: str) -> None:
+    _require(optim.lr >= 0, f"{key}.lr", f"must be >= 0, got {optim.lr}")
+    _require(0 <= optim.min_lr <= optim.lr, f"{key}.min_lr", "must be in [0, lr]")
+    _require(optim.lr_warmup_steps >= 0, f"{key}.lr_warmup_steps", "must be >= 0")
+    _require(0 <= optim.adam_beta1 < 1, f"{key}.adam_beta1", "must be in [0, 1)")
+    _require(0 <= optim.adam_beta2 < 1, f"{key}.adam_beta2", "must be in [0, 1)")
+    _require(optim.adam_eps > 0, f"{key}.adam_eps", "must be > 0")
+    _require(optim.clip_grad >= 0, f"{key}.clip_grad", "must be >= 0 (0 = off)")
+    _require(optim.weight_decay >= 0, f"{key}.weight_decay", "must be >= 0")
+
+
+def save_resolved(config: Config, run_dir: Path) -> Path:
+    """Write the resolved config next to the run's outputs (YAML, reloadable)."""
+    import yaml
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.resolved.yaml"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    tmp.replace(path)
+    return path

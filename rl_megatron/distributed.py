@@ -1,0 +1,232 @@
+"""Process groups from torchrun or Slurm, Megatron initialisation, seeding and teardown.
+
+    env = launch_env()                         # torchrun variables, else Slurm's
+    with distributed_run(config.parallel, config.trainer.seed) as run:
+        ...                                     # run.layout, run.coordinates, run.stop_requested
+
+`distributed_run` makes failures clean: a failing rank prints its error once, with its
+(tp, pp, dp, cp) coordinates, and the process group is torn down on normal exit, on an
+exception and on SIGTERM (which only sets `stop_requested`, so the trainer can checkpoint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import traceback
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from rl_megatron.resharding.layouts import MEGATRON_RANK_ORDER, TrainingLayout
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """First host of a Slurm node list such as `gpu[003-005,9],cpu1`."""
+    try:
+        out = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+        )
+        return out.stdout.split()[0]
+    except (OSError, subprocess.CalledProcessError, IndexError):
+        pass
+    head = nodelist.split(",")[0]
+    if "[" not in head:
+        return head
+    prefix, ranges = head.split("[", 1)
+    first = ranges.rstrip("]").split(",")[0].split("-")[0]
+    return prefix + first
+
+
+def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
+    """Rank/world from torchrun's variables, falling back to Slurm's (srun without torchrun)."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return LaunchEnv(
+            rank=int(env["RANK"]),
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env.get("LOCAL_RANK", "0")),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+        )
+    if "SLURM_PROCID" in env:
+        return LaunchEnv(
+            rank=int(env["SLURM_PROCID"]),
+            world_size=int(env["SLURM_NTASKS"]),
+            local_rank=int(env.get("SLURM_LOCALID", "0")),
+            master_addr=env.get("MASTER_ADDR") or _first_slurm_host(env["SLURM_JOB_NODELIST"]),
+            master_port=int(env.get("MASTER_PORT", "29500")),
+        )
+    return LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=29500)
+
+
+@dataclass
+class DistributedRun:
+    env: LaunchEnv
+    layout: TrainingLayout
+    coordinates: dict[str, int]
+    device: torch.device
+    stop_requested: bool = False  # set by SIGTERM; the trainer checkpoints and exits
+    _previous_handlers: dict = field(default_factory=dict, repr=False)
+
+    def describe_rank(self) -> str:
+        c = self.coordinates
+        return f"rank {self.env.rank} (tp={c['tp']}, pp={c['pp']}, dp={c['dp']}, cp={c['cp']})"
+
+
+def init_process_group(env: LaunchEnv, timeout_s: int) -> torch.device:
+    """NCCL on GPUs, gloo (with the CPU shim for megatron-core) without; returns the device."""
+    # megatron-core warns once per module and rank that TE/apex are absent; we run
+    # without them by design (DESIGN.md §1), so say it once in the docs instead.
+    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        backend, device = "nccl", torch.device("cuda", torch.cuda.current_device())
+    else:
+        from rl_megatron import cpu_compat
+
+        cpu_compat.enable()
+        backend, device = "gloo", torch.device("cpu")
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", env.master_addr)
+        os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        dist.init_process_group(
+            backend,
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    return device
+
+
+def init_megatron(layout: TrainingLayout, timeout_s: int) -> None:
+    """Megatron's parallel_state with our rank order (each DP replica = consecutive ranks)."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        context_parallel_size=layout.cp,
+        distributed_timeout_minutes=max(1, timeout_s // 60),
+        order=MEGATRON_RANK_ORDER,
+    )
+
+
+def seed_everything(seed: int, layout: TrainingLayout, rank: int, deterministic: bool) -> None:
+    """Megatron-LM's seeding: stage-dependent base seed, model-parallel RNG tracker.
+
+    Pipeline stages get different seeds (different layers); data-parallel replicas share
+    them so replicas initialise identically. Dropout inside TP regions uses the tracker.
+    """
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    pp_rank = layout.coordinates(rank)["pp"]
+    stage_seed = seed + 100 * pp_rank
+    random.seed(stage_seed)
+    try:
+        import numpy as np
+
+        np.random.seed(stage_seed % 2**32)
+    except ImportError:
+        pass
+    torch.manual_seed(stage_seed)
+    model_parallel_cuda_manual_seed(stage_seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+def _check_megatron_coordinates(run: DistributedRun) -> None:
+    """Our rank arithmetic must agree with Megatron's groups; a mismatch is an internal bug."""
+    from megatron.core import parallel_state as ps
+
+    theirs = {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+    }
+    if theirs != run.coordinates:
+        raise RuntimeError(f"rank {run.env.rank}: layout {run.coordinates} != megatron {theirs}")
+
+
+def gather_rank_table(run: DistributedRun) -> list[dict] | None:
+    """Every rank's (node, coordinates), on rank 0 (None elsewhere)."""
+    row = {"rank": run.env.rank, "node": socket.gethostname(), **run.coordinates}
+    rows: list = [None] * run.env.world_size if run.env.rank == 0 else None
+    dist.gather_object(row, rows, dst=0)
+    return rows
+
+
+@contextlib.contextmanager
+def distributed_run(
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    vpp: int | None = None,
+    seed: int = 1234,
+    timeout_s: int = 1800,
+    deterministic: bool = False,
+) -> Iterator[DistributedRun]:
+    """Initialise torch.distributed + Megatron; tear down on every way out."""
+    env = launch_env()
+    device = init_process_group(env, timeout_s)
+    dp = env.world_size // (tp * pp * cp)
+    layout = TrainingLayout(tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp)
+    run = DistributedRun(
+        env=env, layout=layout, coordinates=layout.coordinates(env.rank), device=device
+    )
+    init_megatron(layout, timeout_s)
+    _check_megatron_coordinates(run)
+    seed_everything(seed, layout, env.rank, deterministic)
+
+    def on_sigterm(signum, frame):
+        run.stop_requested = True
+
+    run._previous_handlers[signal.SIGTERM] = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield run
+    except SystemExit:
+        raise
+    except BaseException:
+        # Print once, by the failing rank, with where it sits in the layout; then let
+        # torchrun's elastic agent take the other ranks down (they may be in a collective).
+        sys.stderr.write(f"[{run.describe_rank()}] failed:\n{traceback.format_exc()}")
+        sys.stderr.flush()
+        raise
+    finally:
+        for signum, handler in run._previous_handlers.items():
+            signal.signal(signum, handler)
+        teardown()
+
+
+def teardown() -> None:
+    """Destroy Megatron's groups and the default process group (idempotent)."""
+    try:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+    except ImportError:
+        pass
+    if dist.is_initialized():
+        dist.destroy_process_group()

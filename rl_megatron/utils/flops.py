@@ -1,0 +1,56 @@
+"""FLOPs and MFU for dense decoder-only transformers.
+
+Training FLOPs per token = 6·N (forward 2·N, backward 4·N, N = non-embedding matmul
+parameters plus the output layer) + the attention score/value matmuls,
+6 · 2 · layers · hidden · seq_len per token for full (non-causal-skipping) attention
+kernels; causal kernels do half, which is what `causal=True` counts (Chinchilla, Hoffmann
+et al. 2022, App. F; PaLM, Chowdhery et al. 2022, App. B).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Dense bf16 peak of common accelerators (TFLOP/s, without sparsity).
+PEAK_TFLOPS_BF16 = {"H100": 989.0, "H200": 989.0, "A100": 312.0, "B200": 2250.0}
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    vocab_size: int
+    gated_mlp: bool = True  # SwiGLU: three FFN matrices instead of two
+
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token (embedding lookup excluded)."""
+        head_dim = self.hidden_size // self.num_attention_heads
+        kv = 2 * self.num_query_groups * head_dim
+        attention = self.hidden_size * (self.hidden_size + kv) + self.hidden_size * self.hidden_size
+        ffn = (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size
+        return self.num_layers * (attention + ffn) + self.hidden_size * self.vocab_size
+
+
+def flops_per_token(
+    shape: TransformerShape, seq_len: int, training: bool = True, causal: bool = True
+) -> float:
+    """FLOPs per token: forward only (2·N + attn) or forward+backward (3× that)."""
+    attention = 2 * 2 * shape.num_layers * shape.hidden_size * seq_len
+    if causal:
+        attention /= 2
+    forward = 2 * shape.matmul_params() + attention
+    return 3 * forward if training else forward
+
+
+def mfu(
+    tokens_per_s: float,
+    shape: TransformerShape,
+    seq_len: int,
+    peak_tflops: float,
+    training: bool = True,
+) -> float:
+    """Model FLOPs utilisation in [0, 1] for `tokens_per_s` on one device."""
+    return tokens_per_s * flops_per_token(shape, seq_len, training) / (peak_tflops * 1e12)

@@ -1,0 +1,88 @@
+"""The launcher as users run it: exit codes, one-line errors, the dry-run layout table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = "yaml_configs/tiny_cpu.yaml"
+
+
+def _run(args: list[str], torchrun_ranks: int | None = None, timeout: int = 240):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    if torchrun_ranks:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+        cmd += [f"--nproc_per_node={torchrun_ranks}", "launch/ppo.py", *args]
+    else:
+        cmd = [sys.executable, "launch/ppo.py", *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (
+            [TINY, "actor.optim.lrr=1e-6"],
+            "actor.optim.lrr: unknown key; did you mean actor.optim.lr?",
+        ),
+        ([TINY, "actor.optim.lr=fast"], "actor.optim.lr: expected a number, got str 'fast'"),
+        ([TINY, "parallel.tp=3"], "parallel.tp: 3 does not divide model.num_attention_heads=4"),
+        (["missing.yaml"], "config file not found: missing.yaml"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_code_2(args, expected):
+    config, *overrides = args
+    result = _run(["--config", config, *overrides, "trainer.dry_run=true"])
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [f"config error: {expected}"]
+    assert "Traceback" not in result.stderr
+    assert result.stdout == ""
+
+
+def test_malformed_yaml(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {num_layers: 2\n")
+    result = _run(["--config", str(bad)])
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert (
+        len(lines) == 1 and lines[0].startswith(f"config error: {bad}:") and "malformed" in lines[0]
+    )
+
+
+def test_help_exits_0():
+    result = _run(["--help"])
+    assert result.returncode == 0 and "--dry-run" in result.stdout
+
+
+@pytest.mark.slow
+def test_dry_run_prints_layout_table_on_4_ranks(tmp_path):
+    result = _run(
+        [
+            "--config",
+            TINY,
+            "--dry-run",
+            "parallel.tp=2",
+            "parallel.pp=2",
+            f"trainer.output_dir={tmp_path}",
+        ],
+        torchrun_ranks=4,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [
+        line.split()
+        for line in result.stdout.splitlines()
+        if line.strip().startswith(("0 ", "1 ", "2 ", "3 "))
+    ]
+    # rank node tp pp dp cp | gen_tp gen_dp — ranks ordered tp fastest, then pp.
+    coords = {int(r[0]): tuple(int(x) for x in r[2:6]) for r in rows}
+    assert coords == {0: (0, 0, 0, 0), 1: (1, 0, 0, 0), 2: (0, 1, 0, 0), 3: (1, 1, 0, 0)}
+    assert "training layout: tp=2 pp=2 dp=1" in result.stdout
+    assert (tmp_path / "tiny_cpu" / "config.resolved.yaml").is_file()

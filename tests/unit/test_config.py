@@ -1,0 +1,136 @@
+"""Config loading and validation: every bad input is one line naming the key or file."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rl_megatron.config import ConfigError, load_config, save_resolved, validate
+
+TINY = Path(__file__).resolve().parents[2] / "yaml_configs" / "tiny_cpu.yaml"
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "c.yaml"
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+def _error(path, overrides=(), world_size=1) -> str:
+    with pytest.raises(ConfigError) as info:
+        config = load_config(path, list(overrides))
+        validate(config, world_size)
+    message = str(info.value)
+    assert "\n" not in message, message
+    return message
+
+
+def test_tiny_config_loads_and_validates():
+    config = load_config(TINY, [])
+    validate(config, world_size=4)
+    assert config.model.num_layers == 4
+    assert config.critic.enable is False  # grpo needs no critic
+    assert config.reference.enable is False  # no KL term configured
+
+
+def test_overrides_are_typed_and_nested():
+    config = load_config(TINY, ["actor.optim.lr=3e-6", "parallel.tp=2", "rollout.n=8"])
+    assert config.actor.optim.lr == pytest.approx(3e-6)
+    assert config.parallel.tp == 2 and config.rollout.n == 8
+
+
+def test_misspelled_key_suggests_the_right_one():
+    message = _error(TINY, ["actor.optim.lrr=1e-6"])
+    assert message == "actor.optim.lrr: unknown key; did you mean actor.optim.lr?"
+
+
+def test_misspelled_section(tmp_path):
+    message = _error(_write(tmp_path, "actr:\n  micro_batch_size: 2\n"))
+    assert message.startswith("actr: unknown key; did you mean actor?")
+
+
+def test_string_where_a_number_belongs():
+    message = _error(TINY, ["actor.optim.lr=fast"])
+    assert message == "actor.optim.lr: expected a number, got str 'fast'"
+    assert _error(TINY, ["actor.micro_batch_size=1.5"]).startswith(
+        "actor.micro_batch_size: expected an integer"
+    )
+
+
+def test_tp_must_divide_heads():
+    message = _error(TINY, ["parallel.tp=3"], world_size=3)
+    assert message == "parallel.tp: 3 does not divide model.num_attention_heads=4"
+
+
+def test_world_size_must_divide():
+    message = _error(TINY, ["parallel.tp=2", "parallel.pp=2"], world_size=6)
+    assert "world size 6 is not divisible by tp·pp·cp" in message
+
+
+def test_layers_divisible_by_pp_and_vpp():
+    assert _error(TINY, ["parallel.pp=3"], world_size=3).startswith("parallel.pp: 3 does not")
+    message = _error(TINY, ["parallel.pp=2", "parallel.vpp=4"], world_size=2)
+    assert message.startswith("parallel.vpp: pp·vpp = 8 does not divide model.num_layers=4")
+
+
+def test_mini_batch_divisible_by_micro_batch_times_dp():
+    message = _error(TINY, ["actor.mini_batch_size=8", "actor.micro_batch_size=3"], world_size=2)
+    assert message == "actor.mini_batch_size: 8 is not divisible by micro_batch_size·dp = 3·2"
+
+
+def test_rollout_tp_must_divide_tp_times_pp():
+    message = _error(TINY, ["parallel.tp=2", "rollout.tp=4"], world_size=2)
+    assert message.startswith("rollout.tp: 4 does not divide parallel.tp·parallel.pp = 2")
+
+
+def test_literal_choices_are_named():
+    message = _error(TINY, ["algorithm.adv_estimator=grp"])
+    assert message.startswith("algorithm.adv_estimator: 'grp' is not one of gae, grpo")
+    assert message.endswith("did you mean grpo?")
+
+
+def test_out_of_range_value():
+    assert _error(TINY, ["rollout.top_p=1.5"]) == "rollout.top_p: must be in (0, 1], got 1.5"
+
+
+def test_grpo_needs_several_samples():
+    assert _error(TINY, ["rollout.n=1"]).startswith("rollout.n: algorithm.adv_estimator=grpo")
+
+
+def test_missing_file(tmp_path):
+    assert _error(tmp_path / "nope.yaml") == f"config file not found: {tmp_path / 'nope.yaml'}"
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    path = _write(tmp_path, "model:\n  num_layers: [1, 2\nparallel:\n  tp: 1\n")
+    message = _error(path)
+    assert message.startswith(f"{path}:") and "malformed YAML" in message
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    assert "top level must be a mapping" in _error(_write(tmp_path, "- 1\n- 2\n"))
+
+
+def test_bad_override_syntax():
+    assert _error(TINY, ["actor.optim.lr"]).startswith("override 'actor.optim.lr': expected")
+
+
+def test_hf_path_fills_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(
+        '{"num_hidden_layers": 2, "hidden_size": 32, "num_attention_heads": 4,'
+        ' "num_key_value_heads": 2, "intermediate_size": 64, "vocab_size": 50}'
+    )
+    path = _write(tmp_path, f"model:\n  hf_path: {tmp_path}\n")
+    config = load_config(path, [])
+    assert (config.model.num_layers, config.model.num_query_groups) == (2, 2)
+    message = _error(path, ["model.num_layers=4"])
+    assert message.startswith("model.num_layers: 4 given, but")
+
+
+def test_resolved_config_round_trips(tmp_path):
+    config = load_config(TINY, ["actor.optim.lr=2e-5"])
+    path = save_resolved(config, tmp_path)
+    again = load_config(path, [])
+    assert again == config

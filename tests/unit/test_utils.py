@@ -1,0 +1,97 @@
+"""Observability helpers and launch-environment parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rl_megatron.distributed import _first_slurm_host, launch_env
+from rl_megatron.resharding.layouts import TrainingLayout, generation_layout_for, micro_dp
+from rl_megatron.utils.flops import TransformerShape, flops_per_token, mfu
+from rl_megatron.utils.metrics import MetricsTracker, read_metrics
+from rl_megatron.utils.timers import PhaseTimer
+
+
+def test_metrics_tracker_writes_one_json_line_per_step(tmp_path):
+    tracker = MetricsTracker(tmp_path, rank=0)
+    tracker.log(1, {"actor/pg_loss": 0.5, "timing_s/generate": 2})
+    tracker.log(2, {"actor/pg_loss": float("nan")})
+    rows = read_metrics(tmp_path)
+    assert rows == [
+        {"step": 1, "actor/pg_loss": 0.5, "timing_s/generate": 2.0},
+        {"step": 2, "actor/pg_loss": "nan"},
+    ]
+    json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
+
+
+def test_metrics_tracker_silent_off_rank_0(tmp_path):
+    MetricsTracker(tmp_path, rank=1).log(1, {"a/b": 1.0})
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_phase_timer_accumulates_per_phase():
+    timer = PhaseTimer()
+    for _ in range(2):
+        with timer.time("update"):
+            sum(range(10000))
+    with timer.time("generate"):
+        pass
+    metrics = timer.pop()
+    assert set(metrics) == {"timing_s/update", "timing_s/generate"}
+    assert metrics["timing_s/update"] > 0 and timer.pop() == {}
+
+
+def test_flops_per_token_matches_hand_count():
+    # One layer, hidden 4, 2 heads (head_dim 2), 1 KV group, FFN 8, vocab 10, gated MLP.
+    shape = TransformerShape(1, 4, 8, 2, 1, 10)
+    attn = 4 * (4 + 2 * 1 * 2) + 4 * 4  # QKV + output projection
+    ffn = 3 * 4 * 8
+    n = attn + ffn + 4 * 10
+    assert shape.matmul_params() == n
+    seq = 16
+    causal_attention = 2 * 2 * 1 * 4 * seq / 2
+    assert flops_per_token(shape, seq, training=False) == 2 * n + causal_attention
+    assert flops_per_token(shape, seq) == 3 * (2 * n + causal_attention)
+    # Llama-2-7B at 4k tokens: 6·N with N = 6.61e9 matmul parameters (6.74e9 minus the
+    # 0.13e9 input embedding) plus causal attention 6·L·h·s = 3.2e9.
+    llama7b = TransformerShape(32, 4096, 11008, 32, 32, 32000)
+    assert llama7b.matmul_params() == pytest.approx(6.61e9, rel=0.01)
+    assert flops_per_token(llama7b, 4096) == pytest.approx(6 * 6.61e9 + 3.22e9, rel=0.01)
+    assert mfu(1000.0, llama7b, 4096, peak_tflops=989.0) == pytest.approx(
+        1000 * flops_per_token(llama7b, 4096) / 989e12
+    )
+
+
+def test_launch_env_torchrun_then_slurm():
+    env = launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "n1"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (3, 8, 3, "n1")
+    slurm = {
+        "SLURM_PROCID": "9",
+        "SLURM_NTASKS": "16",
+        "SLURM_LOCALID": "1",
+        "SLURM_JOB_NODELIST": "gpu[007-008]",
+    }
+    env = launch_env(slurm)
+    assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (9, 16, 1, "gpu007")
+    assert launch_env({}).world_size == 1
+
+
+@pytest.mark.parametrize(
+    "nodelist, first",
+    [("gpu[003-005,9],cpu1", "gpu003"), ("node7", "node7"), ("a1,b2", "a1"), ("x[12,4]", "x12")],
+)
+def test_first_slurm_host(nodelist, first):
+    assert _first_slurm_host(nodelist) == first
+
+
+def test_layout_coordinates_follow_megatron_order():
+    layout = TrainingLayout(tp=2, pp=2, dp=2)
+    coords = [layout.coordinates(r) for r in range(8)]
+    assert [c["tp"] for c in coords] == [0, 1] * 4
+    assert [c["pp"] for c in coords] == [0, 0, 1, 1] * 2
+    assert [c["dp"] for c in coords] == [0] * 4 + [1] * 4
+    generation = generation_layout_for(layout, rollout_tp=2)
+    assert generation.replicas == 4 and micro_dp(layout, generation) == 2
+    with pytest.raises(ValueError, match="does not divide"):
+        generation_layout_for(layout, rollout_tp=3)
