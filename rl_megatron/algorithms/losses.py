@@ -1,0 +1,228 @@
+"""PPO policy loss (clip-higher, dual clip), clipped value loss and entropy bonus.
+
+Every loss takes `[batch, response_len]` tensors and a 0/1 `response_mask`, reduces with
+`aggregate` (see aggregation.py for the global-batch normalisation; pass `totals`) and
+returns `(loss, metrics)`. Metrics are detached 0-d tensors averaged over the valid tokens
+of the call's micro-batch, so that logging costs no host sync here.
+
+Positions where the mask is 0 are selected away before any arithmetic: padding may hold
+-inf or NaN log-probs, and they reach neither the loss nor the gradient.
+
+`aggregate` and `kl` are re-exported so that the trainer finds every loss piece here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rl_megatron.algorithms.aggregation import BatchTotals, aggregate, masked_mean
+from rl_megatron.algorithms.kl import kl, kl_loss
+
+__all__ = [
+    "aggregate",
+    "entropy_bonus",
+    "explained_variance",
+    "kl",
+    "kl_loss",
+    "policy_loss",
+    "value_loss",
+]
+
+# exp(20) ~ 5e8: a finite bound on the importance ratio, far outside any clip range.
+_MAX_LOG_RATIO = 20.0
+
+
+def _check_shapes(fn: str, response_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
+    if response_mask.dim() != 2:
+        raise ValueError(
+            f"{fn}: response_mask must be [batch, response_len], got {tuple(response_mask.shape)}"
+        )
+    for name, t in tensors.items():
+        if t.shape != response_mask.shape:
+            raise ValueError(
+                f"{fn}: {name} has shape {tuple(t.shape)} but response_mask has "
+                f"{tuple(response_mask.shape)}; both must be [batch, response_len]"
+            )
+
+
+def policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None = None,
+    agg_mode: str = "token-mean",
+    *,
+    totals: BatchTotals | None = None,
+    norm_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate loss (Schulman et al. 2017, arXiv 1707.06347, eq. 7), negated.
+
+    Per token, with r = exp(log_prob - old_log_prob) and A the advantage:
+        L = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)).
+    Separate low/high bounds are DAPO's clip-higher (Yu et al. 2025, arXiv 2503.14476):
+    a larger upper bound lets low-probability tokens gain mass, against entropy
+    collapse. With clip_ratio_c (> 1), dual clip (Ye et al. 2020, arXiv 1912.09729)
+    also bounds the loss of negative-advantage tokens by -A c, so a huge ratio on a bad
+    token cannot dominate the update: L = min(L, -A c) where A < 0.
+
+    log_prob: `[batch, response_len]` current policy log-probs (with gradient).
+    old_log_prob: `[batch, response_len]` log-probs of the policy that sampled the batch.
+    advantages, response_mask: `[batch, response_len]`.
+    agg_mode, totals, norm_len: see `aggregation.aggregate`.
+
+    Returns (loss, metrics) with metrics (fractions of valid tokens):
+        actor/pg_loss; actor/pg_clipfrac: the clipped term is the active one;
+        actor/pg_clipfrac_upper: A > 0 and r > 1 + high; actor/pg_clipfrac_lower: A < 0 and
+        r < 1 - low; actor/pg_clipfrac_dual: the dual clip is active;
+        actor/ppo_kl: mean of old_log_prob - log_prob (k1 estimate of KL(old || new)).
+    """
+    _check_shapes(
+        "policy_loss",
+        response_mask,
+        log_prob=log_prob,
+        old_log_prob=old_log_prob,
+        advantages=advantages,
+    )
+    if clip_ratio_low < 0 or clip_ratio_high < 0:
+        raise ValueError(
+            f"policy_loss: clip_ratio_low ({clip_ratio_low}) and clip_ratio_high "
+            f"({clip_ratio_high}) must be >= 0"
+        )
+    if clip_ratio_c is not None and clip_ratio_c <= 1.0:
+        raise ValueError(f"policy_loss: clip_ratio_c must be > 1 (dual clip), got {clip_ratio_c}")
+    valid = response_mask.bool()
+    log_ratio = torch.where(valid, log_prob - old_log_prob, 0.0)
+    adv = torch.where(valid, advantages, 0.0).to(log_ratio.dtype)
+    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+    with torch.no_grad():
+        upper = (adv > 0) & (ratio > 1.0 + clip_ratio_high)
+        lower = (adv < 0) & (ratio < 1.0 - clip_ratio_low)
+        dual = torch.zeros_like(valid)
+    if clip_ratio_c is not None:
+        loss_dual = -adv * clip_ratio_c
+        with torch.no_grad():
+            dual = (adv < 0) & (loss_mat > loss_dual)
+        loss_mat = torch.where(adv < 0, torch.minimum(loss_mat, loss_dual), loss_mat)
+    loss = aggregate(loss_mat, response_mask, agg_mode, totals, norm_len)
+    with torch.no_grad():
+        metrics = {
+            "actor/pg_loss": loss.detach(),
+            "actor/pg_clipfrac": masked_mean((upper | lower).float(), valid),
+            "actor/pg_clipfrac_upper": masked_mean(upper.float(), valid),
+            "actor/pg_clipfrac_lower": masked_mean(lower.float(), valid),
+            "actor/pg_clipfrac_dual": masked_mean(dual.float(), valid),
+            "actor/ppo_kl": masked_mean(-log_ratio, valid),
+        }
+    return loss, metrics
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_value: float | None,
+    agg_mode: str = "token-mean",
+    *,
+    totals: BatchTotals | None = None,
+    norm_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss, 0.5 * max((V - R)^2, (V_clip - R)^2) per token.
+
+    V_clip = old_values + clip(V - old_values, -cliprange_value, cliprange_value) keeps the
+    critic near the values that produced the advantages, as PPO's reference implementation
+    does (Schulman et al. 2017; ablated in Engstrom et al. 2020, arXiv 2005.12729).
+    cliprange_value None disables the clip (plain squared error).
+
+    values: `[batch, response_len]` current critic values (with gradient).
+    old_values: `[batch, response_len]` critic values at rollout time.
+    returns, response_mask: `[batch, response_len]`.
+    agg_mode, totals, norm_len: see `aggregation.aggregate`.
+
+    Returns (loss, metrics): critic/vf_loss, critic/vf_clipfrac (clipped term active),
+    critic/vpred_mean, critic/vf_explained_var (of this micro-batch).
+    """
+    _check_shapes(
+        "value_loss", response_mask, values=values, old_values=old_values, returns=returns
+    )
+    valid = response_mask.bool()
+    v = torch.where(valid, values, 0.0)
+    ret = torch.where(valid, returns, 0.0).to(v.dtype)
+    err = (v - ret).square()
+    if cliprange_value is None:
+        loss_mat = err
+        clipped = torch.zeros_like(valid)
+    else:
+        old = torch.where(valid, old_values, 0.0).to(v.dtype)
+        v_clipped = old + (v - old).clamp(-cliprange_value, cliprange_value)
+        err_clipped = (v_clipped - ret).square()
+        loss_mat = torch.maximum(err, err_clipped)
+        clipped = (err_clipped > err).detach()
+    loss = 0.5 * aggregate(loss_mat, response_mask, agg_mode, totals, norm_len)
+    with torch.no_grad():
+        metrics = {
+            "critic/vf_loss": loss.detach(),
+            "critic/vf_clipfrac": masked_mean(clipped.float(), valid),
+            "critic/vpred_mean": masked_mean(v, valid),
+            "critic/vf_explained_var": explained_variance(v, ret, response_mask),
+        }
+    return loss, metrics
+
+
+def entropy_bonus(
+    entropy: torch.Tensor,
+    response_mask: torch.Tensor,
+    agg_mode: str = "token-mean",
+    *,
+    totals: BatchTotals | None = None,
+    norm_len: int | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Aggregated policy entropy; the actor loss subtracts `entropy_coeff * bonus`.
+
+    entropy: `[batch, response_len]` per-token entropy of the policy (with gradient), e.g.
+        from `models.vocab_parallel.vocab_parallel_log_probs_and_entropy`.
+    Returns (bonus, {"actor/entropy"}).
+    """
+    _check_shapes("entropy_bonus", response_mask, entropy=entropy)
+    bonus = aggregate(entropy, response_mask, agg_mode, totals, norm_len)
+    return bonus, {"actor/entropy": bonus.detach()}
+
+
+@torch.no_grad()
+def explained_variance(
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """1 - Var[returns - values] / Var[returns] over valid tokens (of all ranks in `group`).
+
+    values, returns, response_mask: `[batch, response_len]`. 1 is a perfect critic, 0 no
+    better than a constant. Returns 0 (not NaN) when the returns have no variance.
+    """
+    _check_shapes("explained_variance", response_mask, values=values, returns=returns)
+    valid = response_mask.bool()
+    ret = torch.where(valid, returns, 0.0).double()
+    res = torch.where(valid, returns - values, 0.0).double()
+    first = torch.stack([valid.sum().double(), ret.sum(), res.sum()])
+    if group is not None:
+        dist.all_reduce(first, group=group)
+    n = first[0].clamp(min=1)
+    # Two passes (sum of squared deviations): constant returns give exactly 0 variance.
+    second = torch.stack(
+        [
+            torch.where(valid, ret - first[1] / n, 0.0).square().sum(),
+            torch.where(valid, res - first[2] / n, 0.0).square().sum(),
+        ]
+    )
+    if group is not None:
+        dist.all_reduce(second, group=group)
+    var_ret, var_res = second[0], second[1]
+    return torch.where(var_ret > 0, 1.0 - var_res / var_ret.clamp(min=1e-300), 0.0).float()

@@ -1,0 +1,190 @@
+"""Log-probs and entropy from tensor-parallel (vocabulary-sharded) logits.
+
+Megatron's output layer leaves each TP rank with logits for a contiguous slice of the
+(padded) vocabulary: rank r holds ids `[r * V_r, (r + 1) * V_r)` in `[..., V_r]`. The
+softmax statistics a rank needs from the others are per token, not per vocabulary entry:
+the max logit (all-reduce MAX), then the sum of exp, the label's logit and the sum of
+p * logit (one all-reduce SUM of a stacked `[3, ...]` tensor). No rank ever holds the full
+vocabulary.
+
+Megatron pads the vocabulary to a multiple of `make_vocab_size_divisible_by * tp`; the
+padded rows of the output layer produce logits for ids that are not tokens. Passing the
+true `vocab_size` excludes them from the softmax (probability 0, no gradient).
+
+The backward pass needs no communication: every per-token statistic is saved, and each rank
+recomputes its own slice of the softmax from the logits it already holds, instead of
+keeping a float32 copy of the probabilities alive between forward and backward.
+
+The tensor-parallel group is an explicit argument. Outputs are float32 and replicated on
+every rank of the group; the gradient of each rank's logit slice is its own.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+# Floor for log-probabilities and shifted logits where padding puts -inf. exp(-1e4) is 0 in
+# every float type (the smallest positive fp64 is e^-745), so flooring changes no
+# probability, and the floored value times a gradient stays finite (finfo.min would
+# overflow to -inf, and -inf * 0 is NaN).
+_LOG_FLOOR = -1.0e4
+
+
+def _scaled_logits(
+    logits: torch.Tensor, temperature: float, vocab_start: int, vocab_size: int | None
+) -> torch.Tensor:
+    """logits / temperature in float32 or wider (a new tensor), padding entries at -inf."""
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    if vocab_size is not None and vocab_start + x.shape[-1] > vocab_size:
+        ids = torch.arange(vocab_start, vocab_start + x.shape[-1], device=x.device)
+        x.masked_fill_(ids >= vocab_size, float("-inf"))
+    return x
+
+
+def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if group is None:
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class _VocabParallelLogProbEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, labels, group, temperature, vocab_size, with_entropy):
+        tp_size, tp_rank = _group_info(group)
+        part = logits.shape[-1]
+        start = tp_rank * part
+        x = _scaled_logits(logits, temperature, start, vocab_size)
+        shift = x.amax(dim=-1)
+        if tp_size > 1:
+            dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
+        x.sub_(shift.unsqueeze(-1))  # z = x - max <= 0: exp cannot overflow
+        e = torch.exp(x)
+        stats = [e.sum(dim=-1)]
+        if labels is not None:
+            local = (labels >= start) & (labels < start + part)
+            idx = (labels - start).clamp(0, part - 1).unsqueeze(-1)
+            stats.append(torch.where(local, x.gather(-1, idx).squeeze(-1), 0.0))
+        if with_entropy:
+            # Padding sits at -inf with e = 0; a finite floor keeps e * z at 0 instead of NaN.
+            x.clamp_(min=_LOG_FLOOR)
+            stats.append((e * x).sum(dim=-1))
+        del e, x
+        stats = torch.stack(stats)
+        if tp_size > 1:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        sum_exp = stats[0]
+        log_sum_exp = sum_exp.log()
+        log_prob = stats[1] - log_sum_exp if labels is not None else None
+        # H = log Z - E_p[z], with z the shifted logits: exact and cancellation-free.
+        entropy = log_sum_exp - stats[-1] / sum_exp if with_entropy else None
+        lse = shift + log_sum_exp  # log-partition of logits / temperature
+        ctx.save_for_backward(logits, labels, lse, entropy)
+        ctx.start, ctx.temperature, ctx.vocab_size = start, temperature, vocab_size
+        return log_prob, entropy
+
+    @staticmethod
+    def backward(ctx, grad_log_prob, grad_entropy):
+        logits, labels, lse, entropy = ctx.saved_tensors
+        x = _scaled_logits(logits, ctx.temperature, ctx.start, ctx.vocab_size)
+        log_p = x.sub_(lse.unsqueeze(-1))
+        p = torch.exp(log_p)
+        # d log p_y / d z_j = [j == y] - p_j;  d H / d z_j = -p_j (log p_j + H).
+        # Both share -p_j * (...): build (...) in log_p's buffer, so the backward holds two
+        # vocabulary-sized tensors (log_p, p) and no more.
+        with_lp = labels is not None and grad_log_prob is not None
+        if entropy is not None and grad_entropy is not None:
+            log_p.clamp_(min=_LOG_FLOOR)  # padding: p = 0, log p = -inf
+            log_p.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
+        else:
+            log_p.zero_()
+        if with_lp:
+            log_p.add_(grad_log_prob.unsqueeze(-1))
+        grad = log_p.mul_(p).neg_()
+        del p
+        if with_lp:
+            part = logits.shape[-1]
+            local = (labels >= ctx.start) & (labels < ctx.start + part)
+            idx = (labels - ctx.start).clamp(0, part - 1).unsqueeze(-1)
+            grad.scatter_add_(-1, idx, torch.where(local, grad_log_prob, 0.0).unsqueeze(-1))
+        grad.div_(ctx.temperature)  # z = logits / temperature
+        return grad.to(logits.dtype), None, None, None, None, None
+
+
+def _check(
+    fn: str,
+    logits: torch.Tensor,
+    labels: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    temperature: float,
+    vocab_size: int | None,
+) -> None:
+    if labels is not None and labels.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"{fn}: labels {tuple(labels.shape)} must match logits {tuple(logits.shape)} "
+            f"without its last (vocabulary) dimension"
+        )
+    if not temperature > 0:
+        raise ValueError(f"{fn}: temperature must be > 0, got {temperature}")
+    padded = logits.shape[-1] * _group_info(group)[0]
+    if vocab_size is not None and not 0 < vocab_size <= padded:
+        raise ValueError(
+            f"{fn}: vocab_size {vocab_size} must be in (0, {padded}] (the padded vocabulary "
+            f"= {logits.shape[-1]} per rank x tp size)"
+        )
+
+
+def vocab_parallel_log_probs_and_entropy(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    tp_group: dist.ProcessGroup | None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-prob of each label and entropy of softmax(logits / temperature), from TP shards.
+
+    logits: `[..., vocab/tp]` this rank's vocabulary slice (bf16/fp16 are computed in fp32).
+    labels: `[...]` int64 token ids in the full vocabulary (e.g. the next token of each
+        position); must be < vocab_size (a padded id gives -inf).
+    tp_group: the tensor-parallel group sharding the vocabulary; None means not sharded.
+        Ranks are taken in group order: rank r holds ids [r * V_r, (r + 1) * V_r).
+    temperature: the sampling temperature, so that log-probs match the rollout's.
+    vocab_size: true vocabulary size; ids at or beyond it (padding) are excluded.
+    Returns (log_prob, entropy) `[...]` in float32 (float64 for float64 logits),
+    differentiable with respect to logits.
+    """
+    _check(
+        "vocab_parallel_log_probs_and_entropy", logits, labels, tp_group, temperature, vocab_size
+    )
+    return _VocabParallelLogProbEntropy.apply(
+        logits, labels, tp_group, temperature, vocab_size, True
+    )
+
+
+def vocab_parallel_log_probs(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    tp_group: dist.ProcessGroup | None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Log-prob of each label only; arguments as `vocab_parallel_log_probs_and_entropy`."""
+    _check("vocab_parallel_log_probs", logits, labels, tp_group, temperature, vocab_size)
+    log_prob, _ = _VocabParallelLogProbEntropy.apply(
+        logits, labels, tp_group, temperature, vocab_size, False
+    )
+    return log_prob
+
+
+def vocab_parallel_entropy(
+    logits: torch.Tensor,
+    tp_group: dist.ProcessGroup | None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Entropy only; arguments as `vocab_parallel_log_probs_and_entropy`."""
+    _check("vocab_parallel_entropy", logits, None, tp_group, temperature, vocab_size)
+    _, entropy = _VocabParallelLogProbEntropy.apply(
+        logits, None, tp_group, temperature, vocab_size, True
+    )
+    return entropy
