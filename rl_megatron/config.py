@@ -77,9 +77,9 @@ class RolloutConfig:
     top_k: int = -1  # -1 = off
     max_prompt_length: int = 512  # tokens
     max_response_length: int = 512  # tokens
-    # What to do with a prompt longer than max_prompt_length: keep its last tokens, or
-    # refuse the whole batch naming the sample. Either way the count is reported.
-    prompt_overflow: Literal["truncate_left", "reject"] = "truncate_left"
+    # A prompt longer than max_prompt_length: keep its last tokens, leave it out of the
+    # dataset, or refuse the dataset naming the sample. Every case is counted and reported.
+    prompt_overflow: Literal["truncate_left", "filter", "reject"] = "truncate_left"
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory vLLM may use (weights + KV)
     enable_sleep_mode: bool = True  # free vLLM's KV cache and weights while training runs
     enforce_eager: bool = False  # disable CUDA graphs in vLLM

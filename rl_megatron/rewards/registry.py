@@ -1,0 +1,121 @@
+"""`reward.function` → a callable `fn(response_text, sample) -> float`.
+
+A name is either a built-in rule (`gsm8k`, `boxed_math`, `exact_match`; see `rules.py`) or a
+user function `"package.module:function"` (or `"path/to/file.py:function"`). User modules
+are imported once per process and cached; every failure to get a usable function is one
+line naming the setting, the module and what went wrong.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rl_megatron.rewards.rules import RULES
+
+if TYPE_CHECKING:
+    from rl_megatron.config import Config
+
+__all__ = ["RewardError", "RewardFn", "get_reward_fn", "reward_fn_from_config"]
+
+RewardFn = Callable[[str, Mapping[str, Any]], float]
+
+# "spec" → the imported function: a user module is imported once, however often asked.
+_USER_FUNCTIONS: dict[str, RewardFn] = {}
+
+
+class RewardError(ValueError):
+    """A reward function cannot be found or failed; the message is one line."""
+
+
+def get_reward_fn(name: str, answer_key: str = "answer") -> RewardFn:
+    """The reward function called `name`.
+
+    Args:
+        name: a key of `rules.RULES`, or `"package.module:function"`, or
+            `"path/to/file.py:function"`.
+        answer_key: the sample field built-in rules compare with (`data.answer_key`);
+            user functions receive the whole sample and pick their own fields.
+
+    Raises RewardError when the name is unknown, the module cannot be imported, or the
+    attribute is missing, not callable or cannot take `(response_text, sample)`.
+    """
+    if name in RULES:
+        rule = functools.partial(RULES[name], answer_key=answer_key)
+        rule.__name__ = name  # type: ignore[attr-defined]  # named in error messages
+        return rule
+    if ":" not in name:
+        raise RewardError(
+            f"reward.function: unknown reward {name!r}; use one of {', '.join(RULES)} "
+            "or 'package.module:function'"
+        )
+    if name not in _USER_FUNCTIONS:
+        _USER_FUNCTIONS[name] = _import_user_function(name)
+    return _USER_FUNCTIONS[name]
+
+
+def reward_fn_from_config(config: Config) -> RewardFn:
+    """`reward.function` with `data.answer_key`."""
+    return get_reward_fn(config.reward.function, config.data.answer_key)
+
+
+def _import_user_function(spec: str) -> RewardFn:
+    module_name, _, attr = spec.rpartition(":")
+    if not module_name or not attr:
+        raise RewardError(f"reward.function: {spec!r} must look like 'package.module:function'")
+    try:
+        if module_name.endswith(".py"):
+            module = _import_file(Path(module_name))
+        else:
+            module = importlib.import_module(module_name)
+    except RewardError:
+        raise
+    except Exception as exc:  # a user module can fail to import in any way
+        raise RewardError(
+            f"reward.function: cannot import {module_name!r} for {spec!r} "
+            f"({type(exc).__name__}: {_first_line(exc)})"
+        ) from None
+    if not hasattr(module, attr):
+        raise RewardError(f"reward.function: module {module_name!r} has no attribute {attr!r}")
+    fn = getattr(module, attr)
+    if not callable(fn):
+        raise RewardError(f"reward.function: {spec!r} is a {type(fn).__name__}, not a function")
+    try:
+        inspect.signature(fn).bind("", {})
+    except TypeError:
+        raise RewardError(
+            f"reward.function: {spec!r} must accept (response_text, sample), its signature "
+            f"is {attr}{inspect.signature(fn)}"
+        ) from None
+    except ValueError:
+        pass  # builtins without a signature: trust them, errors surface when scoring
+    return fn
+
+
+def _import_file(path: Path) -> Any:
+    """Import a `.py` file as a module named after its stem."""
+    if not path.is_file():
+        raise RewardError(f"reward.function: file not found: {path}")
+    name = f"rl_megatron_user_reward_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise RewardError(f"reward.function: cannot import {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # lets the module pickle / import its own names
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[name]
+        raise
+    return module
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else "no message"

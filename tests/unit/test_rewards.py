@@ -1,0 +1,272 @@
+"""Rule rewards, the reward-function registry (user `module:function`) and batch scoring."""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+from rl_megatron.config import Config
+from rl_megatron.rewards.registry import RewardError, get_reward_fn, reward_fn_from_config
+from rl_megatron.rewards.rules import (
+    boxed_math,
+    exact_match,
+    extract_boxed,
+    gsm8k,
+    normalize_math_answer,
+)
+from rl_megatron.rewards.scoring import score_batch
+
+GSM8K_SOLUTION = "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72"
+
+
+# --------------------------------------------------------------------------- gsm8k
+
+
+@pytest.mark.parametrize(
+    ("response", "reference", "score"),
+    [
+        ("She sold 48 + 24 = 72 clips.\n#### 72", GSM8K_SOLUTION, 1.0),
+        ("#### 71", GSM8K_SOLUTION, 0.0),
+        ("#### 1,234", "1234", 1.0),  # thousands separator
+        ("#### $1,234.00", "#### 1234", 1.0),  # dollar sign, trailing zeros
+        ("#### -5", "#### -5", 1.0),  # negative
+        ("#### 5", "#### -5", 0.0),  # the sign matters
+        ("#### \u22125", "-5", 1.0),  # unicode minus
+        ("#### $-3", "-3", 1.0),
+        ("first try #### 3, no wait, recount\n#### 4", "4", 1.0),  # last occurrence wins
+        ("first try #### 4\nthen #### 3", "4", 0.0),
+        ("#### 72.", "72", 1.0),  # sentence full stop
+        ("#### 72.5", "72", 0.0),
+        ("####72 apples", "72", 1.0),
+        ("The answer is 72.", "72", 0.0),  # no marker, no answer
+        ("#### the answer is unclear", "72", 0.0),  # marker without a number
+        ("", "72", 0.0),
+        ("#### 123456789012345678901", "123456789012345678901", 1.0),  # beyond float precision
+        ("#### 123456789012345678900", "123456789012345678901", 0.0),
+    ],
+)
+def test_gsm8k(response, reference, score):
+    assert gsm8k(response, {"answer": reference}) == score
+
+
+def test_gsm8k_unusable_reference_raises():
+    with pytest.raises(ValueError, match="holds no number"):
+        gsm8k("#### 3", {"answer": "#### none"})
+    with pytest.raises(ValueError, match="no 'answer' field"):
+        gsm8k("#### 3", {"question": "?"})
+    assert gsm8k("#### 3", {"answer": 3}) == 1.0  # numeric references (Parquet ints)
+
+
+# --------------------------------------------------------------------------- boxed
+
+
+@pytest.mark.parametrize(
+    ("response", "reference", "score"),
+    [
+        (r"so $\boxed{\frac{1}{2}}$.", r"\frac{1}{2}", 1.0),  # nested braces
+        (r"\boxed{\frac{\sqrt{3}}{2}}", r"\frac{\sqrt3}{2}", 1.0),  # two levels + shorthand
+        (r"\boxed{\dfrac{1}{2}}", r"\frac12", 1.0),  # \dfrac and \frac12
+        (r"\boxed{\tfrac{a}{b}}", r"\frac{a}{b}", 1.0),
+        (r"\boxed{\left( 3, \frac{\pi}{2} \right)}", r"(3,\frac{\pi}{2})", 1.0),
+        (r"\boxed{1} no wait \boxed{2}", "2", 1.0),  # the last box counts
+        (r"\boxed{2} no wait \boxed{1}", "2", 0.0),
+        (r"\boxed{2}", "3", 0.0),
+        (r"The answer is \boxed{\frac{1}{2}", r"\frac{1}{2}", 0.0),  # cut off: not closed
+        ("The answer is 1/2", r"\frac{1}{2}", 0.0),  # no box
+        (r"\boxed{5.}", "5", 1.0),  # trailing full stop
+        (r"\boxed{x = 5}", "5", 1.0),  # a single-letter unknown
+        (r"\boxed{10\%}", "10", 1.0),
+        (r"\boxed{90^\circ}", "90", 1.0),
+        (r"\boxed{0.5}", ".5", 1.0),  # numbers compare as numbers
+        (r"\boxed{1,000}", "1000", 1.0),
+        (r"\boxed{1,2}", "12", 0.0),  # not a thousands separator
+        (r"\boxed{\{1, 2\}}", r"\{1,2\}", 1.0),  # escaped braces do not close the box
+        (r"\boxed{3\!\cdot\,4}", r"3\cdot4", 1.0),
+        (r"\boxed{\text{(B)}}", "(B)", 1.0),
+        (r"\boxed 5$", "5", 1.0),  # brace-less form
+        (r"\fbox{7}", "7", 1.0),
+        (r"\boxed{-\frac{3}{4}}", r"-\dfrac34", 1.0),
+        (r"\boxed{x \rightarrow 0}", r"x\rightarrow0", 1.0),  # \right inside \rightarrow kept
+        (r"\boxed{6}", r"Solution: so we get $\boxed{6}$.", 1.0),  # a full reference solution
+    ],
+)
+def test_boxed_math(response, reference, score):
+    assert boxed_math(response, {"answer": reference}) == score
+
+
+def test_boxed_helpers():
+    assert extract_boxed(r"a \boxed{b{c}{d{e}}} f") == "b{c}{d{e}}"
+    assert extract_boxed("nothing here") is None
+    assert extract_boxed(r"\boxed{a\}b} c") == r"a\}b"  # an escaped, unpaired brace
+    assert normalize_math_answer(r"$ \left[ 1 , 2 \right) $") == "[1,2)"
+    assert normalize_math_answer(r"a\rightarrow b") == r"a\rightarrowb"
+    with pytest.raises(ValueError, match="is empty"):
+        boxed_math(r"\boxed{1}", {"answer": "  "})
+
+
+# --------------------------------------------------------------------------- exact match
+
+
+def test_exact_match():
+    assert exact_match("  Paris \n", {"answer": "Paris"}) == 1.0
+    assert exact_match("paris", {"answer": "Paris"}) == 0.0
+    assert exact_match("42", {"answer": 42}) == 1.0
+    assert exact_match("", {"answer": "x"}) == 0.0
+
+
+# --------------------------------------------------------------------------- registry
+
+
+def test_registry_names_and_answer_key():
+    assert get_reward_fn("gsm8k")("#### 7", {"answer": "7"}) == 1.0
+    fn = get_reward_fn("exact_match", answer_key="target")
+    assert fn("7", {"target": "7", "answer": "8"}) == 1.0
+    assert fn.__name__ == "exact_match"
+    with pytest.raises(RewardError, match="unknown reward 'gsm9k'; use one of gsm8k, boxed_math"):
+        get_reward_fn("gsm9k")
+
+
+def write_module(directory, name, source):
+    (directory / f"{name}.py").write_text(textwrap.dedent(source))
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield tmp_path
+    for name in [m for m in sys.modules if m.startswith("rmtest_")]:
+        del sys.modules[name]
+
+
+def test_user_function_by_module_and_function_imported_once(user_dir):
+    write_module(
+        user_dir,
+        "rmtest_counting",
+        """
+        IMPORTS = []
+        IMPORTS.append(1)
+
+        def length_reward(response_text, sample):
+            return len(response_text) / sample["scale"]
+        """,
+    )
+    fn = get_reward_fn("rmtest_counting:length_reward")
+    assert fn("abcd", {"scale": 2}) == 2.0
+    assert get_reward_fn("rmtest_counting:length_reward") is fn
+    assert sys.modules["rmtest_counting"].IMPORTS == [1]  # executed once
+
+
+def test_user_function_from_a_file_path(tmp_path):
+    write_module(tmp_path, "my_reward", "def score(response_text, sample):\n    return 0.5\n")
+    fn = get_reward_fn(f"{tmp_path / 'my_reward.py'}:score")
+    assert fn("x", {}) == 0.5
+
+
+@pytest.mark.parametrize(
+    ("source", "spec", "expected"),
+    [
+        (None, "rmtest_absent:fn", "cannot import 'rmtest_absent' for 'rmtest_absent:fn' "
+         "(ModuleNotFoundError: No module named 'rmtest_absent')"),
+        ("x = 1\n", "rmtest_noattr:fn", "module 'rmtest_noattr' has no attribute 'fn'"),
+        ("fn = 3\n", "rmtest_notcallable:fn", "'rmtest_notcallable:fn' is a int, not a function"),
+        ("def fn(text):\n    return 1.0\n", "rmtest_arity:fn",
+         "must accept (response_text, sample), its signature is fn(text)"),
+        ("raise RuntimeError('boom\\nsecond line')\n", "rmtest_broken:fn",
+         "cannot import 'rmtest_broken' for 'rmtest_broken:fn' (RuntimeError: boom)"),
+        ("def fn(a, b):\n  return 1\n", ":fn", "must look like 'package.module:function'"),
+    ],
+)  # fmt: skip
+def test_user_function_errors_are_one_line(user_dir, source, spec, expected):
+    if source is not None:
+        write_module(user_dir, spec.split(":")[0] or "rmtest_unused", source)
+    with pytest.raises(RewardError) as info:
+        get_reward_fn(spec)
+    message = str(info.value)
+    assert message.startswith("reward.function: ") and expected in message
+    assert "\n" not in message
+
+
+def test_reward_fn_from_config():
+    config = Config()
+    config.reward.function = "exact_match"
+    config.data.answer_key = "solution"
+    assert reward_fn_from_config(config)("a", {"solution": "a"}) == 1.0
+
+
+# --------------------------------------------------------------------------- scoring
+
+
+def flaky(response_text, sample):
+    if sample.get("bad"):
+        raise KeyError("no field 'x'\nin this sample")
+    return float(response_text)
+
+
+def test_raising_sample_scored_and_counted(caplog):
+    samples = [{}, {}, {"bad": True}, {}]
+    with caplog.at_level(logging.WARNING, logger="rl_megatron"):
+        scores, metrics = score_batch(flaky, ["1", "0", "1", "1"], samples, error_score=-1.0)
+    assert scores.dtype == torch.float32 and scores.tolist() == [1.0, 0.0, -1.0, 1.0]
+    assert metrics["reward/errors"] == 1.0
+    assert metrics["reward/mean"] == pytest.approx(0.25)
+    assert metrics["reward/std"] == pytest.approx(float(np.std([1, 0, -1, 1])))
+    assert "1 of 4 samples failed in 'flaky' and scored -1.0; first: sample 2: KeyError" in (
+        caplog.text
+    )
+
+
+def test_raise_mode_names_the_sample_in_one_line():
+    samples = [{}, {}, {"bad": True}]
+    with pytest.raises(RewardError) as info:
+        score_batch(flaky, ["1", "1", "1"], samples, on_error="raise", names=["a:1", "a:2", "a:3"])
+    message = str(info.value)
+    assert "reward function 'flaky' failed on sample 2 (a:3): KeyError:" in message
+    assert "in this sample" in message and "\n" not in message
+    assert isinstance(info.value.__cause__, KeyError)  # the traceback is kept for debugging
+
+
+@pytest.mark.parametrize(
+    ("value", "reason"),
+    [
+        (math.nan, "returned nan, not a finite number"),
+        (math.inf, "returned inf, not a finite number"),
+        ("1.0", "returned str '1.0', not a number"),
+        (None, "returned NoneType None, not a number"),
+        ([1.0], "returned list [1.0], not a number"),
+        (torch.ones(2), "returned a tensor of shape (2,), not a number"),
+    ],
+)
+def test_non_numeric_or_non_finite_returns_are_errors(value, reason):
+    scores, metrics = score_batch(lambda r, s: value, ["x"], [{}], error_score=0.0)
+    assert scores.tolist() == [0.0] and metrics["reward/errors"] == 1.0
+    pattern = r"failed on sample 0: (TypeError|ValueError): " + re.escape(reason)
+    with pytest.raises(RewardError, match=pattern):
+        score_batch(lambda r, s: value, ["x"], [{}], on_error="raise")
+
+
+def test_numeric_return_types_are_accepted():
+    values = [True, 2, np.float32(0.5), np.int64(3), torch.tensor(1.5), torch.tensor([0.25])]
+    fns = [lambda r, s, v=v: v for v in values]
+    for fn, expected in zip(fns, [1.0, 2.0, 0.5, 3.0, 1.5, 0.25]):
+        scores, metrics = score_batch(fn, ["x"], [{}])
+        assert scores.tolist() == [expected] and metrics["reward/errors"] == 0.0
+
+
+def test_builtin_rule_on_a_sample_without_the_answer_is_counted():
+    fn = get_reward_fn("gsm8k")
+    scores, metrics = score_batch(fn, ["#### 1", "#### 2"], [{"answer": "1"}, {"question": "?"}])
+    assert scores.tolist() == [1.0, 0.0] and metrics["reward/errors"] == 1.0
+
+
+def test_empty_batch_and_length_mismatch():
+    scores, metrics = score_batch(flaky, [], [])
+    assert scores.shape == (0,) and math.isnan(metrics["reward/mean"])
+    with pytest.raises(ValueError, match="2 responses but 1 samples"):
+        score_batch(flaky, ["1", "2"], [{}])
