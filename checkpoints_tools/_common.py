@@ -1,0 +1,105 @@
+"""What the two conversion tools share: process-group setup, dtype names, error reporting.
+
+A Megatron checkpoint written by `hf_to_megatron.py` is a `dist_checkpointing` directory
+(loadable at any TP / PP, by these tools or the trainer) plus two things of ours:
+
+    <dir>/hf/               config.json, generation_config.json and tokenizer files of the
+                            source HF model, so the export can rebuild a complete HF dir
+    <dir>/rl_megatron.json  {"format_version", "head", "dtype", "padded_vocab_size", "tp",
+                            "pp", "vpp", "source"}: what the Megatron model looked like
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from rl_megatron.checkpoint.hf_loader import CheckpointError
+from rl_megatron.checkpoint.hf_mapping import MappingError
+from rl_megatron.models.hf_config import HFConfigError
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+META_FILE = "rl_megatron.json"
+HF_SUBDIR = "hf"
+FORMAT_VERSION = 1
+USER_ERRORS = (HFConfigError, CheckpointError, MappingError)
+
+
+def world() -> tuple[int, int]:
+    """(rank, world size) from torchrun's environment; (0, 1) for a plain `python` run."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def init_distributed() -> None:
+    """Start the process group (gloo on CPU, NCCL on GPU) and the CPU shim when needed."""
+    import torch.distributed as dist
+
+    from rl_megatron import cpu_compat
+
+    if "MASTER_ADDR" not in os.environ:  # plain `python tool.py`: a world of one
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+    on_cpu = cpu_compat.enable_if_no_gpu()
+    if not on_cpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    rank, size = world()
+    dist.init_process_group("gloo" if on_cpu else "nccl", rank=rank, world_size=size)
+
+
+def read_meta(ckpt_dir: Path) -> dict:
+    path = ckpt_dir / META_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: not found (not a checkpoint written by hf_to_megatron.py)")
+    meta = json.loads(path.read_text())
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: format_version={meta.get('format_version')} is not {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def run_cli(
+    prog: str,
+    preflight: Callable[[], object],
+    convert: Callable[[object], None],
+    cleanup: Callable[[], None],
+) -> int:
+    """Run `convert(preflight())`; a user error prints one line to stderr and returns 2.
+
+    `preflight` checks the inputs without touching the output or other ranks: its errors
+    are the same on every rank, so rank 0 alone reports them. An error in `convert` is
+    reported by the rank that hit it, with its rank. `cleanup` removes partial output.
+    Internal errors keep their traceback.
+    """
+    rank, size = world()
+    try:
+        plan = preflight()
+    except USER_ERRORS as exc:
+        if rank == 0:
+            print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        convert(plan)
+    except USER_ERRORS as exc:
+        where = f" (rank {rank} of {size})" if size > 1 else ""
+        print(f"{prog}: error{where}: {exc}", file=sys.stderr)
+        if rank == 0:
+            cleanup()
+        return 2
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            dist.destroy_process_group()
+    return 0

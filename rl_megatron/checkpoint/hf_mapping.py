@@ -1,0 +1,264 @@
+"""HF ⇄ Megatron name tables per model family, and the named transforms between them.
+
+A `Rule` maps one Megatron parameter (its `dist_checkpointing` name, `{layer}` = global
+layer index) to the HF tensors it is made of, with the symbolic HF shapes and one of four
+transforms:
+
+    COPY     one HF tensor, split along `tp_dim` (or replicated when None)
+    QKV      q, k, v → per-group interleaved `linear_qkv` (weight or bias)
+    GATE_UP  gate, up → `linear_fc1 = [gate_r; up_r]` per TP shard
+    VOCAB    embedding / LM head rows, padded to Megatron's padded vocabulary
+
+The loader (`hf_loader`), the exporter (`hf_export`) and the engine sync read these tables;
+the layout arithmetic itself lives in `conversions`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable
+
+import torch
+
+from rl_megatron.checkpoint import conversions as cv
+from rl_megatron.models.hf_config import HFModelInfo
+
+COPY, QKV, GATE_UP, VOCAB = "copy", "qkv", "gate_up", "vocab"
+
+# Symbolic HF dims: h hidden, Q = heads*head_dim, K = kv_heads*head_dim, F ffn,
+# V true vocab, L classifier labels.
+Shape = tuple[str, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    megatron: str  # dist-checkpoint name; `{layer}` is the global layer index
+    hf: tuple[tuple[str, Shape], ...]  # (HF name with `{layer}`, symbolic shape) in order
+    transform: str  # COPY | QKV | GATE_UP | VOCAB
+    tp_dim: int | None  # Megatron dim split across TP ranks; None = replicated
+    export: bool = True  # False: the HF tensor is written by another rule (tied head)
+
+
+# fmt: off
+_M = "decoder.layers.{layer}."
+_H = "model.layers.{layer}."
+
+DECODER_RULES: tuple[Rule, ...] = (
+    Rule(_M + "self_attention.linear_qkv.layer_norm_weight",
+         ((_H + "input_layernorm.weight", ("h",)),), COPY, None),
+    Rule(_M + "self_attention.linear_qkv.weight",
+         ((_H + "self_attn.q_proj.weight", ("Q", "h")),
+          (_H + "self_attn.k_proj.weight", ("K", "h")),
+          (_H + "self_attn.v_proj.weight", ("K", "h"))), QKV, 0),
+    Rule(_M + "self_attention.linear_proj.weight",
+         ((_H + "self_attn.o_proj.weight", ("h", "Q")),), COPY, 1),
+    Rule(_M + "mlp.linear_fc1.layer_norm_weight",
+         ((_H + "post_attention_layernorm.weight", ("h",)),), COPY, None),
+    Rule(_M + "mlp.linear_fc1.weight",
+         ((_H + "mlp.gate_proj.weight", ("F", "h")),
+          (_H + "mlp.up_proj.weight", ("F", "h"))), GATE_UP, 0),
+    Rule(_M + "mlp.linear_fc2.weight", ((_H + "mlp.down_proj.weight", ("h", "F")),), COPY, 1),
+)
+QKV_BIAS_RULES: tuple[Rule, ...] = (
+    Rule(_M + "self_attention.linear_qkv.bias",
+         ((_H + "self_attn.q_proj.bias", ("Q",)),
+          (_H + "self_attn.k_proj.bias", ("K",)),
+          (_H + "self_attn.v_proj.bias", ("K",))), QKV, 0),
+)
+EMBEDDING = Rule("embedding.word_embeddings.weight",
+                 (("model.embed_tokens.weight", ("V", "h")),), VOCAB, 0)
+FINAL_NORM = Rule("decoder.final_layernorm.weight", (("model.norm.weight", ("h",)),), COPY, None)
+LM_HEAD = Rule("output_layer.weight", (("lm_head.weight", ("V", "h")),), VOCAB, 0)
+# With tied embeddings HF stores only the embedding; a last pipeline stage that is not also
+# the first keeps its own copy of it as `output_layer.weight`.
+TIED_LM_HEAD = Rule("output_layer.weight",
+                    (("model.embed_tokens.weight", ("V", "h")),), VOCAB, 0, export=False)
+# Critic / reward model: *ForSequenceClassification's `score` ([num_labels, h], no bias),
+# replicated on every TP rank.
+VALUE_HEAD = Rule("output_layer.weight", (("score.weight", ("L", "h")),), COPY, None)
+
+FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
+    "llama": DECODER_RULES,
+    "mistral": DECODER_RULES,
+    "qwen2": DECODER_RULES + QKV_BIAS_RULES,
+}
+# fmt: on
+
+# HF tensors some checkpoints carry that the model does not need.
+IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
+
+
+class MappingError(ValueError):
+    """A checkpoint that does not match the table; the message is one line."""
+
+
+def rules_for(info: HFModelInfo, head: str = "lm") -> list[Rule]:
+    """The rules of one model: decoder layers, embedding, final norm and the head.
+
+    Args:
+        head: "lm" (causal LM head), "value" (scalar head from `score.weight`) or "none"
+            (no head rule: a critic whose value head starts fresh).
+    """
+    rules = [EMBEDDING, *FAMILY_RULES[info.model_type], FINAL_NORM]
+    if head == "lm":
+        rules.append(TIED_LM_HEAD if info.tie_word_embeddings else LM_HEAD)
+    elif head == "value":
+        rules.append(VALUE_HEAD)
+    elif head != "none":
+        raise ValueError(f"head must be 'lm', 'value' or 'none', got '{head}'")
+    return rules
+
+
+def hf_dims(info: HFModelInfo) -> dict[str, int]:
+    """Values of the symbolic dims used in the tables' HF shapes."""
+    return {
+        "h": info.hidden_size,
+        "Q": info.num_attention_heads * info.head_dim,
+        "K": info.num_key_value_heads * info.head_dim,
+        "F": info.ffn_hidden_size,
+        "V": info.vocab_size,
+        "L": 1,  # scalar value head
+    }
+
+
+def hf_shape(shape: Shape, info: HFModelInfo) -> tuple[int, ...]:
+    """A symbolic HF shape, e.g. ("Q", "h"), in numbers for this model."""
+    dims = hf_dims(info)
+    return tuple(dims[d] for d in shape)
+
+
+def expected_hf_tensors(rules: list[Rule], info: HFModelInfo) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name the rules consume, all layers expanded, with its shape."""
+    out: dict[str, tuple[int, ...]] = {}
+    for rule in rules:
+        layers = range(info.num_layers) if "{layer}" in rule.megatron else [None]
+        for layer in layers:
+            for name, shape in rule.hf:
+                out[name.format(layer=layer)] = hf_shape(shape, info)
+    return out
+
+
+def check_hf_tensors(
+    available: dict[str, tuple[int, ...]],
+    rules: list[Rule],
+    info: HFModelInfo,
+    ignore: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """Assert the checkpoint holds exactly the tensors the rules consume, with their shapes.
+
+    Args:
+        available: HF tensor name → shape, as stored in the checkpoint.
+        ignore: names the caller deliberately leaves unused (e.g. `lm_head.weight` for a
+            critic whose head starts fresh).
+    """
+    expected = expected_hf_tensors(rules, info)
+    for name, shape in expected.items():
+        if name not in available:
+            raise MappingError(f"checkpoint lacks tensor '{name}' (expected shape {list(shape)})")
+        if tuple(available[name]) != shape:
+            raise MappingError(
+                f"tensor '{name}' has shape {list(available[name])}, config.json implies "
+                f"{list(shape)}"
+            )
+    for name in available:
+        if name in expected or IGNORED_HF.match(name) or ignore(name):
+            continue
+        if info.tie_word_embeddings and name == "lm_head.weight":
+            continue  # some tied checkpoints store the head as well; it equals the embedding
+        raise MappingError(
+            f"checkpoint tensor '{name}' has no place in the {info.model_type} model"
+        )
+
+
+# ------------------------------------------------------------------- name helpers
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+# The local spec names the norms as separate modules; dist_checkpointing stores them under
+# the TE spec's fused names (megatron-core's sharded_state_dict_keys_map).
+_LOCAL_TO_CANONICAL = (
+    ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
+    ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
+)
+
+
+def canonical_param_name(name: str, global_layer: Callable[[int], int]) -> tuple[str, int | None]:
+    """Module parameter name → (rule name with `{layer}`, global layer index or None).
+
+    Args:
+        name: as in `GPTModel.named_parameters()`, e.g. `decoder.layers.0.input_layernorm.weight`.
+        global_layer: local layer index in this model chunk → global layer index.
+    """
+    m = _LAYER_RE.match(name)
+    if not m:
+        return name, None
+    rest = m.group(2)
+    for local, canonical in _LOCAL_TO_CANONICAL:
+        if rest.startswith(local):
+            rest = canonical + rest[len(local) :]
+    return "decoder.layers.{layer}." + rest, global_layer(int(m.group(1)))
+
+
+# ------------------------------------------------------------------- transforms
+
+Reader = Callable[[str, int | None, int, int], torch.Tensor]
+"""read(hf_name, dim, start, end): the HF tensor, sliced to [start, end) along dim (all
+of it when dim is None). Lets the loader read only a rank's slice from disk."""
+
+
+def hf_to_megatron_shard(
+    rule: Rule,
+    layer: int | None,
+    read: Reader,
+    info: HFModelInfo,
+    tp: int,
+    tp_rank: int,
+    padded_vocab: int,
+) -> torch.Tensor:
+    """Build one Megatron TP shard of `rule.megatron` from HF tensors, reading only its slice."""
+    names = [n.format(layer=layer) for n, _ in rule.hf]
+    if rule.transform == COPY:
+        if rule.tp_dim is None:
+            return read(names[0], None, 0, 0)
+        size = hf_shape(rule.hf[0][1], info)[rule.tp_dim]
+        return read(names[0], rule.tp_dim, *cv.shard_range(size, tp, tp_rank))
+    if rule.transform == QKV:
+        d = info.head_dim
+        q0, q1 = cv.shard_range(info.num_attention_heads, tp, tp_rank)
+        k0, k1 = cv.shard_range(info.num_key_value_heads, tp, tp_rank)
+        q = read(names[0], 0, q0 * d, q1 * d)
+        k = read(names[1], 0, k0 * d, k1 * d)
+        v = read(names[2], 0, k0 * d, k1 * d)
+        return cv.interleave_qkv(q, k, v, k1 - k0)
+    if rule.transform == GATE_UP:
+        f0, f1 = cv.shard_range(info.ffn_hidden_size, tp, tp_rank)
+        return cv.fuse_gate_up(read(names[0], 0, f0, f1), read(names[1], 0, f0, f1))
+    if rule.transform == VOCAB:
+        r0, r1 = cv.shard_range(padded_vocab, tp, tp_rank)
+        real_end = min(r1, info.vocab_size)
+        rows = read(names[0], 0, r0, real_end) if real_end > r0 else None
+        if rows is None:  # this rank holds padding only
+            return torch.zeros(r1 - r0, info.hidden_size)
+        return cv.pad_vocab(rows, r1 - r0)
+    raise AssertionError(f"unknown transform {rule.transform}")
+
+
+def megatron_to_hf(
+    rule: Rule, layer: int | None, shards: list[torch.Tensor], info: HFModelInfo
+) -> list[tuple[str, torch.Tensor]]:
+    """Turn the TP shards (rank order) of one Megatron parameter into HF `(name, tensor)`s."""
+    names = [n.format(layer=layer) for n, _ in rule.hf]
+    if rule.transform == COPY:
+        full = shards[0] if rule.tp_dim is None else cv.tp_merge(shards, rule.tp_dim)
+        return [(names[0], full)]
+    if rule.transform == QKV:
+        # Each shard holds whole query groups, so concatenation gives the TP=1 tensor.
+        q, k, v = cv.deinterleave_qkv(
+            cv.tp_merge(shards, 0), info.num_attention_heads, info.num_key_value_heads
+        )
+        return list(zip(names, (q, k, v)))
+    if rule.transform == GATE_UP:
+        return list(zip(names, cv.split_gate_up(cv.merge_gated_shards(shards))))
+    if rule.transform == VOCAB:
+        return [(names[0], cv.unpad_vocab(cv.tp_merge(shards, 0), info.vocab_size))]
+    raise AssertionError(f"unknown transform {rule.transform}")

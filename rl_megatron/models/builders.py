@@ -1,0 +1,270 @@
+"""Build the four roles' `GPTModel`s from an HF checkpoint, in the current parallel layout.
+
+* actor, reference: causal LM (`GPTModel`, vocabulary-parallel output layer).
+* critic, reward model: the same trunk with a scalar `ValueHead` as output layer, so the
+  model returns `[b, s, 1]` values instead of `[b, s, V/tp]` logits. A critic starts from the
+  actor's HF checkpoint (head freshly initialised) or from a reward model's; a reward model
+  loads an HF `*ForSequenceClassification` checkpoint (`score.weight`).
+
+Every builder returns one model chunk per virtual pipeline stage of this rank (a list of
+length 1 without VPP) and expects `parallel_state.initialize_model_parallel(tp, pp, vpp)`
+to have been called with the same sizes. On a machine without CUDA call
+`rl_megatron.cpu_compat.enable_if_no_gpu()` first.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from torch import Tensor
+
+from rl_megatron.checkpoint.hf_loader import load_hf_weights
+from rl_megatron.models.hf_config import (
+    HFConfigError,
+    HFModelInfo,
+    gpt_model_kwargs,
+    load_hf_config,
+    transformer_config_from_hf,
+)
+from rl_megatron.models.specs import gpt_layer_spec
+
+
+class ValueHead(MegatronModule):
+    """Scalar head in place of `GPTModel.output_layer`: `[s, b, h]` → `[s, b, 1]`.
+
+    Replicated on every TP rank (a 1-row output cannot be split over the vocabulary dim);
+    it keeps `ColumnParallelLinear`'s call signature so `GPTModel` drives it unchanged.
+    """
+
+    def __init__(self, config: TransformerConfig, num_outputs: int = 1) -> None:
+        super().__init__(config=config)
+        device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(
+            torch.empty(num_outputs, config.hidden_size, dtype=config.params_dtype, device=device)
+        )
+        # Marks the weight as a TP duplicate, so grad-norm and clipping count it once.
+        tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(self.weight)
+        self.sequence_parallel = config.sequence_parallel
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int) -> None:
+        """Normal(0, init_method_std) from a fixed seed, so every TP replica agrees."""
+        gen = torch.Generator().manual_seed(seed)
+        w = torch.randn(self.weight.shape, generator=gen) * self.config.init_method_std
+        self.weight.copy_(w)
+
+    def forward(
+        self, hidden_states: Tensor, weight: Tensor | None = None, runtime_gather_output=None
+    ) -> tuple[Tensor, None]:
+        if self.sequence_parallel:
+            # Values are computed replicated, so each rank's sequence slice gets its own
+            # gradient slice back (split, not reduce-scatter).
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=False
+            )
+        return F.linear(hidden_states, self.weight), None
+
+
+def _check_layout(tp: int, pp: int, vpp: int | None) -> None:
+    have = (
+        parallel_state.get_tensor_model_parallel_world_size(),
+        parallel_state.get_pipeline_model_parallel_world_size(),
+        parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
+    )
+    if have != (tp, pp, vpp or 1):
+        raise ValueError(
+            f"model asked for tp={tp} pp={pp} vpp={vpp or 1} but parallel_state was "
+            f"initialised with tp={have[0]} pp={have[1]} vpp={have[2]}"
+        )
+
+
+def build_gpt_chunks(
+    info: HFModelInfo,
+    *,
+    tp: int,
+    pp: int,
+    vpp: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    value_head: bool = False,
+    padded_vocab: int | None = None,
+    make_vocab_size_divisible_by: int = 128,
+    use_te: bool | None = None,
+    perform_initialization: bool = True,
+    **config_overrides,
+) -> list[GPTModel]:
+    """This rank's GPTModel chunks for `info`, randomly initialised (or left uninitialised).
+
+    Args:
+        info: parsed HF config.
+        tp, pp, vpp: must match `parallel_state`.
+        dtype: parameter dtype.
+        value_head: scalar `ValueHead` instead of the LM output layer (critic, reward).
+        padded_vocab: fix the padded vocabulary (e.g. to a checkpoint's); default pads to
+            a multiple of `make_vocab_size_divisible_by * tp`.
+        use_te: Transformer Engine spec (None = when it imports).
+        perform_initialization: False when weights are loaded right after (faster).
+        config_overrides: extra `TransformerConfig` fields.
+    """
+    _check_layout(tp, pp, vpp)
+    config = transformer_config_from_hf(
+        info,
+        tp=tp,
+        pp=pp,
+        vpp=vpp,
+        dtype=dtype,
+        perform_initialization=perform_initialization,
+        **config_overrides,
+    )
+    kwargs = gpt_model_kwargs(
+        info,
+        tp=tp,
+        make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+        padded_vocab=padded_vocab,
+    )
+    if value_head:
+        # The head replaces the LM output layer, so there is nothing to tie.
+        kwargs["share_embeddings_and_output_weights"] = False
+    spec = gpt_layer_spec(use_te)
+    chunks = []
+    stages = vpp if vpp and vpp > 1 else None
+    for vp_stage in range(stages or 1):
+        stage = vp_stage if stages else None
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=spec,
+            pre_process=parallel_state.is_pipeline_first_stage(
+                ignore_virtual=False, vp_stage=stage
+            ),
+            post_process=parallel_state.is_pipeline_last_stage(
+                ignore_virtual=False, vp_stage=stage
+            ),
+            vp_stage=stage,
+            **kwargs,
+        )
+        if value_head and model.post_process:
+            model.output_layer = ValueHead(config)
+        # megatron-core creates torch norms in fp32 whatever params_dtype says (Megatron-LM
+        # casts the model in Float16Module); HF keeps them in the checkpoint's dtype too.
+        model.to(dtype=dtype)
+        # Logits carry padded_vocab / tp columns; ids >= this are padding and must be
+        # masked (vocab_parallel's `vocab_size`) or sliced off before any softmax.
+        model.true_vocab_size = info.vocab_size
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(model)
+    return chunks
+
+
+def _build(
+    hf_dir: str | Path,
+    head: str,
+    *,
+    tp: int,
+    pp: int,
+    vpp: int | None,
+    dtype: torch.dtype,
+    load: bool,
+    head_seed: int = 0,
+    **kwargs,
+) -> list[GPTModel]:
+    info = load_hf_config(hf_dir)
+    chunks = build_gpt_chunks(
+        info,
+        tp=tp,
+        pp=pp,
+        vpp=vpp,
+        dtype=dtype,
+        value_head=head != "lm",
+        perform_initialization=not load,
+        **kwargs,
+    )
+    for chunk in chunks:
+        if isinstance(getattr(chunk, "output_layer", None), ValueHead) and (
+            head == "none" or not load
+        ):
+            chunk.output_layer.reset_parameters(head_seed)
+    if load:
+        load_hf_weights(chunks, hf_dir, info, head=head)
+    return chunks
+
+
+def _freeze(chunks: list[GPTModel]) -> list[GPTModel]:
+    for chunk in chunks:
+        chunk.eval()
+        chunk.requires_grad_(False)
+    return chunks
+
+
+def build_actor(
+    hf_dir: str | Path,
+    *,
+    tp: int,
+    pp: int,
+    vpp: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    load: bool = True,
+    **kwargs,
+) -> list[GPTModel]:
+    """Actor: causal LM from an HF `*ForCausalLM` checkpoint (`load=False`: random init)."""
+    return _build(hf_dir, "lm", tp=tp, pp=pp, vpp=vpp, dtype=dtype, load=load, **kwargs)
+
+
+def build_reference(
+    hf_dir: str | Path,
+    *,
+    tp: int,
+    pp: int,
+    vpp: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    **kwargs,
+) -> list[GPTModel]:
+    """Reference policy: the actor's initial weights, in eval mode, without gradients."""
+    return _freeze(_build(hf_dir, "lm", tp=tp, pp=pp, vpp=vpp, dtype=dtype, load=True, **kwargs))
+
+
+def build_critic(
+    hf_dir: str | Path,
+    *,
+    init_from: str = "actor",
+    tp: int,
+    pp: int,
+    vpp: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    head_seed: int = 0,
+    **kwargs,
+) -> list[GPTModel]:
+    """Critic: trunk + scalar value head.
+
+    Args:
+        hf_dir: the actor's HF checkpoint (`init_from="actor"`: the value head starts fresh,
+            seeded by `head_seed`), or a reward model's *ForSequenceClassification
+            checkpoint (`init_from="reward"`: its `score.weight` becomes the value head).
+    """
+    if init_from not in ("actor", "reward"):
+        raise HFConfigError(f"critic init_from must be 'actor' or 'reward', got '{init_from}'")
+    head = "none" if init_from == "actor" else "value"
+    return _build(
+        hf_dir, head, tp=tp, pp=pp, vpp=vpp, dtype=dtype, load=True, head_seed=head_seed, **kwargs
+    )
+
+
+def build_reward_model(
+    hf_dir: str | Path,
+    *,
+    tp: int,
+    pp: int,
+    vpp: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    **kwargs,
+) -> list[GPTModel]:
+    """Reward model from an HF `*ForSequenceClassification` checkpoint (one label), frozen.
+
+    Its output is `[b, s, 1]`; the sequence's reward is the value at its last real token.
+    """
+    return _freeze(_build(hf_dir, "value", tp=tp, pp=pp, vpp=vpp, dtype=dtype, load=True, **kwargs))
