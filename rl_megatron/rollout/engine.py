@@ -1,0 +1,226 @@
+"""The one interface every rollout engine implements: update weights, generate, sleep, wake.
+
+SPMD contract: every rank of the torchrun world calls each method, in the same order; the
+engine decides which ranks do what (generation replicas, gathers). Ranks that share
+prompts (one training data-parallel replica) pass the same prompt list to `generate`.
+
+State the base class keeps, so that every engine refuses the same mistakes:
+
+* `weight_version` — the training step the weights come from (None: not real weights,
+  e.g. `load_format="dummy"` or after `sleep(level=2)` discarded them). Every
+  `RolloutBatch` records it.
+* a weight update in progress: `begin_weight_update(v)` … `load_weights(bucket)` …
+  `finish_weight_update()` (or all three at once with `update_weights`). Between begin
+  and a successful finish, or after a failed one, `generate` raises: sampling from a mix
+  of two steps' weights is a silent bug in RL, so it is an error here.
+* awake memory: `sleep()` releases weights and KV cache (GPU), `wake(tags)` brings them
+  back; `generate` needs both, a weight update needs the weights.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
+
+import torch
+
+from rl_megatron.rollout.batch import RolloutBatch
+from rl_megatron.rollout.sampling import SamplingParams
+
+NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
+OutputLayout = Literal["full", "replica"]
+WAKE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
+
+
+def iter_named_tensors(weights: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
+    """`(name, tensor)` pairs from a state dict or from an iterable of pairs."""
+    return weights.items() if isinstance(weights, Mapping) else weights
+
+
+class RolloutEngine(abc.ABC):
+    """Generation engine behind one interface (vLLM in-process, native Megatron)."""
+
+    def __init__(self, weight_version: int | None = 0) -> None:
+        self._weight_version = weight_version
+        self._pending_version: int | None = None  # set between begin and finish
+        self._failed_update: str | None = None  # why the last update did not finish
+        self._awake: set[str] = set(WAKE_TAGS)
+
+    # ---- state --------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> int | None:
+        """Training step of the weights in the engine; None when they are not real."""
+        return self._weight_version
+
+    @property
+    def updating(self) -> bool:
+        """True between `begin_weight_update` and a successful `finish_weight_update`."""
+        return self._pending_version is not None or self._failed_update is not None
+
+    @property
+    def awake_tags(self) -> frozenset[str]:
+        return frozenset(self._awake)
+
+    def _check_can_generate(self) -> None:
+        if self._failed_update is not None:
+            raise RuntimeError(
+                f"rollout engine holds a partial weight update ({self._failed_update}); "
+                f"run a complete update_weights before generating"
+            )
+        if self._pending_version is not None:
+            raise RuntimeError(
+                f"rollout engine is in the middle of weight update to version "
+                f"{self._pending_version}; call finish_weight_update() before generating"
+            )
+        if self._weight_version is None:
+            raise RuntimeError(
+                "rollout engine holds no real weights (dummy load or discarded by "
+                "sleep(level=2)); call update_weights before generating"
+            )
+        missing = set(WAKE_TAGS) - self._awake
+        if missing:
+            raise RuntimeError(
+                f"rollout engine is asleep ({', '.join(sorted(missing))} released); "
+                f"call wake() before generating"
+            )
+
+    # ---- weights ------------------------------------------------------------------
+
+    def update_weights(self, weights: NamedTensors, version: int) -> None:
+        """Load a full set of Hugging Face-named weights from training step `version`.
+
+        weights: `{hf_name: tensor}` or `(hf_name, tensor)` pairs, full (unsharded) HF
+            shapes; the engine shards and fuses them into its own layout.
+        """
+        self.begin_weight_update(version)
+        self.load_weights(weights)
+        self.finish_weight_update()
+
+    def begin_weight_update(self, version: int) -> None:
+        """Start a (possibly bucketed) update to `version`; `generate` refuses until finish."""
+        if "weights" not in self._awake:
+            raise RuntimeError("rollout engine weights are asleep; call wake(['weights']) first")
+        if self._weight_version is not None and version < self._weight_version:
+            raise ValueError(
+                f"weight update version {version} is older than the engine's "
+                f"version {self._weight_version}"
+            )
+        self._pending_version = version
+        self._failed_update = None
+        try:
+            self._begin_update()
+        except BaseException:
+            self._mark_failed("begin failed")
+            raise
+
+    def load_weights(self, weights: NamedTensors) -> None:
+        """Load one bucket of HF-named tensors of the update in progress."""
+        if self._pending_version is None:
+            raise RuntimeError("load_weights called without begin_weight_update")
+        try:
+            self._load_bucket(weights)
+        except BaseException:
+            self._mark_failed("a bucket failed to load")
+            raise
+
+    def finish_weight_update(self) -> None:
+        """Complete the update; the engine then generates with the new version."""
+        if self._pending_version is None:
+            raise RuntimeError("finish_weight_update called without begin_weight_update")
+        try:
+            self._finish_update()
+        except BaseException:
+            self._mark_failed("finish failed")
+            raise
+        self._weight_version = self._pending_version
+        self._pending_version = None
+
+    def _mark_failed(self, why: str) -> None:
+        self._failed_update = f"version {self._pending_version}: {why}"
+        self._pending_version = None
+        # The old weights are partly overwritten: they are no version any more.
+        self._weight_version = None
+
+    # ---- generation ---------------------------------------------------------------
+
+    def generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        output_layout: OutputLayout = "full",
+    ) -> RolloutBatch:
+        """Generate `sampling.n` responses per prompt (collective over the prompt group).
+
+        prompt_token_ids: `num_prompts` token-id lists, identical on every rank that
+            shares prompts (the engine's prompt group).
+        output_layout: "full" — every rank of the group gets all `num_prompts * n` rows;
+            "replica" — each rank gets only the rows its generation replica produced
+            (`group_index` still numbers prompts in the group's list).
+        Returns a `RolloutBatch`, prompt-major, on the CPU.
+        """
+        if output_layout not in ("full", "replica"):
+            raise ValueError(f"output_layout must be 'full' or 'replica', got {output_layout!r}")
+        self._check_can_generate()
+        batch = self._generate(prompt_token_ids, sampling, output_layout)
+        batch.weight_version = self._weight_version
+        return batch
+
+    # ---- memory -------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Release GPU memory while training runs.
+
+        level 1: weights offloaded to host memory, KV cache discarded (wake restores both).
+        level 2: weights discarded too; the next `update_weights` must bring a full set,
+            and `generate` refuses until it has.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if self._pending_version is not None:
+            raise RuntimeError("cannot sleep in the middle of a weight update")
+        self._sleep(level)
+        self._awake.clear()
+        if level == 2:
+            self._weight_version = None
+
+    def wake(self, tags: Sequence[str] | None = None) -> None:
+        """Bring back `tags` (`weights`, `kv_cache`; None: both).
+
+        Wake `weights` first, load the new weights, put the trainer's weights away, then
+        wake `kv_cache`: peak memory then never holds two models plus a KV cache.
+        """
+        tags = list(WAKE_TAGS if tags is None else tags)
+        bad = [t for t in tags if t not in WAKE_TAGS]
+        if bad:
+            raise ValueError(f"unknown wake tag {bad[0]!r}; expected one of {WAKE_TAGS}")
+        todo = [t for t in tags if t not in self._awake]
+        if todo:
+            self._wake(todo)
+            self._awake.update(todo)
+
+    # ---- engine hooks -------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _begin_update(self) -> None: ...
+
+    @abc.abstractmethod
+    def _load_bucket(self, weights: NamedTensors) -> None: ...
+
+    @abc.abstractmethod
+    def _finish_update(self) -> None: ...
+
+    @abc.abstractmethod
+    def _generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        output_layout: OutputLayout,
+    ) -> RolloutBatch: ...
+
+    @abc.abstractmethod
+    def _sleep(self, level: int) -> None: ...
+
+    @abc.abstractmethod
+    def _wake(self, tags: list[str]) -> None: ...

