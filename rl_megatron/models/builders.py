@@ -190,8 +190,30 @@ def _build(
         ):
             chunk.output_layer.reset_parameters(head_seed)
     if load:
+        _mark_tensor_parallel_weights(chunks)
         load_hf_weights(chunks, hf_dir, info, head=head)
     return chunks
+
+
+def _mark_tensor_parallel_weights(chunks: list[GPTModel]) -> None:
+    """Set megatron's `tensor_model_parallel` attributes on TP-split weights.
+
+    megatron-core sets them only inside its weight initialisers, which
+    `perform_initialization=False` skips; without them grad-norm and clipping treat a
+    TP-sharded weight as a duplicate and count it on TP rank 0 only.
+    """
+    split_dims = {
+        tensor_parallel.ColumnParallelLinear: 0,
+        tensor_parallel.VocabParallelEmbedding: 0,
+        tensor_parallel.RowParallelLinear: 1,
+    }
+    for chunk in chunks:
+        for module in chunk.modules():
+            dim = next((d for cls, d in split_dims.items() if isinstance(module, cls)), None)
+            weight = getattr(module, "weight", None)
+            if dim is None or weight is None or getattr(weight, "tensor_model_parallel", False):
+                continue
+            tensor_parallel.set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 def _freeze(chunks: list[GPTModel]) -> list[GPTModel]:

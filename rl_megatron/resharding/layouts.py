@@ -42,6 +42,11 @@ class TrainingLayout:
 class GenerationLayout:
     tp: int  # t_g
     world_size: int
+    # 1: TP groups are blocks of t_g consecutive ranks (vLLM's in-process engine).
+    # s > 1: TP groups strided by s inside blocks of t_g·s consecutive ranks, so that with
+    # s = t/t_g each rank's training shard is a slice of its generation shard (HybridFlow
+    # §5); realisable only by an engine whose TP groups we create ourselves.
+    tp_stride: int = 1
 
     @property
     def replicas(self) -> int:
@@ -49,7 +54,17 @@ class GenerationLayout:
         return self.world_size // self.tp
 
     def coordinates(self, rank: int) -> dict[str, int]:
-        return {"gen_tp": rank % self.tp, "gen_dp": rank // self.tp}
+        block, offset = divmod(rank, self.tp * self.tp_stride)
+        return {
+            "gen_tp": offset // self.tp_stride,
+            "gen_dp": block * self.tp_stride + offset % self.tp_stride,
+        }
+
+    def tp_group(self, rank: int) -> list[int]:
+        """The global ranks of `rank`'s generation TP group, in gen_tp order."""
+        block_start = rank - rank % (self.tp * self.tp_stride)
+        first = block_start + rank % self.tp_stride
+        return [first + i * self.tp_stride for i in range(self.tp)]
 
 
 def generation_layout_for(training: TrainingLayout, rollout_tp: int) -> GenerationLayout:
@@ -60,6 +75,17 @@ def generation_layout_for(training: TrainingLayout, rollout_tp: int) -> Generati
     if training.cp != 1:
         raise ValueError("generation from a context-parallel training layout is not supported")
     return GenerationLayout(tp=rollout_tp, world_size=training.world_size)
+
+
+def hybridflow_generation_layout(training: TrainingLayout, rollout_tp: int) -> GenerationLayout:
+    """HybridFlow's zero-redundancy layout (arXiv 2409.19256 §5): when t_g divides t,
+    generation TP groups strided by t/t_g inside each training TP group; otherwise the
+    consecutive layout (no strided layout puts a training shard inside a generation one).
+    """
+    plain = generation_layout_for(training, rollout_tp)
+    if training.tp % rollout_tp:
+        return plain
+    return GenerationLayout(rollout_tp, plain.world_size, tp_stride=training.tp // rollout_tp)
 
 
 def micro_dp(training: TrainingLayout, generation: GenerationLayout) -> int:

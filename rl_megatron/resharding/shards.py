@@ -1,0 +1,334 @@
+"""What each rank holds of every parameter, as row ranges of Hugging Face tensors (pure).
+
+Every layout this project moves weights between — Megatron's training shards at any
+(TP, PP, VPP), the Megatron rollout engine at another TP, vLLM's fused parameters — is a
+*stack of row ranges of HF tensors* along one dimension of each parameter shard:
+
+    Megatron linear_qkv (TP rank r):  [q_g, k_g, v_g for each of its query groups g]
+    vLLM qkv_proj (TP rank r):        [q of its heads; k of its groups; v of its groups]
+    linear_fc1 / gate_up_proj:        [gate rows of r; up rows of r]
+    embedding / LM head:              [vocabulary rows of r that exist; zero padding]
+    o_proj / down_proj (row-parallel): columns of r (dim 1)
+    norms (replicated):               all of it
+
+A `ShardSpec` says this for one parameter shard: its name in its owner's namespace, its
+shape, the dimension the rows run along, and the ordered `Span`s that fill it. Planning
+resharding is then interval arithmetic on HF row ranges (`plan.py`), independent of the
+fused layouts. The row arithmetic mirrors `checkpoint.conversions` (which builds the tensors
+themselves); `tests/unit/test_reshard_plan.py` checks the two agree on every layout.
+
+"Rows" run along the parameter's TP-split dim (0 for column-parallel weights, biases,
+embeddings; 1 for row-parallel weights; 0 for replicated tensors), which is the same dim in
+every layout for a given HF tensor, so a row range means the same bytes on both sides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from rl_megatron.checkpoint import hf_mapping as hm
+from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.resharding.layouts import TrainingLayout
+
+# How a parameter's rows are made of HF tensors.
+COPY = "copy"  # one HF tensor, split along tp_dim (or whole when tp_dim is None)
+QKV_INTERLEAVED = "qkv_interleaved"  # Megatron: [q_g, k_g, v_g] per local query group
+QKV_STACKED = "qkv_stacked"  # vLLM: [q (local heads); k (local groups); v]
+GATE_UP = "gate_up"  # Megatron and vLLM: [gate_r; up_r]
+VOCAB = "vocab"  # embedding / LM head rows of this shard, then zero padding
+
+# vLLM pads the vocabulary of VocabParallelEmbedding / ParallelLMHead to a multiple of
+# this before splitting it (vllm/model_executor/layers/vocab_parallel_embedding.py,
+# DEFAULT_VOCAB_PADDING_SIZE).
+VLLM_VOCAB_PADDING = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamRule:
+    """One parameter of a layout: its name and the HF tensors its rows come from."""
+
+    name: str  # `{layer}` = global layer index
+    hf: tuple[str, ...]  # HF names (with `{layer}`), in the order the layout uses them
+    layout: str  # COPY | QKV_INTERLEAVED | QKV_STACKED | GATE_UP | VOCAB
+    tp_dim: int | None  # dim split across TP ranks; None = replicated
+
+
+@dataclasses.dataclass(frozen=True)
+class Span:
+    """Rows `[offset, offset + length)` of a shard, taken from rows
+    `[hf_start, hf_start + length)` of HF tensor `hf_name` (None: zero padding)."""
+
+    offset: int
+    length: int
+    hf_name: str | None
+    hf_start: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardSpec:
+    """One parameter shard: `shape`, with `spans` filling `[0, shape[dim])` in order."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim: int
+    spans: tuple[Span, ...]
+
+    @property
+    def row_numel(self) -> int:
+        """Elements per row along `dim` (a column of `h` values for dim 1)."""
+        return math.prod(self.shape) // self.shape[self.dim]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+# ------------------------------------------------------------------------ tables
+
+_H = "model.layers.{layer}."
+
+# vLLM's Llama / Qwen2 / Mistral parameters (names as in `model.named_parameters()`).
+# fmt: off
+VLLM_DECODER_RULES: tuple[ParamRule, ...] = (
+    ParamRule(_H + "input_layernorm.weight", (_H + "input_layernorm.weight",), COPY, None),
+    ParamRule(_H + "self_attn.qkv_proj.weight",
+              (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight",
+               _H + "self_attn.v_proj.weight"), QKV_STACKED, 0),
+    ParamRule(_H + "self_attn.o_proj.weight", (_H + "self_attn.o_proj.weight",), COPY, 1),
+    ParamRule(_H + "post_attention_layernorm.weight",
+              (_H + "post_attention_layernorm.weight",), COPY, None),
+    ParamRule(_H + "mlp.gate_up_proj.weight",
+              (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), GATE_UP, 0),
+    ParamRule(_H + "mlp.down_proj.weight", (_H + "mlp.down_proj.weight",), COPY, 1),
+)
+VLLM_QKV_BIAS_RULES: tuple[ParamRule, ...] = (
+    ParamRule(_H + "self_attn.qkv_proj.bias",
+              (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias",
+               _H + "self_attn.v_proj.bias"), QKV_STACKED, 0),
+)
+VLLM_EMBEDDING = ParamRule("model.embed_tokens.weight", ("model.embed_tokens.weight",), VOCAB, 0)
+VLLM_FINAL_NORM = ParamRule("model.norm.weight", ("model.norm.weight",), COPY, None)
+VLLM_LM_HEAD = ParamRule("lm_head.weight", ("lm_head.weight",), VOCAB, 0)
+# fmt: on
+
+_FROM_HF_TRANSFORM = {
+    hm.COPY: COPY,
+    hm.QKV: QKV_INTERLEAVED,
+    hm.GATE_UP: GATE_UP,
+    hm.VOCAB: VOCAB,
+}
+
+
+def megatron_rules(info: HFModelInfo) -> list[ParamRule]:
+    """The causal LM's Megatron parameters (dist-checkpoint names), from the HF name table."""
+    return [
+        ParamRule(r.megatron, tuple(n for n, _ in r.hf), _FROM_HF_TRANSFORM[r.transform], r.tp_dim)
+        for r in hm.rules_for(info, "lm")
+    ]
+
+
+def vllm_rules(info: HFModelInfo) -> list[ParamRule]:
+    """vLLM's parameters for `info`, in its module order (a bias right after its weight, so
+    a layer is complete as soon as possible); a tied LM head is the embedding."""
+    rules = [VLLM_EMBEDDING]
+    for rule in VLLM_DECODER_RULES:
+        rules.append(rule)
+        if info.qkv_bias and rule.name.endswith("qkv_proj.weight"):
+            rules += VLLM_QKV_BIAS_RULES
+    rules.append(VLLM_FINAL_NORM)
+    if not info.tie_word_embeddings:
+        rules.append(VLLM_LM_HEAD)
+    return rules
+
+
+def hf_row_dims(info: HFModelInfo) -> dict[str, int]:
+    """HF tensor name (all layers expanded) → the dim its rows run along."""
+    out: dict[str, int] = {}
+    for rule in megatron_rules(info):
+        layers = range(info.num_layers) if "{layer}" in rule.name else [None]
+        for layer in layers:
+            for name in rule.hf:
+                out[name.format(layer=layer)] = rule.tp_dim or 0
+    return out
+
+
+# ------------------------------------------------------------------------ spans
+
+
+def _split(size: int, tp: int, rank: int, what: str) -> tuple[int, int]:
+    if size % tp:
+        raise ValueError(f"{what}={size} is not divisible by tensor-parallel size {tp}")
+    part = size // tp
+    return rank * part, part
+
+
+def shard_spec(
+    rule: ParamRule,
+    layer: int | None,
+    info: HFModelInfo,
+    tp: int,
+    tp_rank: int,
+    padded_vocab: int,
+) -> ShardSpec:
+    """The shard of `rule`'s parameter held by TP rank `tp_rank` of `tp`.
+
+    Args:
+        layer: global layer index for per-layer rules, None otherwise.
+        padded_vocab: rows of the whole (unsplit) embedding / LM head in this layout.
+    """
+    dims = hm.hf_dims(info)
+    h, d = info.hidden_size, info.head_dim
+    nq, ng = info.num_attention_heads, info.num_key_value_heads
+    names = [n.format(layer=layer) for n in rule.hf]
+    spans: list[Span] = []
+
+    def add(name: str | None, start: int, length: int) -> None:
+        offset = spans[-1].offset + spans[-1].length if spans else 0
+        spans.append(Span(offset, length, name, start))
+
+    is_bias = rule.name.endswith(".bias")
+    if rule.layout == COPY:
+        full = hf_tensor_shape(names[0], info)
+        if rule.tp_dim is None:
+            add(names[0], 0, full[0])
+            return ShardSpec(rule.name.format(layer=layer), full, 0, tuple(spans))
+        start, part = _split(full[rule.tp_dim], tp, tp_rank, _dim_name(names[0], rule.tp_dim))
+        add(names[0], start, part)
+        shape = tuple(part if i == rule.tp_dim else s for i, s in enumerate(full))
+        return ShardSpec(rule.name.format(layer=layer), shape, rule.tp_dim, tuple(spans))
+    if rule.layout == QKV_INTERLEAVED:
+        g0, local = _split(ng, tp, tp_rank, "num_key_value_heads")
+        per_group = nq // ng
+        for g in range(g0, g0 + local):
+            add(names[0], g * per_group * d, per_group * d)
+            add(names[1], g * d, d)
+            add(names[2], g * d, d)
+    elif rule.layout == QKV_STACKED:
+        q0, q_local = _split(nq, tp, tp_rank, "num_attention_heads")
+        add(names[0], q0 * d, q_local * d)
+        if tp <= ng:
+            k0, k_local = _split(ng, tp, tp_rank, "num_key_value_heads")
+        else:
+            # vLLM replicates KV heads when TP exceeds them: rank r holds head r // (tp/ng).
+            if tp % ng:
+                raise ValueError(f"tensor-parallel size {tp} is not a multiple of kv heads {ng}")
+            k0, k_local = tp_rank // (tp // ng), 1
+        add(names[1], k0 * d, k_local * d)
+        add(names[2], k0 * d, k_local * d)
+    elif rule.layout == GATE_UP:
+        f0, f_local = _split(dims["F"], tp, tp_rank, "intermediate_size")
+        add(names[0], f0, f_local)
+        add(names[1], f0, f_local)
+    elif rule.layout == VOCAB:
+        r0, part = _split(padded_vocab, tp, tp_rank, "padded vocabulary")
+        if padded_vocab < info.vocab_size:
+            raise ValueError(f"padded vocabulary {padded_vocab} < vocab_size {info.vocab_size}")
+        real = max(0, min(r0 + part, info.vocab_size) - r0)
+        if real:
+            add(names[0], r0, real)
+        if part - real:
+            add(None, 0, part - real)
+    else:
+        raise AssertionError(f"unknown layout {rule.layout}")
+    rows = spans[-1].offset + spans[-1].length
+    shape = (rows,) if is_bias else (rows, h)
+    return ShardSpec(rule.name.format(layer=layer), shape, 0, tuple(spans))
+
+
+def hf_tensor_shape(name: str, info: HFModelInfo) -> tuple[int, ...]:
+    """Full shape of HF tensor `name` (layer number expanded), from the HF name table."""
+    return _hf_shapes(info)[name]
+
+
+@functools.lru_cache(maxsize=32)
+def _hf_shapes(info: HFModelInfo) -> dict[str, tuple[int, ...]]:
+    return hm.expected_hf_tensors(hm.rules_for(info, "lm"), info)
+
+
+def _dim_name(hf_name: str, dim: int) -> str:
+    return f"{hf_name.rsplit('.', 2)[-2]} dim {dim}"
+
+
+# ------------------------------------------------------------------- layouts
+
+
+def chunk_layers(num_layers: int, pp: int, vpp: int | None, pp_rank: int, vp_stage: int) -> range:
+    """Global layers of one model chunk, as megatron-core places them (uniform split).
+
+    Without VPP stage s holds `[s·L/p, (s+1)·L/p)`. With `vpp` chunks per stage, chunk v of
+    stage s holds `L/(p·vpp)` layers starting at `v·L/vpp + s·L/(p·vpp)`
+    (megatron/core/transformer/transformer_layer.py, `get_transformer_layer_offset`).
+    """
+    chunks = vpp or 1
+    if num_layers % (pp * chunks):
+        raise ValueError(f"num_layers={num_layers} is not divisible by pp·vpp={pp * chunks}")
+    per_chunk = num_layers // (pp * chunks)
+    start = vp_stage * (num_layers // chunks) + pp_rank * per_chunk
+    return range(start, start + per_chunk)
+
+
+def megatron_specs(
+    info: HFModelInfo,
+    layout: TrainingLayout,
+    rank: int,
+    padded_vocab: int,
+) -> list[ShardSpec]:
+    """Every parameter shard a Megatron rank holds (all its VPP chunks), in model order.
+
+    Names are dist-checkpoint names with global layer numbers. Mirrors `GPTModel`: the
+    embedding lives in the first chunk of the first stage; the final norm and the output
+    layer in the last chunk of the last stage, where a tied output layer has its own
+    weight only if that chunk is not also the first (pp = 1 shares one tensor).
+    """
+    coords = layout.coordinates(rank)
+    tp_rank, pp_rank = coords["tp"], coords["pp"]
+    chunks = layout.vpp or 1
+    rules = megatron_rules(info)
+    by_name = {rule.name: rule for rule in rules}
+    layer_rules = [rule for rule in rules if "{layer}" in rule.name]
+
+    def spec(rule: ParamRule, layer: int | None = None) -> ShardSpec:
+        return shard_spec(rule, layer, info, layout.tp, tp_rank, padded_vocab)
+
+    specs: list[ShardSpec] = []
+    for v in range(chunks):
+        first = pp_rank == 0 and v == 0
+        last = pp_rank == layout.pp - 1 and v == chunks - 1
+        if first:
+            specs.append(spec(by_name[hm.EMBEDDING.megatron]))
+        for layer in chunk_layers(info.num_layers, layout.pp, layout.vpp, pp_rank, v):
+            specs += [spec(rule, layer) for rule in layer_rules]
+        if last:
+            specs.append(spec(by_name[hm.FINAL_NORM.megatron]))
+            if not (first and info.tie_word_embeddings):
+                specs.append(spec(by_name[hm.LM_HEAD.megatron]))
+    return specs
+
+
+def vllm_specs(info: HFModelInfo, tp: int, tp_rank: int, padded_vocab: int) -> list[ShardSpec]:
+    """Every parameter shard of vLLM's model on one rank of a `tp`-way engine, model order."""
+    specs = []
+    for rule in vllm_rules(info):
+        layers = range(info.num_layers) if "{layer}" in rule.name else [None]
+        specs += [shard_spec(rule, layer, info, tp, tp_rank, padded_vocab) for layer in layers]
+    # vLLM's module order: embedding, layers, norm, head.
+    return sorted(specs, key=_model_order)
+
+
+def _model_order(spec: ShardSpec) -> tuple[int, int]:
+    parts = spec.name.split(".")
+    if "layers" in parts:
+        return 1, int(parts[parts.index("layers") + 1])
+    if "embed" in spec.name:
+        return 0, 0
+    return 2, 0
+
+
+def vllm_padded_vocab(vocab_size: int, tp: int) -> int:
+    """vLLM's padded vocabulary (the whole table; each of `tp` ranks holds 1/tp of it)."""
+    padded = -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
+    if padded % tp:
+        raise ValueError(f"vLLM's padded vocabulary {padded} is not divisible by tp={tp}")
+    return padded

@@ -1,0 +1,153 @@
+"""Split a batch of sequences into micro-batches: fixed size, or by a token budget.
+
+A micro-batch is a list of row indices into the batch. Two ways to make them:
+
+* `fixed_micro_batches`: consecutive rows, `micro_batch_size` at a time (the order the
+  rows came in, so GRPO groups stay together when the size is a multiple of `n`).
+* `dynamic_micro_batches`: as few micro-batches as hold every sequence under a token
+  budget (`max_tokens`, counted as real tokens), sequences spread so that the
+  micro-batches carry about the same number of tokens: longest-first greedy (LPT: each
+  sequence goes to the lightest micro-batch that still has room), which keeps the largest
+  micro-batch within 4/3 of the optimum (Graham 1969) and, unlike padding to the longest
+  sequence in the batch, lets short sequences share a forward pass.
+
+`restore_order` puts per-micro-batch outputs back into the batch's row order.
+`trim_padding` drops the columns a micro-batch does not need: the left-padding columns
+that no row of it uses (prompts are left-padded) and the right-padding columns past its
+longest response (responses are right-padded), so a micro-batch of short sequences costs
+short sequences. `pad_responses` restores the full response width afterwards.
+
+Pure functions of tensors and lists: no process groups, no megatron.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+
+
+def fixed_micro_batches(num_rows: int, micro_batch_size: int) -> list[list[int]]:
+    """Consecutive rows, `micro_batch_size` at a time; the last one may be smaller.
+
+    num_rows: rows in the batch (this rank's part of the mini-batch).
+    micro_batch_size: rows per micro-batch, > 0.
+    """
+    if micro_batch_size <= 0:
+        raise ValueError(f"micro_batch_size must be > 0, got {micro_batch_size}")
+    return [
+        list(range(i, min(i + micro_batch_size, num_rows)))
+        for i in range(0, num_rows, micro_batch_size)
+    ]
+
+
+def dynamic_micro_batches(
+    seq_lens: Sequence[int] | torch.Tensor,
+    max_tokens: int,
+    *,
+    min_micro_batches: int = 1,
+    multiple_of: int = 1,
+) -> list[list[int]]:
+    """Balanced micro-batches whose real-token count each stays within `max_tokens`.
+
+    seq_lens: `[num_rows]` real tokens of each row (prompt + response, padding excluded).
+    max_tokens: token budget of one micro-batch; every row must fit on its own.
+    min_micro_batches: at least this many (e.g. agreed across DP ranks, or the pipeline
+        size: the interleaved schedule needs at least `pp` micro-batches).
+    multiple_of: round the count up to a multiple of this (the interleaved schedule wants
+        a multiple of `pp`).
+
+    Returns micro-batches as lists of row indices, each list ascending, every row in
+    exactly one list, lists ordered by their first row; never an empty list unless there
+    are fewer rows than `min_micro_batches` demands.
+    """
+    lens = [int(x) for x in (seq_lens.tolist() if torch.is_tensor(seq_lens) else seq_lens)]
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens must be > 0, got {max_tokens}")
+    too_long = [i for i, n in enumerate(lens) if n > max_tokens]
+    if too_long:
+        raise ValueError(
+            f"{len(too_long)} sequence(s) are longer than the micro-batch token budget "
+            f"({max_tokens}); the longest has {max(lens)} tokens (row {too_long[0]} is one). "
+            f"Raise max_tokens_per_micro_batch to at least max prompt + response length"
+        )
+    if not lens:
+        return []
+    k = max(math.ceil(sum(lens) / max_tokens), min_micro_batches, 1)
+    k = math.ceil(k / multiple_of) * multiple_of
+    while True:
+        bins = _longest_first(lens, k, max_tokens)
+        if bins is not None:
+            break
+        # LPT can miss a packing that exists; one more micro-batch always helps, and k
+        # cannot pass len(lens) since every row fits alone.
+        k += multiple_of
+    # Empty bins only when min_micro_batches exceeds the rows; keep them so ranks agree.
+    bins = [sorted(b) for b in bins]
+    return sorted(bins, key=lambda b: b[0] if b else math.inf)
+
+
+def _longest_first(lens: list[int], k: int, max_tokens: int) -> list[list[int]] | None:
+    """LPT into k bins under a cap; None when some row does not fit anywhere."""
+    bins: list[list[int]] = [[] for _ in range(k)]
+    heap = [(0, b) for b in range(k)]  # (tokens, bin): the lightest bin on top
+    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    for i in order:
+        load, b = heapq.heappop(heap)
+        if load + lens[i] > max_tokens:
+            # The lightest bin is full for this row, so every bin is.
+            return None
+        bins[b].append(i)
+        heapq.heappush(heap, (load + lens[i], b))
+    return bins
+
+
+def restore_order(chunks: Sequence[torch.Tensor], micro_batches: Sequence[Sequence[int]]):
+    """Concatenate per-micro-batch outputs back into the batch's row order.
+
+    chunks: one tensor per micro-batch, `[len(micro_batch), ...]`, same trailing shape.
+    micro_batches: the row indices each chunk holds.
+    Returns `[num_rows, ...]` with row `micro_batches[j][i]` = `chunks[j][i]`.
+    """
+    index = torch.tensor([i for mb in micro_batches for i in mb], dtype=torch.long)
+    if len(set(index.tolist())) != len(index):
+        raise ValueError("restore_order: a row appears in more than one micro-batch")
+    stacked = torch.cat(list(chunks))
+    out = torch.empty_like(stacked)
+    out[index.to(stacked.device)] = stacked
+    return out
+
+
+def trim_padding(
+    prompts: torch.Tensor, responses: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[int, int]:
+    """Columns of a micro-batch to keep: `(prompt_start, response_len)`.
+
+    prompts: `[b, P]` left-padded; responses: `[b, R]` right-padded;
+    attention_mask: `[b, P + R]` 1 on real tokens.
+    Returns the first prompt column any row uses and the number of response columns up to
+    the last real response token of any row (at least 1, so that shapes stay valid).
+    Slice with `prompts[:, prompt_start:]`, `responses[:, :response_len]`.
+    """
+    p = prompts.shape[1]
+    prompt_used = attention_mask[:, :p].bool().any(dim=0)
+    response_used = attention_mask[:, p:].bool().any(dim=0)
+    prompt_start = int(prompt_used.nonzero()[0]) if prompt_used.any() else p - 1
+    response_len = int(response_used.nonzero()[-1]) + 1 if response_used.any() else 1
+    return prompt_start, max(response_len, 1)
+
+
+def pad_responses(x: torch.Tensor, response_len: int, value: float = 0.0) -> torch.Tensor:
+    """Right-pad `[b, r, ...]` per-token outputs back to `[b, response_len, ...]`."""
+    if x.shape[1] == response_len:
+        return x
+    pad = x.new_full((x.shape[0], response_len - x.shape[1], *x.shape[2:]), value)
+    return torch.cat([x, pad], dim=1)
+
+
+def select_rows(batch: Mapping[str, torch.Tensor], rows: Sequence[int]) -> dict[str, torch.Tensor]:
+    """The given rows of every `[batch, ...]` tensor of a dict batch."""
+    index = torch.tensor(list(rows), dtype=torch.long)
+    return {k: v[index.to(v.device)] for k, v in batch.items()}

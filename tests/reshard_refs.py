@@ -1,0 +1,123 @@
+"""Tiny models and HF-slicing references for the resharding tests.
+
+The references build each engine's shard straight from the HF tensors with the pure
+conversions of `checkpoint.conversions` (and, for Megatron, the checkpoint loader's
+`hf_to_megatron_shard`) — a different code path from the plan's row arithmetic.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rl_megatron.checkpoint import conversions as cv
+from rl_megatron.checkpoint import hf_mapping as hm
+from rl_megatron.models.hf_config import HFModelInfo, parse_hf_config
+
+# 4 layers (pp=4, or pp=2 × vpp=2); 8 query heads in 4 KV groups, so tp ≤ 4 splits them.
+_BASE = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    intermediate_size=96,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+MODELS: dict[str, dict] = {
+    # GQA, untied head, vocabulary a multiple of every padding (512 = 128·4 = 64·8).
+    "llama_gqa": dict(_BASE, model_type="llama", vocab_size=512, tie_word_embeddings=False),
+    # QKV bias, tied embeddings.
+    "qwen2_tied": dict(_BASE, model_type="qwen2", vocab_size=512, tie_word_embeddings=True),
+    # Vocabulary padded differently by Megatron (128·t) and vLLM (64); tied as well, so
+    # the last PP stage holds its own padded copy of the embedding.
+    "padded_vocab": dict(_BASE, model_type="qwen2", vocab_size=100, tie_word_embeddings=True),
+}
+
+LAYOUTS = [(1, 1, 4), (2, 1, 2), (4, 1, 1), (2, 2, 1), (1, 2, 2), (1, 4, 1)]
+ROLLOUT_TPS = (1, 2, 4)
+
+
+def model_info(name: str) -> HFModelInfo:
+    return parse_hf_config(MODELS[name])
+
+
+def random_hf_state(info: HFModelInfo, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random fp32 tensors under every HF name the model has, distinct values everywhere."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = hm.expected_hf_tensors(hm.rules_for(info, "lm"), info)
+    return {name: torch.randn(shape, generator=g) for name, shape in sorted(shapes.items())}
+
+
+def hf_reader(state: dict[str, torch.Tensor]):
+    def read(name: str, dim: int | None, start: int, end: int) -> torch.Tensor:
+        t = state[name]
+        return t if dim is None else t.narrow(dim, start, end - start)
+
+    return read
+
+
+def megatron_reference(
+    state: dict[str, torch.Tensor], info: HFModelInfo, tp: int, tp_rank: int, padded_vocab: int
+) -> dict[str, torch.Tensor]:
+    """What a Megatron model at TP `tp`, PP 1 holds on `tp_rank` after loading HF itself."""
+    out = {}
+    read = hf_reader(state)
+    for rule in hm.rules_for(info, "lm"):
+        if rule.megatron == "output_layer.weight" and info.tie_word_embeddings:
+            continue  # pp = 1: the head is the embedding
+        layers = range(info.num_layers) if "{layer}" in rule.megatron else [None]
+        for layer in layers:
+            out[rule.megatron.format(layer=layer)] = hm.hf_to_megatron_shard(
+                rule, layer, read, info, tp, tp_rank, padded_vocab
+            )
+    return out
+
+
+def vllm_reference(
+    state: dict[str, torch.Tensor], info: HFModelInfo, tp: int, tp_rank: int, padded_vocab: int
+) -> dict[str, torch.Tensor]:
+    """What vLLM at TP `tp` holds on `tp_rank` after loading HF itself (checkpoint format)."""
+    d, ng = info.head_dim, info.num_key_value_heads
+
+    def rank_of(t: torch.Tensor, dim: int) -> torch.Tensor:
+        return cv.tp_split(t, tp, dim)[tp_rank]
+
+    def kv(t: torch.Tensor) -> torch.Tensor:
+        if tp <= ng:
+            return rank_of(t, 0)
+        head = tp_rank // (tp // ng)  # vLLM replicates KV heads beyond tp = ng
+        return t[head * d : (head + 1) * d]
+
+    out = {
+        "model.embed_tokens.weight": rank_of(
+            cv.pad_vocab(state["model.embed_tokens.weight"], padded_vocab), 0
+        ),
+        "model.norm.weight": state["model.norm.weight"],
+    }
+    if not info.tie_word_embeddings:
+        out["lm_head.weight"] = rank_of(cv.pad_vocab(state["lm_head.weight"], padded_vocab), 0)
+    for i in range(info.num_layers):
+        hf = f"model.layers.{i}."
+        for leaf in ("weight", "bias") if info.qkv_bias else ("weight",):
+            q, k, v = (state[f"{hf}self_attn.{x}_proj.{leaf}"] for x in "qkv")
+            out[f"{hf}self_attn.qkv_proj.{leaf}"] = torch.cat([rank_of(q, 0), kv(k), kv(v)])
+        out[f"{hf}self_attn.o_proj.weight"] = rank_of(state[f"{hf}self_attn.o_proj.weight"], 1)
+        fused = cv.fuse_gate_up(
+            state[f"{hf}mlp.gate_proj.weight"], state[f"{hf}mlp.up_proj.weight"]
+        )
+        out[f"{hf}mlp.gate_up_proj.weight"] = cv.split_gated_shards(fused, tp)[tp_rank]
+        out[f"{hf}mlp.down_proj.weight"] = rank_of(state[f"{hf}mlp.down_proj.weight"], 1)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[f"{hf}{norm}.weight"] = state[f"{hf}{norm}.weight"]
+    return out
+
+
+def assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], where: str):
+    """Same names, shapes, dtypes and bits (NaN never equals: unwritten rows fail)."""
+    assert set(got) == set(want), f"{where}: names differ: {sorted(set(got) ^ set(want))[:5]}"
+    for name, expect in want.items():
+        have = got[name]
+        assert have.shape == expect.shape, f"{where} {name}: {have.shape} != {expect.shape}"
+        assert have.dtype == expect.dtype, f"{where} {name}: {have.dtype} != {expect.dtype}"
+        same = torch.equal(have, expect)
+        assert same, f"{where} {name}: {(have != expect).sum().item()} elements differ"

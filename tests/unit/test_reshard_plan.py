@@ -1,0 +1,331 @@
+"""Resharding plans, run by a one-process simulation of every rank (no torch.distributed).
+
+For each layout pair the simulation fills each training rank's shards from random HF
+tensors with the checkpoint loader's `hf_to_megatron_shard`, applies the plan's moves and
+fills round by round (a receive reads the peer's rows, after checking the peer sends the
+same message), and compares every generation shard with the engine's layout built straight
+from the HF tensors (`tests/reshard_refs.py`). Tolerance: bit-exact (pure copies).
+
+Also checked on every plan: the per-rank send + receive staging of each round is at most
+one bucket; each rank receives exactly the rows of its generation shard it does not hold
+(computed here from row sets); the HybridFlow layout meets (d_g − 1)/(t·p)·M.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from rl_megatron.checkpoint import hf_mapping as hm
+from rl_megatron.checkpoint.conversions import padded_vocab_size
+from rl_megatron.resharding import shards
+from rl_megatron.resharding.layouts import (
+    GenerationLayout,
+    TrainingLayout,
+    generation_layout_for,
+    hybridflow_generation_layout,
+)
+from rl_megatron.resharding.plan import Fill, PlanKey, build_plan
+from tests.reshard_refs import (
+    LAYOUTS,
+    MODELS,
+    ROLLOUT_TPS,
+    assert_bit_exact,
+    hf_reader,
+    megatron_reference,
+    model_info,
+    random_hf_state,
+    vllm_reference,
+)
+
+
+def _key(info, training, generation, target, bucket_bytes=1 << 12, elem=4):
+    t_g = generation.tp
+    gen_vocab = (
+        shards.vllm_padded_vocab(info.vocab_size, t_g)
+        if target == "vllm"
+        else padded_vocab_size(info.vocab_size, 128, t_g)
+    )
+    return PlanKey(
+        info,
+        training,
+        generation,
+        target,
+        padded_vocab_size(info.vocab_size, 128, training.tp),
+        gen_vocab,
+        bucket_bytes,
+        elem,
+    )
+
+
+def _training_shards(plan, state, info):
+    """Each local rank's training tensors, built by the checkpoint loader's transform."""
+    rules = {r.megatron: r for r in hm.rules_for(info, "lm")}
+    read = hf_reader(state)
+    training = plan.key.training
+    out = []
+    for local, specs in enumerate(plan.sources):
+        tp_rank = training.coordinates(local)["tp"]
+        tensors = {}
+        for spec in specs:
+            parts = spec.name.split(".")
+            layer = int(parts[2]) if parts[:2] == ["decoder", "layers"] else None
+            canonical = (
+                spec.name if layer is None else ".".join([*parts[:2], "{layer}", *parts[3:]])
+            )
+            tensors[spec.name] = hm.hf_to_megatron_shard(
+                rules[canonical],
+                layer,
+                read,
+                info,
+                training.tp,
+                tp_rank,
+                plan.key.training_padded_vocab,
+            )
+        out.append(tensors)
+    return out
+
+
+def simulate(plan, state, info):
+    """Run the plan for one replica in this process; returns each rank's generation shards."""
+    sources = _training_shards(plan, state, info)
+    targets = [{s.name: torch.full(s.shape, float("nan")) for s in specs} for specs in plan.targets]
+    bucket = plan.key.bucket_bytes // plan.key.elem_size
+    by_round: dict[int, dict[int, object]] = {}
+    for rank, rounds in enumerate(plan.rounds):
+        for rnd in rounds:
+            by_round.setdefault(rnd.index, {})[rank] = rnd
+    for index in sorted(by_round):
+        parts = by_round[index]
+        for rank, rnd in parts.items():
+            assert rnd.staging_numel() <= bucket, f"round {index} rank {rank} over the bucket"
+            for w in rnd.writes:
+                dst = targets[rank][w.dst_param].narrow(w.dim, w.dst_offset, w.rows)
+                if isinstance(w, Fill):
+                    dst.zero_()
+                else:
+                    dst.copy_(sources[rank][w.src_param].narrow(w.dim, w.src_offset, w.rows))
+            for peer, moves in rnd.recvs.items():
+                assert parts[peer].sends[rank] == moves, "send and receive lists differ"
+                for m in moves:
+                    src = sources[peer][m.src_param].narrow(m.dim, m.src_offset, m.rows)
+                    targets[rank][m.dst_param].narrow(m.dim, m.dst_offset, m.rows).copy_(src)
+    return targets
+
+
+def _rows_held(specs):
+    """{(hf_name, row)} a rank's shards hold (padding excluded)."""
+    return {
+        (s.hf_name, s.hf_start + i)
+        for spec in specs
+        for s in spec.spans
+        if s.hf_name
+        for i in range(s.length)
+    }
+
+
+def _check_traffic(plan):
+    for rank in range(plan.replica_size):
+        have = _rows_held(plan.sources[rank])
+        row_numel = {}
+        for spec in plan.targets[rank]:
+            for s in spec.spans:
+                if s.hf_name:
+                    row_numel[s.hf_name] = spec.row_numel
+        need = [
+            (s.hf_name, s.hf_start + i)
+            for spec in plan.targets[rank]
+            for s in spec.spans
+            if s.hf_name
+            for i in range(s.length)
+        ]
+        missing = sum(row_numel[name] for name, row in need if (name, row) not in have)
+        assert plan.traffic[rank].received == missing, f"rank {rank} receives redundant rows"
+    assert sum(t.sent for t in plan.traffic) == sum(t.received for t in plan.traffic)
+
+
+def _reference(target, state, info, t_g, gen_tp, padded):
+    if target == "vllm":
+        return vllm_reference(state, info, t_g, gen_tp, padded)
+    return megatron_reference(state, info, t_g, gen_tp, padded)
+
+
+def _valid_pairs():
+    for (t, p, d), t_g in itertools.product(LAYOUTS, ROLLOUT_TPS):
+        if (t * p) % t_g == 0:
+            yield t, p, d, t_g
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("target", ["vllm", "megatron"])
+def test_every_layout_pair_is_bit_exact(model, target):
+    info = model_info(model)
+    state = random_hf_state(info)
+    for t, p, d, t_g in _valid_pairs():
+        training = TrainingLayout(t, p, d)
+        for gen in {
+            generation_layout_for(training, t_g),
+            hybridflow_generation_layout(training, t_g),
+        }:
+            plan = build_plan(_key(info, training, gen, target))
+            got = simulate(plan, state, info)
+            for rank, tensors in enumerate(got):
+                gen_tp = gen.coordinates(rank)["gen_tp"]
+                want = _reference(
+                    target, state, info, t_g, gen_tp, plan.key.generation_padded_vocab
+                )
+                assert_bit_exact(
+                    tensors, want, f"{model} {target} t,p,d={t, p, d} t_g={t_g} rank {rank}"
+                )
+            _check_traffic(plan)
+
+
+def test_vpp_and_eight_ranks():
+    """Interleaved chunks renumber layers; bigger grids and bf16 elements plan the same way."""
+    info = model_info("qwen2_tied")
+    state = random_hf_state(info)
+    cases = [
+        (1, 2, 1, 2, 1),
+        (2, 2, 2, 2, 2),
+        (2, 2, 1, 2, 4),
+        (4, 2, 1, None, 4),
+        (2, 4, 1, None, 2),
+    ]
+    for t, p, d, vpp, t_g in cases:
+        training = TrainingLayout(t, p, d, vpp=vpp)
+        for target in ("vllm", "megatron"):
+            plan = build_plan(
+                _key(info, training, generation_layout_for(training, t_g), target, elem=2)
+            )
+            for rank, tensors in enumerate(simulate(plan, state, info)):
+                want = _reference(
+                    target, state, info, t_g, rank % t_g, plan.key.generation_padded_vocab
+                )
+                assert_bit_exact(tensors, want, f"vpp={vpp} t,p={t, p} t_g={t_g} rank {rank}")
+
+
+def test_vllm_replicates_kv_heads_beyond_tp():
+    """t_g = 8 > 4 KV heads: vLLM gives each pair of ranks the same KV head."""
+    info = model_info("llama_gqa")
+    state = random_hf_state(info)
+    training = TrainingLayout(2, 4, 1)
+    plan = build_plan(_key(info, training, generation_layout_for(training, 8), "vllm"))
+    for rank, tensors in enumerate(simulate(plan, state, info)):
+        assert_bit_exact(tensors, vllm_reference(state, info, 8, rank, 512), f"rank {rank}")
+
+
+def test_layer_placement_with_vpp():
+    assert list(shards.chunk_layers(8, 2, 2, pp_rank=0, vp_stage=0)) == [0, 1]
+    assert list(shards.chunk_layers(8, 2, 2, pp_rank=1, vp_stage=0)) == [2, 3]
+    assert list(shards.chunk_layers(8, 2, 2, pp_rank=0, vp_stage=1)) == [4, 5]
+    assert list(shards.chunk_layers(8, 2, None, pp_rank=1, vp_stage=0)) == [4, 5, 6, 7]
+
+
+def test_zero_traffic_when_layouts_coincide():
+    """t_g == t and p == 1: every row is local (vocabularies split alike at V = 512)."""
+    info = model_info("llama_gqa")
+    for t, d in ((1, 4), (2, 2), (4, 1)):
+        training = TrainingLayout(t, 1, d)
+        for target in ("vllm", "megatron"):
+            plan = build_plan(_key(info, training, generation_layout_for(training, t), target))
+            assert all(x.sent == x.received == 0 for x in plan.traffic)
+            assert all(not r.sends and not r.recvs for rr in plan.rounds for r in rr)
+
+
+def test_hybridflow_formula():
+    """Strided generation groups receive no redundant byte: each rank gets its generation
+    shard (1/t_g of the TP-split tensors, all norms) minus what it holds. Where its
+    training shard is 1/(t·p) of the split tensors (stages of equal size: pp ≤ 2 here,
+    embedding and head being equal), that is HybridFlow's (d_g − 1)/(t·p) · M."""
+    info = model_info("llama_gqa")
+    split = repl = 0
+    for shape in hm.expected_hf_tensors(hm.rules_for(info, "lm"), info).values():
+        if len(shape) == 1:  # norms: replicated over TP
+            repl += torch.Size(shape).numel()
+        else:
+            split += torch.Size(shape).numel()
+    balanced = 0
+    for (t, p, d), t_g in itertools.product(LAYOUTS, ROLLOUT_TPS):
+        if (t * p) % t_g or t % t_g:
+            continue
+        training = TrainingLayout(t, p, d)
+        plan = build_plan(_key(info, training, hybridflow_generation_layout(training, t_g), "vllm"))
+        d_g = t * p // t_g
+        for rank, traffic in enumerate(plan.traffic):
+            repl_held = sum(s.numel for s in plan.sources[rank] if len(s.shape) == 1)
+            split_held = sum(s.numel for s in plan.sources[rank] if len(s.shape) == 2)
+            assert traffic.received == split // t_g - split_held + repl - repl_held
+            if split_held * t * p == split:
+                balanced += 1
+                formula = (d_g - 1) * split // (t * p)
+                assert traffic.received - (repl - repl_held) == formula, (t, p, d, t_g)
+    assert balanced >= 20
+
+
+def test_consecutive_groups_cost_more_when_one_lt_tg_lt_t():
+    """vLLM's consecutive TP groups at t=4, t_g=2: ranks 1 and 2 hold a quarter that is not
+    in their generation half, so they receive twice HybridFlow's (d_g−1)/(t·p)·M."""
+    info = model_info("llama_gqa")
+    training = TrainingLayout(4, 1, 1)
+    plain = build_plan(_key(info, training, generation_layout_for(training, 2), "vllm"))
+    strided = build_plan(_key(info, training, hybridflow_generation_layout(training, 2), "vllm"))
+    quarter = strided.traffic[0].received
+    assert [x.received for x in strided.traffic] == [quarter] * 4
+    assert [x.received for x in plain.traffic] == [quarter, 2 * quarter, 2 * quarter, quarter]
+
+
+def test_rounds_respect_the_bucket_and_split_big_moves():
+    info = model_info("llama_gqa")
+    training = TrainingLayout(1, 2, 2)
+    gen = generation_layout_for(training, 1)
+    row = info.hidden_size * 4
+    for bucket in (row, 3 * row, 1 << 20):
+        plan = build_plan(_key(info, training, gen, "vllm", bucket_bytes=bucket))
+        peaks = [plan.peak_staging_bytes(r) for r in range(2)]
+        assert max(peaks) <= bucket
+        assert sum(plan.traffic[0].received for _ in [0]) > 0
+    small = build_plan(_key(info, training, gen, "vllm", bucket_bytes=row))
+    big = build_plan(_key(info, training, gen, "vllm", bucket_bytes=1 << 20))
+    assert small.num_rounds > big.num_rounds == 1
+    with pytest.raises(ValueError, match="smaller than one row"):
+        build_plan(_key(info, training, gen, "vllm", bucket_bytes=row - 4))
+
+
+def test_plans_are_cached_per_layout_pair():
+    info = model_info("llama_gqa")
+    training = TrainingLayout(2, 2, 1)
+    key = _key(info, training, generation_layout_for(training, 2), "vllm")
+    assert build_plan(key) is build_plan(key)
+    other = _key(info, training, generation_layout_for(training, 4), "vllm")
+    assert build_plan(other) is not build_plan(key)
+
+
+def test_invalid_pairs_are_refused():
+    info = model_info("llama_gqa")
+    training = TrainingLayout(2, 1, 2)
+    bad = PlanKey(info, training, GenerationLayout(4, 4), "vllm", 512, 512, 1 << 20, 4)
+    with pytest.raises(ValueError, match="does not divide"):
+        build_plan(bad)
+    with pytest.raises(ValueError, match="target must be"):
+        build_plan(PlanKey(info, training, GenerationLayout(2, 4), "sglang", 512, 512, 1024, 4))
+
+
+def test_generation_layouts():
+    """vLLM's consecutive TP groups, and HybridFlow's strided ones inside a training TP
+    group (each rank's training quarter lies in its generation half)."""
+    training = TrainingLayout(4, 1, 2)
+    plain = generation_layout_for(training, 2)
+    assert [plain.coordinates(r)["gen_tp"] for r in range(8)] == [0, 1] * 4
+    assert plain.tp_group(2) == [2, 3]
+    strided = hybridflow_generation_layout(training, 2)
+    assert strided.tp_stride == 2
+    assert [strided.coordinates(r)["gen_tp"] for r in range(8)] == [0, 0, 1, 1] * 2
+    assert [strided.coordinates(r)["gen_dp"] for r in range(8)] == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert strided.tp_group(1) == [1, 3] and strided.tp_group(6) == [4, 6]
+    for r in range(8):
+        quarter = training.coordinates(r)["tp"]
+        assert quarter // 2 == strided.coordinates(r)["gen_tp"]
+    # t_g not dividing t: no strided layout holds a training shard inside a generation one.
+    assert hybridflow_generation_layout(TrainingLayout(1, 4, 1), 2).tp_stride == 1

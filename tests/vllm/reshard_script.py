@@ -1,0 +1,145 @@
+"""torchrun body of tests/vllm/test_vllm_resharding.py: reshard Megatron actors into vLLM.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/vllm/reshard_script.py \
+        --spec spec.json --out outdir
+
+One vLLM engine (CPU build, rollout TP from the spec) loads checkpoint A itself; its greedy
+tokens and log-probs are the reference. Then, for each training layout of the spec, the
+engine is first pushed checkpoint B (so stale weights would show), a Megatron actor is
+built from A in the same processes, and its weights are resharded into the engine
+(`VllmEngineTarget`, through vLLM's layerwise reload on this build); greedy generation must
+reproduce the reference bit for bit. The name-based full-gather path does the same as a
+baseline. Each rank writes `outdir/rank{r}.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from rl_megatron.rollout.sampling import SamplingParams
+from rl_megatron.rollout.vllm_engine import VllmEngine, VllmEngineArgs
+
+
+def dump(batch) -> dict[str, Any]:
+    batch.validate()
+    rows = []
+    for i in range(len(batch)):
+        _, response = batch.row_tokens(i)
+        rows.append(
+            {
+                "response": response,
+                "log_probs": batch.rollout_log_probs[i, : len(response)].tolist(),
+            }
+        )
+    return {"rows": rows, "weight_version": batch.weight_version}
+
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    engine = VllmEngine(
+        VllmEngineArgs(
+            model=spec["ckpt_a"],
+            tp=spec["tp"],
+            dtype="float32",
+            max_model_len=spec["max_model_len"],
+            gpu_memory_utilization=0.05,
+            seed=0,
+        )
+    )
+    greedy = SamplingParams(temperature=0, max_new_tokens=spec["max_new_tokens"], ignore_eos=True)
+    prompts = spec["prompts"]
+    res: dict[str, Any] = {"tp": spec["tp"], "layouts": []}
+    res["loaded"] = dump(engine.generate(prompts, greedy))
+    sd_b = load_file(os.path.join(spec["ckpt_b"], "model.safetensors"))
+    engine.update_weights(sd_b, version=1)
+    res["other"] = dump(engine.generate(prompts, greedy))
+
+    # Megatron joins the processes vLLM already runs in.
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from rl_megatron import cpu_compat
+    from rl_megatron.models.builders import build_actor
+    from rl_megatron.models.hf_config import load_hf_config
+    from rl_megatron.resharding.executor import sync_weights
+    from rl_megatron.resharding.full_gather import full_gather_sync
+    from rl_megatron.resharding.layouts import MEGATRON_RANK_ORDER, TrainingLayout
+    from rl_megatron.resharding.targets import VllmEngineTarget
+
+    cpu_compat.enable_if_no_gpu()
+    info = load_hf_config(spec["ckpt_a"])
+    world = dist.get_world_size()
+    version = 1
+    for t, p in spec["layouts"]:
+        ps.initialize_model_parallel(t, p, order=MEGATRON_RANK_ORDER)
+        model_parallel_cuda_manual_seed(0)
+        training = TrainingLayout(t, p, world // (t * p))
+        actor = build_actor(spec["ckpt_a"], tp=t, pp=p, dtype=torch.float32)
+        case: dict[str, Any] = {"layout": [t, p, training.dp]}
+
+        engine.update_weights(sd_b, version=version + 1)  # stale weights would now show
+        target = VllmEngineTarget(engine)
+        stats = sync_weights(
+            actor,
+            target,
+            info=info,
+            training=training,
+            version=version + 2,
+            bucket_mb=spec["bucket_mb"],
+        )
+        case["reshard"] = {**stats.as_dict(), **dump(engine.generate(prompts, greedy))}
+
+        engine.update_weights(sd_b, version=version + 3)
+        stats = full_gather_sync(
+            actor,
+            engine,
+            info=info,
+            training=training,
+            version=version + 4,
+            bucket_mb=spec["bucket_mb"],
+            tp_group=ps.get_tensor_model_parallel_group(),
+            pp_group=ps.get_pipeline_model_parallel_group(),
+        )
+        case["full_gather"] = {**stats.as_dict(), **dump(engine.generate(prompts, greedy))}
+        res["layouts"].append(case)
+        version += 4
+        ps.destroy_model_parallel()
+
+    # A transfer that never finishes: generate refuses.
+    target.begin(version + 1)
+    try:
+        engine.generate(prompts, greedy)
+        res["partial_error"] = None
+    except RuntimeError as exc:
+        res["partial_error"] = str(exc)
+    return res
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--spec", required=True)
+    parser.add_argument("--out", required=True)
+    cli = parser.parse_args()
+    spec = json.loads(Path(cli.spec).read_text())
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    try:
+        res = run(spec)
+    except Exception:
+        res = {"error": traceback.format_exc()}
+    Path(cli.out, f"rank{rank}.json").write_text(json.dumps(res))
+    # No teardown: deleting the LLM would destroy the default group (see vllm_engine.py).
+    os._exit(0 if "error" not in res else 1)
+
+
+if __name__ == "__main__":
+    main()
