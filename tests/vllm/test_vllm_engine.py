@@ -23,21 +23,18 @@ near-tied greedy step of one prompt; the exact-token and 1e-4 checks do not hold
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.rollout_refs import VOCAB, hf_greedy, hf_log_probs, pick_mid_batch_eos, tiny_llama
+from tests.vllm.torchrun_script import run_script
 
 # No skip when vLLM is missing: `make test` always installs the CPU build, and a silent
 # skip would hide a broken install.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("vllm_engine_script.py")
 MAX_MODEL_LEN, BLOCK_SIZE, MAX_NEW = 128, 32, 12
 PROMPT_LENGTHS = (1, 5, 17, 45, 70)  # 45 and 70 fill 1 and 2 KV blocks: prefix-cached
@@ -105,40 +102,7 @@ def run(request, ref) -> list[dict]:
     out.mkdir()
     spec_path = ref["root"] / f"spec_tp{tp}.json"
     spec_path.write_text(json.dumps({**ref["spec"], "tp": tp}))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB; the tiny model needs far less
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",  # rendezvous on a free local port
-        "--nproc_per_node",
-        "2",
-        str(SCRIPT),
-        "--spec",
-        str(spec_path),
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
-    )
-    results = []
-    for rank in range(2):
-        path = out / f"rank{rank}.json"
-        if not path.exists():
-            pytest.fail(
-                f"rank {rank} wrote no result (rc={proc.returncode}):\n{proc.stderr[-6000:]}"
-            )
-        res = json.loads(path.read_text())
-        if "error" in res:
-            pytest.fail(f"rank {rank} failed:\n{res['error']}")
-        results.append(res)
-    return results
+    return run_script(SCRIPT, spec_path, out, RUN_TIMEOUT_S)
 
 
 def responses(case: dict) -> list[list[int]]:

