@@ -1,0 +1,445 @@
+"""A role (actor, critic, reference, reward model): model chunks + optimizer + schedules.
+
+`MegatronRole` wraps the chunks a builder returns (`rl_megatron.models.builders`) and
+runs them through megatron-core's pipeline schedules (`get_forward_backward_func`: no
+pipelining, 1F1B, or interleaved when there is one chunk per virtual stage):
+
+* `forward_only(batch)` → per-token outputs of the response tokens, on every rank:
+  `log_prob` (and `entropy`) for LM heads, `values` for value heads, `[b, R]` float32.
+* `train_step(mini_batch, loss_fn)` → one optimizer step over this rank's part of a
+  mini-batch, in micro-batches; returns metrics.
+
+Batches are dicts of tensors, rows first (a `RolloutBatch`'s fields, plus whatever the
+loss needs):
+
+    prompts         [b, P]      int64  left-padded
+    responses       [b, R]      int64  right-padded
+    attention_mask  [b, P + R]  int64  1 on real tokens
+    position_ids    [b, P + R]  int64
+    response_mask   [b, R]      0/1    tokens that count in the loss
+    ...             [b, R] or [b]      loss inputs (old_log_prob, advantages, returns, ...)
+
+The model reads `input_ids = [prompts | responses]`; GPTModel works sequence-first inside
+(`[s, b, h]` between layers and across pipeline stages) and returns batch-first
+`[b, s, V/tp]` logits (or `[b, s, 1]` values). The prediction for response token k sits
+at column P - 1 + k, so outputs are read from columns P - 1 … P + R - 2. Values follow the
+same convention (V(s_k) is read where token k is predicted), as in PPO's reference
+implementation for language models.
+
+Loss normalisation (see `algorithms.aggregation`): each micro-batch's loss is its share of
+the mini-batch loss, normalised by `batch_totals` over the DP group. Megatron's DDP
+averages gradients over DP and the schedule divides each micro-batch loss by the number
+of micro-batches, so the role multiplies the loss by `dp_size * num_micro_batches` before
+backward: the gradient is then that of the mini-batch loss, however the mini-batch is split.
+
+Process groups are taken from `parallel_state` once, at construction, and passed to every
+collective of ours.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+
+from rl_megatron.algorithms.aggregation import BatchTotals, batch_totals
+from rl_megatron.config import OffloadConfig, OptimConfig
+from rl_megatron.models.builders import ValueHead
+from rl_megatron.models.sdpa_attention import causal_padding_mask
+from rl_megatron.models.vocab_parallel import vocab_parallel_log_probs_and_entropy
+from rl_megatron.trainer import micro_batches as mb
+from rl_megatron.trainer.offload import Offloader
+
+Batch = Mapping[str, torch.Tensor]
+# loss_fn(outputs, micro_batch, totals) -> (loss, metrics). outputs: `log_prob` / `entropy`
+# or `values`, `[b, r]` with gradient, r = the micro-batch's (trimmed) response width;
+# micro_batch: the batch's rows, response-width tensors trimmed to r.
+LossFn = Callable[
+    [dict[str, torch.Tensor], dict[str, torch.Tensor], BatchTotals],
+    tuple[torch.Tensor, dict[str, torch.Tensor]],
+]
+
+
+@dataclass(frozen=True)
+class RoleGroups:
+    """The process groups a role communicates over, fixed at construction."""
+
+    tp: dist.ProcessGroup
+    pp: dist.ProcessGroup
+    dp: dist.ProcessGroup  # data-parallel (without context parallel: cp is 1 here)
+    pp_last_rank: int  # global rank of this pipeline's last stage
+    pp_size: int
+    dp_size: int
+
+    @classmethod
+    def from_parallel_state(cls) -> RoleGroups:
+        """Read the groups of the current `initialize_model_parallel`."""
+        pp = parallel_state.get_pipeline_model_parallel_group()
+        dp = parallel_state.get_data_parallel_group()
+        return cls(
+            tp=parallel_state.get_tensor_model_parallel_group(),
+            pp=pp,
+            dp=dp,
+            pp_last_rank=parallel_state.get_pipeline_model_parallel_last_rank(),
+            pp_size=dist.get_world_size(pp),
+            dp_size=dist.get_world_size(dp),
+        )
+
+
+def lr_at(step: int, optim: OptimConfig, total_steps: int | None) -> float:
+    """Learning rate of optimizer step `step` (0-based).
+
+    Linear warm-up over `lr_warmup_steps` reaching `lr` at the last warm-up step (the
+    first step trains at lr / warmup, not 0), then `constant`, or `linear` / `cosine`
+    decay to `min_lr` over `lr_decay_steps` (default `total_steps`) counted after warm-up.
+    """
+    warmup = optim.lr_warmup_steps
+    if step < warmup:
+        return optim.lr * (step + 1) / warmup
+    if optim.lr_decay_style == "constant":
+        return optim.lr
+    decay_steps = optim.lr_decay_steps or total_steps
+    if not decay_steps:
+        raise ValueError(
+            f"lr_decay_style={optim.lr_decay_style!r} needs optim.lr_decay_steps or the "
+            f"run's total steps"
+        )
+    frac = min(max(step - warmup, 0) / max(decay_steps - warmup, 1), 1.0)
+    if optim.lr_decay_style == "linear":
+        coeff = 1.0 - frac
+    else:
+        coeff = 0.5 * (1.0 + math.cos(math.pi * frac))
+    return optim.min_lr + (optim.lr - optim.min_lr) * coeff
+
+
+class MegatronRole:
+    """Model chunks of one role, with DDP, the distributed optimizer and an LR schedule.
+
+    Args:
+        chunks: this rank's `GPTModel` chunks, one per virtual pipeline stage (a builder's
+            output); LM head or `ValueHead`.
+        optim: optimizer settings; None for a frozen role (reference, reward model), which
+            gets neither DDP nor an optimizer and can only run `forward_only`.
+        micro_batch_size: rows per micro-batch (fixed mode).
+        use_dynamic_batch: token-budget micro-batches instead (`micro_batches`).
+        max_tokens_per_micro_batch: the budget, in real tokens.
+        temperature: divides the logits before log-probs/entropy (the rollout's).
+        total_steps: optimizer steps of the run, for linear/cosine decay.
+        offload: what `offload()` moves to host memory between phases.
+        groups: process groups; default: from `parallel_state`.
+    """
+
+    def __init__(
+        self,
+        chunks: list[torch.nn.Module],
+        *,
+        optim: OptimConfig | None = None,
+        micro_batch_size: int = 1,
+        use_dynamic_batch: bool = False,
+        max_tokens_per_micro_batch: int = 16384,
+        temperature: float = 1.0,
+        total_steps: int | None = None,
+        offload: OffloadConfig | None = None,
+        groups: RoleGroups | None = None,
+    ) -> None:
+        self.groups = groups or RoleGroups.from_parallel_state()
+        self.config = chunks[0].config
+        self.device = next(chunks[0].parameters()).device
+        # Only the last pipeline stage holds the head; every stage must know its kind.
+        has_value_head = torch.tensor(
+            [float(isinstance(getattr(c, "output_layer", None), ValueHead)) for c in chunks],
+            device=self.device,
+        ).max()
+        dist.all_reduce(has_value_head, op=dist.ReduceOp.MAX, group=self.groups.pp)
+        self.value_head = bool(has_value_head)
+        self.vocab_size = getattr(chunks[-1], "true_vocab_size", None)
+        self.micro_batch_size = micro_batch_size
+        self.use_dynamic_batch = use_dynamic_batch
+        self.max_tokens = max_tokens_per_micro_batch
+        self.temperature = temperature
+        self.optim_config = optim
+        self.total_steps = total_steps
+        self.step_count = 0
+        # Without interleaving, micro-batches are trimmed to their own length and pipeline
+        # stages exchange tensor shapes per micro-batch. megatron-core's interleaved
+        # schedule deadlocks in that shape exchange (forward + backward), so there every
+        # micro-batch keeps one fixed shape (`_micro_batches`).
+        self.interleaved = len(chunks) > 1
+        self.config.variable_seq_lengths = not self.interleaved
+        self.is_pp_last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        self.offload_config = offload or OffloadConfig()
+        if optim is None:
+            self.model = list(chunks)
+            self.optimizer = None
+            self.offloader = Offloader(self.model)
+            return
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
+        )
+        # Bucketing only on the first chunk, as Megatron-LM does for interleaved pipelines.
+        self.model = [
+            DistributedDataParallel(self.config, ddp_config, chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)
+        ]
+        self.config.finalize_model_grads_func = finalize_model_grads
+        dtype = self.config.params_dtype
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",  # the distributed optimizer supports Adam only
+                lr=optim.lr,
+                min_lr=optim.min_lr,
+                weight_decay=optim.weight_decay,
+                adam_beta1=optim.adam_beta1,
+                adam_beta2=optim.adam_beta2,
+                adam_eps=optim.adam_eps,
+                clip_grad=optim.clip_grad,
+                bf16=dtype == torch.bfloat16,
+                params_dtype=dtype,
+                use_distributed_optimizer=True,
+            ),
+            self.model,
+        )
+        self._set_lr(lr_at(0, optim, total_steps))
+        self.offloader = Offloader(self.model, self.optimizer)
+
+    # ---- offload -----------------------------------------------------------------------
+
+    def offload(self) -> int:
+        """Move what the role's `OffloadConfig` selects to host memory; bytes freed."""
+        return self.offloader.offload(self.offload_config)
+
+    def reload(self) -> None:
+        """Bring the offloaded state back to the device (a no-op when nothing is off)."""
+        self.offloader.reload()
+
+    def _check_loaded(self) -> None:
+        if self.offloader.is_offloaded:
+            raise RuntimeError("this role is offloaded: call reload() before running it")
+
+    # ---- micro-batches -----------------------------------------------------------------
+
+    def _split(self, batch: Batch, micro_batch_size: int | None) -> list[list[int]]:
+        rows = batch["prompts"].shape[0]
+        vpp = len(self.model) > 1
+        if self.use_dynamic_batch and micro_batch_size is None:
+            lens = batch["attention_mask"].sum(dim=-1)
+            # The interleaved schedule needs a multiple of pp micro-batches.
+            mult = self.groups.pp_size if vpp else 1
+            return mb.dynamic_micro_batches(lens, self.max_tokens, multiple_of=mult)
+        split = mb.fixed_micro_batches(rows, micro_batch_size or self.micro_batch_size)
+        if vpp and len(split) % self.groups.pp_size:
+            raise ValueError(
+                f"the interleaved pipeline schedule needs a multiple of pp="
+                f"{self.groups.pp_size} micro-batches; {rows} rows in micro-batches of "
+                f"{micro_batch_size or self.micro_batch_size} give {len(split)}"
+            )
+        return split
+
+    def _micro_batches(self, batch: Batch, split: list[list[int]]) -> list[dict]:
+        """The micro-batches of `split`, on the device, shaped for the schedule."""
+        if not self.interleaved:
+            return [self._micro_batch(batch, rows) for rows in split]
+        # One shape for all: the batch's full width, and every micro-batch filled up to the
+        # largest with copies of its first row that count nowhere (response_mask 0;
+        # forward_only drops their outputs).
+        num_rows = max(len(rows) for rows in split)
+        out = []
+        for rows in split:
+            extra = num_rows - len(rows)
+            sub = mb.select_rows(batch, list(rows) + [rows[0]] * extra)
+            sub = {k: v.to(self.device) for k, v in sub.items()}
+            if extra:
+                sub["response_mask"] = sub["response_mask"].clone()
+                sub["response_mask"][len(rows) :] = 0
+            out.append(sub)
+        return out
+
+    def _micro_batch(self, batch: Batch, rows: list[int]) -> dict[str, torch.Tensor]:
+        """Rows of `batch` on the device, without the padding columns none of them uses."""
+        sub = {k: v.to(self.device) for k, v in mb.select_rows(batch, rows).items()}
+        p, r = sub["prompts"].shape[1], sub["responses"].shape[1]
+        start, r_mb = mb.trim_padding(sub["prompts"], sub["responses"], sub["attention_mask"])
+        out = {}
+        for key, value in sub.items():
+            if key in ("attention_mask", "position_ids"):
+                out[key] = torch.cat([value[:, start:p], value[:, p : p + r_mb]], dim=1)
+            elif key == "prompts":
+                out[key] = value[:, start:]
+            elif value.dim() >= 2 and value.shape[1] == r:
+                out[key] = value[:, :r_mb]
+            else:
+                out[key] = value
+        return out
+
+    def _forward_step(self, data_iterator: Iterator, model: torch.nn.Module, loss_func):
+        """Megatron forward_step_func: one micro-batch through one chunk."""
+        batch = next(data_iterator)
+        input_ids = torch.cat([batch["prompts"], batch["responses"]], dim=1).to(self.device)
+        mask2d = batch["attention_mask"].to(self.device)
+        # No padding in this micro-batch: the causal fast path.
+        attn = None if bool(mask2d.bool().all()) else causal_padding_mask(mask2d)
+        output = model(input_ids, batch["position_ids"].to(self.device), attn)
+        return output, partial(loss_func, batch)
+
+    def _per_token(
+        self, output: torch.Tensor, batch: Mapping[str, torch.Tensor], with_entropy: bool
+    ) -> dict[str, torch.Tensor]:
+        """`[b, s, V/tp]` logits or `[b, s, 1]` values → `[b, r]` response-token outputs."""
+        p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
+        cols = output[:, p - 1 : p - 1 + r]
+        if self.value_head:
+            return {"values": cols[..., 0].float()}
+        labels = batch["responses"].to(self.device)
+        log_prob, entropy = vocab_parallel_log_probs_and_entropy(
+            cols, labels, self.groups.tp, self.temperature, self.vocab_size
+        )
+        out = {"log_prob": log_prob}
+        if with_entropy:
+            out["entropy"] = entropy
+        return out
+
+    def _run(self, micro: list[dict], forward_step, forward_only: bool) -> list:
+        """All micro-batches through the schedule; returns what the loss funcs reported.
+
+        With forward_only, `collect_non_loss_data` makes the schedule store loss_func's
+        return value as is (our per-token dict), instead of treating it as a loss.
+        """
+        seq = max(m["attention_mask"].shape[1] for m in micro)
+        mbs = max(m["prompts"].shape[0] for m in micro)
+        iters = [iter(micro) for _ in self.model]
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iters if len(iters) > 1 else iters[0],
+            model=self.model,
+            num_microbatches=len(micro),
+            seq_length=seq,
+            micro_batch_size=mbs,
+            forward_only=forward_only,
+            collect_non_loss_data=forward_only,
+        )
+
+    # ---- forward only ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def forward_only(
+        self, batch: Batch, *, with_entropy: bool = False, micro_batch_size: int | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Per-token outputs of the response tokens of every row, on every rank.
+
+        batch: the dict layout of the module docstring (this rank's rows).
+        with_entropy: also return `entropy` (LM heads).
+        micro_batch_size: override the role's (fixed mode); None = the role's setting.
+        Returns `log_prob` (+ `entropy`) or `values`, each `[b, R]` float32, 0 where
+        `response_mask` is 0 (or on right padding), identical on all TP and PP ranks.
+        """
+        self._check_loaded()
+        for chunk in self.model:
+            chunk.eval()
+        split = self._split(batch, micro_batch_size)
+        micro = self._micro_batches(batch, split)
+        keys = ["values"] if self.value_head else ["log_prob"] + ["entropy"] * with_entropy
+
+        def loss_func(mbatch, output, non_loss_data=False):
+            return self._per_token(output, mbatch, with_entropy)
+
+        step = partial(self._forward_step, loss_func=loss_func)
+        b, r = batch["responses"].shape
+        results = {k: torch.zeros(b, r, dtype=torch.float32, device=self.device) for k in keys}
+        outs = self._run(micro, step, forward_only=True)
+        if self.is_pp_last:
+            for key in keys:
+                full = [mb.pad_responses(o[key][: len(rows)], r) for o, rows in zip(outs, split)]
+                results[key] = mb.restore_order(full, split).to(self.device)
+        mask = batch["response_mask"].to(self.device).bool()
+        for key in keys:
+            # The last stage computed them; every other stage of the pipeline needs them too.
+            dist.broadcast(results[key], src=self.groups.pp_last_rank, group=self.groups.pp)
+            results[key].masked_fill_(~mask, 0.0)
+        return results
+
+    # ---- training ----------------------------------------------------------------------
+
+    def train_step(
+        self,
+        mini_batch: Batch,
+        loss_fn: LossFn,
+        *,
+        with_entropy: bool = False,
+        micro_batch_size: int | None = None,
+    ) -> dict[str, float]:
+        """One optimizer step on this rank's part of a mini-batch.
+
+        mini_batch: dict layout of the module docstring; its `response_mask` rows across all
+            DP ranks make up the mini-batch that losses are normalised by.
+        loss_fn: `(outputs, micro_batch, totals) -> (loss, metrics)`; the loss must be the
+            micro-batch's share of the mini-batch loss (`aggregate(..., totals=totals)`).
+        with_entropy: compute `entropy` for the loss (entropy bonus).
+        micro_batch_size: override the role's (fixed mode).
+        Returns, identical on every rank: `loss` (the mini-batch loss, summed over micro-
+        batches and DP ranks), the loss_fn's metrics averaged over micro-batches and DP
+        ranks, `grad_norm` (before clipping), `lr`, `update_successful`.
+        """
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a frozen role (built with optim=None)")
+        self._check_loaded()
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        lr = lr_at(self.step_count, self.optim_config, self.total_steps)
+        self._set_lr(lr)
+        totals = batch_totals(mini_batch["response_mask"].to(self.device), group=self.groups.dp)
+        split = self._split(mini_batch, micro_batch_size)
+        micro = self._micro_batches(mini_batch, split)
+        scale = self.groups.dp_size * len(micro)
+
+        def loss_func(mbatch, output):
+            outputs = self._per_token(output, mbatch, with_entropy)
+            loss, metrics = loss_fn(outputs, mbatch, totals)
+            # clone: the schedule divides the returned loss in place.
+            reported = {"loss": loss.detach().clone()}
+            reported.update({k: v.detach().clone().float() for k, v in metrics.items()})
+            return loss * scale, reported
+
+        step = partial(self._forward_step, loss_func=loss_func)
+        per_micro = self._run(micro, step, forward_only=False)
+        update_ok, grad_norm, _ = self.optimizer.step()
+        self.step_count += 1
+        metrics = self._reduce_metrics(per_micro)
+        metrics.update(
+            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            lr=lr,
+            update_successful=float(bool(update_ok)),
+        )
+        return metrics
+
+    def _reduce_metrics(self, per_micro: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+        """Loss summed, other metrics averaged over micro-batches and DP; then sent down PP."""
+        box: list = [None]
+        if self.is_pp_last:
+            keys = sorted(per_micro[0])
+            vals = torch.stack([torch.stack([m[k].float() for m in per_micro]) for k in keys])
+            # The last entry counts micro-batches: DP ranks may have different numbers.
+            sums = torch.cat([vals.sum(dim=1), torch.tensor([float(len(per_micro))])])
+            sums = sums.to(self.device)
+            dist.all_reduce(sums, group=self.groups.dp)
+            *totals, count = sums.tolist()
+            box[0] = {k: t if k == "loss" else t / count for k, t in zip(keys, totals)}
+        dist.broadcast_object_list(box, src=self.groups.pp_last_rank, group=self.groups.pp)
+        return box[0]
+
+    def _set_lr(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
