@@ -187,6 +187,11 @@ class DataConfig:
     val_batch_size: int = 16
     shuffle: bool = True
     apply_chat_template: bool = False
+    # A task generated on the fly instead of files (`data/synthetic.py`): the CPU demo and
+    # the end-to-end tests. It brings its own character tokenizer; model.vocab_size >= 100.
+    synthetic_task: Literal["digit_echo"] | None = None
+    synthetic_size: int = 1024  # training prompts; validation uses data.val_batch_size
+    val_size: int | None = None  # synthetic validation prompts; None = data.val_batch_size
 
 
 @dataclass
@@ -390,6 +395,11 @@ def validate(config: Config, world_size: int) -> None:
         f"{r.tp} does not divide the attention heads / query groups of the model",
     )
     _require(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
+    _require(
+        r.temperature > 0 or r.n == 1,
+        "rollout.n",
+        f"greedy sampling (rollout.temperature=0) gives {r.n} identical responses; use n=1",
+    )
     _require(r.temperature >= 0, "rollout.temperature", "must be >= 0")
     _require(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
     _require(r.top_k == -1 or r.top_k > 0, "rollout.top_k", "must be -1 (off) or > 0")
@@ -422,6 +432,39 @@ def validate(config: Config, world_size: int) -> None:
         )
     if a.use_kl_in_reward or act.use_kl_loss:
         _require(bool(config.reference.enable), "reference.enable", "a KL term needs the reference")
+
+    d = config.data
+    if d.synthetic_task is None:
+        _require(
+            bool(d.train_files),
+            "data.train_files",
+            "no training data; give JSONL/Parquet files or set data.synthetic_task",
+        )
+    else:
+        _require(
+            not d.train_files,
+            "data.synthetic_task",
+            "is set together with data.train_files; choose one",
+        )
+        _require(d.synthetic_size > 0, "data.synthetic_size", "must be > 0")
+    _require(
+        config.trainer.val_interval == 0 or bool(d.val_files) or d.synthetic_task is not None,
+        "trainer.val_interval",
+        "evaluation needs data.val_files (or data.synthetic_task)",
+    )
+    if r.engine == "megatron":
+        # The Megatron engine generates with the actor's own modules (no copy, no sync).
+        _require(p.pp == 1, "rollout.engine", "megatron generates with pp=1 only; use vllm")
+        _require(
+            not p.sequence_parallel,
+            "rollout.engine",
+            "megatron decodes one token per step, which sequence_parallel cannot split; use vllm",
+        )
+        _require(
+            r.tp == p.tp,
+            "rollout.tp",
+            f"the megatron engine generates at the training tp={p.tp}; got rollout.tp={r.tp}",
+        )
 
     sequences = config.data.train_batch_size * r.n
     _require(config.data.train_batch_size > 0, "data.train_batch_size", "must be > 0")

@@ -13,6 +13,7 @@ so that `scoring.score_batch` counts it as an error instead of hiding a data pro
 from __future__ import annotations
 
 import re
+import string
 from collections.abc import Callable, Mapping
 from decimal import Decimal
 from typing import Any
@@ -195,9 +196,26 @@ def exact_match(response: str, sample: Mapping[str, Any], answer_key: str = "ans
     return 1.0 if response.strip() == _reference(sample, answer_key).strip() else 0.0
 
 
+def digit_echo(response: str, sample: Mapping[str, Any], answer_key: str = "answer") -> float:
+    """The synthetic demo task (`data.synthetic_task: digit_echo`): repeat the answer digit.
+
+    Mean over the response's characters of 1 for the answer digit, 0.2 for any other digit
+    and 0 otherwise (0 for an empty response). The partial credit gives a randomly
+    initialised model a gradient towards digits before it finds the right one.
+    """
+    answer = _reference(sample, answer_key).strip()
+    if len(answer) != 1 or not answer.isdigit():
+        raise ValueError(f"the reference {answer_key!r} must be one digit, got {answer!r}")
+    if not response:
+        return 0.0
+    credit = [1.0 if c == answer else 0.2 if c in string.digits else 0.0 for c in response]
+    return sum(credit) / len(credit)
+
+
 # Names accepted by `reward.function`.
 RULES: dict[str, RuleFn] = {
     "gsm8k": gsm8k,
     "boxed_math": boxed_math,
     "exact_match": exact_match,
+    "digit_echo": digit_echo,
 }

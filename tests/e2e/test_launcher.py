@@ -71,6 +71,7 @@ def test_dry_run_prints_layout_table_on_4_ranks(tmp_path):
             "--dry-run",
             "parallel.tp=2",
             "parallel.pp=2",
+            "rollout.engine=vllm",  # the megatron engine generates at pp=1 only
             f"trainer.output_dir={tmp_path}",
         ],
         torchrun_ranks=4,

@@ -18,9 +18,13 @@ def _write(tmp_path: Path, text: str) -> Path:
     return path
 
 
+# tiny_cpu.yaml runs at TP=2; the checks below start from one rank unless they say so.
+ONE_RANK = ["parallel.tp=1", "rollout.tp=1"]
+
+
 def _error(path, overrides=(), world_size=1) -> str:
     with pytest.raises(ConfigError) as info:
-        config = load_config(path, list(overrides))
+        config = load_config(path, ONE_RANK + list(overrides))
         validate(config, world_size)
     message = str(info.value)
     assert "\n" not in message, message
@@ -134,3 +138,60 @@ def test_resolved_config_round_trips(tmp_path):
     path = save_resolved(config, tmp_path)
     again = load_config(path, [])
     assert again == config
+
+
+# Every shipped config validates at the world size its header comment names, with a
+# stand-in config.json of the model family it expects (its hf_path is a cluster path).
+SHIPPED = {
+    "llama7b.yaml": (8, dict(num_attention_heads=32, num_key_value_heads=32, vocab=32000)),
+    "qwen2.5_7b_grpo.yaml": (8, dict(num_attention_heads=28, num_key_value_heads=4, vocab=152064)),
+    "llama3_8b_grpo.yaml": (8, dict(num_attention_heads=32, num_key_value_heads=8, vocab=128256)),
+    "qwen2.5_1.5b_1gpu.yaml": (
+        1,
+        dict(num_attention_heads=12, num_key_value_heads=2, vocab=151936),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_configs_validate(tmp_path, name):
+    import json
+
+    world, arch = SHIPPED[name]
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": 128 * arch["num_attention_heads"],
+                "num_hidden_layers": 32,
+                "num_attention_heads": arch["num_attention_heads"],
+                "num_key_value_heads": arch["num_key_value_heads"],
+                "intermediate_size": 11008,
+                "vocab_size": arch["vocab"],
+            }
+        )
+    )
+    config = load_config(TINY.parent / name, [f"model.hf_path={tmp_path}"])
+    validate(config, world_size=world)
+    assert config.rollout.engine == "vllm"
+    validate(load_config(TINY, []), world_size=4)  # the demo: TP=2 x DP=2
+
+
+def test_megatron_engine_needs_the_training_layout():
+    message = _error(TINY, ["parallel.tp=2", "rollout.tp=1"], world_size=2)
+    assert (
+        message
+        == "rollout.tp: the megatron engine generates at the training tp=2; got rollout.tp=1"
+    )
+    message = _error(TINY, ["parallel.pp=2"], world_size=2)
+    assert message == "rollout.engine: megatron generates with pp=1 only; use vllm"
+
+
+def test_training_data_is_required():
+    message = _error(TINY, ["data.synthetic_task=null"])
+    assert message.startswith("data.train_files: no training data")
+
+
+def test_greedy_rollouts_need_one_sample():
+    message = _error(TINY, ["rollout.temperature=0"])
+    assert message.startswith("rollout.n: greedy sampling (rollout.temperature=0) gives 4")
