@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from megatron.core.distributed import DistributedDataParallel
 
 from rl_megatron.config import OffloadConfig
 
@@ -85,9 +86,11 @@ def optimizer_tensors(optimizer) -> list[torch.Tensor]:
 
 
 def _ddp_buffers(chunk: torch.nn.Module) -> list:
-    return list(getattr(chunk, "buffers", None) or []) + list(
-        getattr(chunk, "expert_parallel_buffers", None) or []
-    )
+    """DDP's parameter/gradient buffers; none for an unwrapped (frozen) model, whose
+    `buffers` attribute is `nn.Module.buffers`, a method."""
+    if not isinstance(chunk, DistributedDataParallel):
+        return []
+    return list(chunk.buffers) + list(getattr(chunk, "expert_parallel_buffers", None) or [])
 
 
 class Offloader:

@@ -58,7 +58,10 @@ from rl_megatron.algorithms.aggregation import BatchTotals, batch_totals
 from rl_megatron.config import OffloadConfig, OptimConfig
 from rl_megatron.models.builders import ValueHead
 from rl_megatron.models.sdpa_attention import causal_padding_mask
-from rl_megatron.models.vocab_parallel import vocab_parallel_log_probs_and_entropy
+from rl_megatron.models.vocab_parallel import (
+    vocab_parallel_log_probs,
+    vocab_parallel_log_probs_and_entropy,
+)
 from rl_megatron.trainer import micro_batches as mb
 from rl_megatron.trainer.offload import Offloader
 
@@ -139,6 +142,9 @@ class MegatronRole:
         total_steps: optimizer steps of the run, for linear/cosine decay.
         offload: what `offload()` moves to host memory between phases.
         groups: process groups; default: from `parallel_state`.
+        output_at: which column a value head's output is read from for response token k:
+            `prediction` (where token k is predicted: critics, V(s_k)) or `token` (token
+            k's own position: reward models score a sequence at its last token).
     """
 
     def __init__(
@@ -153,7 +159,11 @@ class MegatronRole:
         total_steps: int | None = None,
         offload: OffloadConfig | None = None,
         groups: RoleGroups | None = None,
+        output_at: str = "prediction",
     ) -> None:
+        if output_at not in ("prediction", "token"):
+            raise ValueError(f"output_at must be 'prediction' or 'token', got {output_at!r}")
+        self.output_shift = 0 if output_at == "token" else 1
         self.groups = groups or RoleGroups.from_parallel_state()
         self.config = chunks[0].config
         self.device = next(chunks[0].parameters()).device
@@ -300,15 +310,19 @@ class MegatronRole:
         p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
         cols = output[:, p - 1 : p - 1 + r]
         if self.value_head:
-            return {"values": cols[..., 0].float()}
+            start = p - self.output_shift
+            return {"values": output[:, start : start + r, 0].float()}
         labels = batch["responses"].to(self.device)
+        if not with_entropy:
+            # The entropy costs another pass over the vocabulary (and its backward).
+            log_prob = vocab_parallel_log_probs(
+                cols, labels, self.groups.tp, self.temperature, self.vocab_size
+            )
+            return {"log_prob": log_prob}
         log_prob, entropy = vocab_parallel_log_probs_and_entropy(
             cols, labels, self.groups.tp, self.temperature, self.vocab_size
         )
-        out = {"log_prob": log_prob}
-        if with_entropy:
-            out["entropy"] = entropy
-        return out
+        return {"log_prob": log_prob, "entropy": entropy}
 
     def _run(self, micro: list[dict], forward_step, forward_only: bool) -> list:
         """All micro-batches through the schedule; returns what the loss funcs reported.
@@ -432,8 +446,8 @@ class MegatronRole:
             keys = sorted(per_micro[0])
             vals = torch.stack([torch.stack([m[k].float() for m in per_micro]) for k in keys])
             # The last entry counts micro-batches: DP ranks may have different numbers.
-            sums = torch.cat([vals.sum(dim=1), torch.tensor([float(len(per_micro))])])
-            sums = sums.to(self.device)
+            count = torch.tensor([float(len(per_micro))], device=vals.device)
+            sums = torch.cat([vals.sum(dim=1), count]).to(self.device)
             dist.all_reduce(sums, group=self.groups.dp)
             *totals, count = sums.tolist()
             box[0] = {k: t if k == "loss" else t / count for k, t in zip(keys, totals)}
