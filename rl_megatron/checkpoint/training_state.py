@@ -1,0 +1,797 @@
+"""Save and resume the whole training state: roles (weights + optimizer), RNGs, trainer state.
+
+    manager = CheckpointManager(run_dir / "checkpoints", keep_last=2)
+    manager.save(step, {"actor": actor, "critic": critic}, trainer_state, sidecar)  # collective
+    path = manager.latest()                           # newest complete checkpoint, or None
+    step, trainer_state = manager.load(path, roles)   # collective
+
+On disk, one directory per saved step:
+
+    checkpoints/step_00000042/
+      trainer_state.json    written last: format_version, step, layout, per-role step_count
+                            and optimizer format, the trainer's own state. Its presence marks
+                            the checkpoint complete.
+      actor/                a dist_checkpointing (torch_dist) directory holding
+                            {"model": ...} (`model0`, `model1`, ... with VPP) exactly as
+                            checkpoints_tools writes it, plus {"optimizer": ...}: the
+                            distributed optimizer's fp32 master weights, Adam moments, step.
+      actor/rl_megatron.json, actor/hf/
+                            the sidecar (when given) and the HF config / tokenizer files of
+                            its `source`, so `megatron_to_hf.py --ckpt step_.../actor` exports.
+      critic/ ...
+      rng/rank_00000.safetensors, rng/rank_00000.json
+                            each rank's RNG states (torch CPU, CUDA, Megatron's tracker as
+                            tensors; python `random` / numpy as JSON) and its coordinates.
+
+Nothing of ours is pickled (tensors: safetensors or dist_checkpointing; the rest: JSON).
+dist_checkpointing's torch_dist format itself unpickles, on load, its `.metadata` index and
+its ShardedObjects (the model's `_extra_state`; with dp_reshardable also the optimizer's
+param groups and bucket sizes): load only checkpoints you trust.
+
+Atomicity. A save writes into a sibling `step_00000042.tmp-<token>/`; once every rank has
+written, rank 0 writes `trainer_state.json` and renames the directory into place. A kill
+at any moment leaves the previous checkpoint untouched and `latest()` on it; `.tmp-`
+directories are never returned and the next successful save deletes them. Re-saving an
+existing step moves the old copy to `step_...old-<token>` first (`latest()` falls back to
+it if a kill lands between the two renames), then deletes it.
+
+Resuming. At the same layout (world size, TP, PP, CP, DP, rank order, VPP) everything is
+restored bit for bit, this rank's RNG streams included. Any other layout is refused unless
+`load(..., allow_reshard=True)`:
+  * weights: any TP / PP / VPP / DP (the stored tensors are global);
+  * optimizer state saved `dp_reshardable` (the default, as in Megatron-LM: each rank
+    writes its own shard, nothing is gathered): only DP may change;
+  * saved `fully_reshardable` (gathered over DP into every DP rank's host memory at save,
+    and read whole by every rank at load: for models whose TP x PP shard of fp32 state
+    fits in host memory): any layout;
+  * RNG streams: left as the caller seeded them (per-rank streams do not map across layouts).
+Frozen roles (no optimizer) store and load weights only.
+
+megatron-core 0.16.1 needs a few workarounds here, each in its own function: with torch's
+Adam (no TE / apex) it cannot save or load a fresh optimizer (`_ensure_adam_state`), loses
+or aliases Adam's `step` on load (`_restore_adam_steps`, `_tolerate_missing_adam_step`);
+its checkpoint writer forks helper processes (`_InProcessSaveStrategy`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import random
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from functools import partial
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as ps
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+from safetensors.torch import load_file, save_file
+
+from rl_megatron.checkpoint import hf_loader
+from rl_megatron.checkpoint.hf_export import HF_AUX_FILES
+from rl_megatron.checkpoint.hf_loader import unwrap
+
+FORMAT_VERSION = 1
+STATE_FILE = "trainer_state.json"  # the completion marker: written last
+SIDECAR_FILE = "rl_megatron.json"  # checkpoints_tools/_common.py META_FILE
+HF_SUBDIR = "hf"  # checkpoints_tools/_common.py HF_SUBDIR
+RNG_DIR = "rng"
+_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+OptimizerSharding = Literal["dp_reshardable", "fully_reshardable"]
+_FINAL = re.compile(r"^step_(\d{8})(\.old-[0-9a-f]+)?$")
+_PARTIAL = re.compile(r"^step_\d{8}\.(tmp|old|del)-[0-9a-f]+$")
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(hf_loader.CheckpointError, RuntimeError):
+    """A missing, incomplete or incompatible training checkpoint; the message is one line.
+
+    A subclass of the conversion tools' `CheckpointError`, so one `except` covers both.
+    """
+
+
+# ---- the manager -------------------------------------------------------------------------
+
+
+class CheckpointManager:
+    """Atomic, rotating training checkpoints under one directory (`run_dir/checkpoints`).
+
+    Args:
+        root: directory holding the `step_XXXXXXXX/` checkpoints (created on first save).
+        keep_last: complete checkpoints kept after a save (>= 1); older ones are deleted.
+        group: process group spanning every rank (dist_checkpointing works on the world
+            group); default: the world.
+        optimizer_sharding: how the distributed optimizer's state is stored (module
+            docstring): `dp_reshardable` (no gather; same TP / PP on resume) or
+            `fully_reshardable` (gathered over DP into host memory at save; any layout).
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        keep_last: int = 2,
+        group: dist.ProcessGroup | None = None,
+        optimizer_sharding: OptimizerSharding = "dp_reshardable",
+    ) -> None:
+        if keep_last < 1:
+            raise ValueError(f"checkpoint.keep_last must be >= 1, got {keep_last}")
+        if optimizer_sharding not in ("dp_reshardable", "fully_reshardable"):
+            raise ValueError(f"unknown optimizer_sharding '{optimizer_sharding}'")
+        self.root = Path(root)
+        self.keep_last = keep_last
+        self.group = group
+        self.optimizer_sharding = optimizer_sharding
+
+    # ---- save ---------------------------------------------------------------------------
+
+    def save(
+        self,
+        step: int,
+        roles: Mapping[str, Any],
+        trainer_state: dict,
+        sidecar: Mapping[str, dict] | None = None,
+    ) -> Path:
+        """Write `roles`, this rank's RNG and `trainer_state` as checkpoint `step`; collective.
+
+        Args:
+            step: the trainer's step (names the directory).
+            roles: role name → `MegatronRole` (frozen roles: weights only); an offloaded
+                role is reloaded for its part of the save and offloaded again.
+            trainer_state: JSON-serialisable, identical on every rank (sampler position, KL
+                controller, ...); returned by `load`.
+            sidecar: role name → content of `<role>/rl_megatron.json` (checkpoints_tools'
+                fields); its `source`, an HF directory, also supplies `<role>/hf/`.
+        Returns the final checkpoint directory.
+        """
+        started = time.perf_counter()
+        # Every rank checks the same inputs, so a bad one fails everywhere, before any I/O.
+        try:
+            state_text = json.dumps(trainer_state)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"trainer_state must be JSON-serialisable: {exc}") from None
+        unknown = sorted(set(sidecar or {}) - set(roles))
+        if unknown:
+            raise ValueError(f"sidecar for unknown role(s) {unknown}; roles: {sorted(roles)}")
+        final = self.root / f"step_{step:08d}"
+        tmp = self._make_tmp(final)
+        for name in sorted(roles):
+            with _on_device(roles[name]):
+                self._save_role(tmp / name, roles[name], (sidecar or {}).get(name))
+        _save_rng(tmp / RNG_DIR, dist.get_rank())
+        dist.barrier(group=self.group)
+        if self._is_leader():
+            meta = {
+                "format_version": FORMAT_VERSION,
+                "step": step,
+                "layout": _layout(),
+                "roles": {
+                    name: _role_meta(role, self.optimizer_sharding) for name, role in roles.items()
+                },
+                "trainer_state": json.loads(state_text),
+            }
+            _write_json(tmp / STATE_FILE, meta)
+            _commit(tmp, final)
+            self._cleanup(keep=final)
+            log.info("checkpoint step %d: %s (%.1f s)", step, final, time.perf_counter() - started)
+        dist.barrier(group=self.group)
+        return final
+
+    def _make_tmp(self, final: Path) -> Path:
+        """Rank 0 creates the `.tmp-` directory this save writes into; all ranks learn it."""
+        box: list = [None]
+        if self._is_leader():
+            self.root.mkdir(parents=True, exist_ok=True)
+            _recover_replaced(self.root)
+            box[0] = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:12]}")
+            (box[0] / RNG_DIR).mkdir(parents=True)
+        dist.broadcast_object_list(box, src=self._leader_rank(), group=self.group)
+        return box[0]
+
+    def _save_role(self, role_dir: Path, role: Any, sidecar: dict | None) -> None:
+        """One role as a dist_checkpointing directory (+ sidecar files on rank 0)."""
+        if self._is_leader():
+            role_dir.mkdir()
+        dist.barrier(group=self.group)
+        state = _sharded_state(role, self.optimizer_sharding, is_loading=False)
+        dist_checkpointing.save(state, str(role_dir), sharded_strategy=_InProcessSaveStrategy())
+        if sidecar is not None and self._is_leader():
+            _write_sidecar(role_dir, sidecar)
+
+    def _cleanup(self, keep: Path) -> None:
+        """Delete leftovers of interrupted saves and complete checkpoints past `keep_last`."""
+        for path in self.root.iterdir():
+            if _PARTIAL.match(path.name) and path.is_dir():
+                _delete(path)
+        kept = [p for _, p in _complete(self.root)][: self.keep_last]
+        for _, path in _complete(self.root):
+            if path not in kept and path != keep:
+                _delete(path)
+
+    # ---- latest ---------------------------------------------------------------------------
+
+    def latest(self) -> Path | None:
+        """The newest complete checkpoint (by step), or None.
+
+        Directories without `trainer_state.json` and `.tmp-` ones are never returned; a
+        step's `.old-` copy only when a kill left no other copy of that step. Collective
+        when torch.distributed is initialised: rank 0 looks and tells the others, so every
+        rank resumes from the same directory even on a lagging shared filesystem.
+        """
+        if not dist.is_initialized():
+            return _latest(self.root)
+        box = [_latest(self.root) if self._is_leader() else None]
+        dist.broadcast_object_list(box, src=self._leader_rank(), group=self.group)
+        return box[0]
+
+    # ---- load ---------------------------------------------------------------------------
+
+    def load(
+        self, path: Path, roles: Mapping[str, Any], *, allow_reshard: bool = False
+    ) -> tuple[int, dict]:
+        """Restore `roles` (weights, optimizer, step_count) and this rank's RNG; collective.
+
+        Args:
+            path: a checkpoint directory (`latest()` or a user's choice).
+            roles: role name → `MegatronRole`, built at the current layout; each must be in
+                the checkpoint (it may hold more).
+            allow_reshard: accept a different parallel layout (module docstring); the RNG
+                is then not restored.
+        Returns (step, trainer_state). Raises `CheckpointError` (the same on every rank) for
+        a missing, incomplete or corrupt checkpoint, a missing role or a layout mismatch.
+        """
+        path = Path(path)
+        meta, problem = None, None
+        if self._is_leader():
+            try:
+                meta = _check_checkpoint(path, sorted(roles))
+            except CheckpointError as exc:
+                problem = str(exc)
+            except Exception as exc:  # never leave the other ranks waiting in the broadcast
+                problem = f"{path}: unreadable checkpoint ({_first_line(exc)})"
+        box = [meta, problem]
+        dist.broadcast_object_list(box, src=self._leader_rank(), group=self.group)
+        meta, problem = box
+        if problem:
+            raise CheckpointError(problem)
+        same_layout = meta["layout"] == _layout()
+        rng = None
+        try:
+            for name, role in roles.items():
+                saved = meta["roles"][name]
+                _check_role_layout(path / name, meta["layout"], saved, role, allow_reshard)
+            if same_layout:
+                rng = _read_rng(path / RNG_DIR, dist.get_rank())
+        except CheckpointError as exc:
+            problem = str(exc)
+        self._agree(problem)
+        for name in sorted(roles):
+            with _on_device(roles[name]):
+                self._load_role(path / name, roles[name], meta["roles"][name])
+        if rng is not None:
+            _restore_rng(*rng)
+        elif self._is_leader():
+            log.warning("%s: saved at layout %s; RNG streams not restored", path, meta["layout"])
+        return meta["step"], meta["trainer_state"]
+
+    def _load_role(self, role_dir: Path, role: Any, role_meta: dict) -> None:
+        """Weights, optimizer state and step count of one role; errors agreed by all ranks."""
+        problem = None
+        sharding = role_meta["optimizer"]
+        try:
+            if sharding is None and role.optimizer is not None:
+                raise CheckpointError(f"{role_dir}: holds no optimizer state (a frozen role?)")
+            # no_grad: megatron-core 0.16.1's dp_reshardable loader copies into fp32 master
+            # weights that are views of the (grad-requiring) parameters, outside no_grad.
+            with torch.no_grad():
+                state = _sharded_state(role, sharding, is_loading=True)
+                loaded = dist_checkpointing.load(state, str(role_dir))
+                for key, chunk in zip(_model_keys(role), role.model):
+                    unwrap(chunk).load_state_dict(loaded[key], strict=True)
+                if role.optimizer is not None:
+                    with _tolerate_missing_adam_step(role.optimizer):
+                        role.optimizer.load_state_dict(loaded["optimizer"])
+                    _restore_adam_steps(role.optimizer, loaded["optimizer"])
+                    role.step_count = role_meta["step_count"]
+        except CheckpointError as exc:
+            problem = str(exc)
+        except Exception as exc:  # a corrupt file can fail anywhere inside torch DCP
+            problem = f"{role_dir}: cannot be loaded ({_first_line(exc)})"
+            log.debug("loading %s failed", role_dir, exc_info=True)
+        self._agree(problem)
+
+    # ---- collectives ------------------------------------------------------------------
+
+    def _agree(self, problem: str | None) -> None:
+        """Raise the first rank's problem on every rank (no rank is left in a collective)."""
+        problems: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(problems, problem, group=self.group)
+        first = next((p for p in problems if p), None)
+        if first:
+            raise CheckpointError(first)
+
+    def _is_leader(self) -> bool:
+        return dist.get_rank(self.group) == 0
+
+    def _leader_rank(self) -> int:
+        return 0 if self.group is None else dist.get_global_rank(self.group, 0)
+
+
+def _first_line(exc: BaseException) -> str:
+    """`Type: first line of the message`, for one-line errors."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+# ---- what a role stores ----------------------------------------------------------------------
+
+
+def _model_keys(role: Any) -> list[str]:
+    """checkpoints_tools' keys: `model` for one chunk, `model0`, `model1`, ... with VPP."""
+    return ["model"] if len(role.model) == 1 else [f"model{i}" for i in range(len(role.model))]
+
+
+def _sharded_state(role: Any, sharding: str | None, *, is_loading: bool) -> dict:
+    """The role's sharded state dict: model chunks and, if it trains, its optimizer."""
+    state = {
+        key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_keys(role), role.model)
+    }
+    if role.optimizer is not None:
+        _ensure_adam_state(role.optimizer)
+        # As Megatron-LM: no optimizer-index prefix, so the keys do not depend on chaining.
+        metadata = {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
+        state["optimizer"] = role.optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=metadata
+        )
+    return state
+
+
+def _inner_optimizers(optimizer: Any) -> list:
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def _ensure_adam_state(optimizer: Any) -> None:
+    """Give torch.optim.Adam its state before the first step.
+
+    torch's Adam creates its state lazily, and megatron-core 0.16.1's
+    `DistributedOptimizer.state_dict()` (without TE / apex) asserts that the state holds
+    exactly one `step`: a fresh optimizer can neither be saved nor loaded into. Zero moments
+    and step 0 are exactly what Adam's first step would create.
+    """
+    for opt in _inner_optimizers(optimizer):
+        inner = opt.optimizer
+        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            continue  # TE / apex FusedAdam keep `step` in the param groups instead
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
+                    }
+
+
+def _restore_adam_steps(optimizer: Any, loaded: dict) -> None:
+    """Set torch Adam's per-parameter `step` to the checkpoint's, one tensor per parameter.
+
+    With torch's Adam (no TE / apex) megatron-core 0.16.1 gets `step` wrong on load in two
+    ways: `DistributedOptimizer.load_state_dict` puts one shared tensor in every parameter's
+    state (Adam increments it in place per parameter, so it would advance once per
+    parameter per step), and the dp_reshardable loader then copies the *pre-load* local
+    step into it. The checkpoint's value is in each optimizer's `param_groups`.
+    """
+    inner = _inner_optimizers(optimizer)
+    states = [loaded] if len(inner) == 1 else [v for _, v in sorted(loaded.items())]
+    for opt, state in zip(inner, states):
+        steps = {g["step"] for g in state["optimizer"]["param_groups"] if "step" in g}
+        if len(steps) != 1:
+            continue  # TE / apex FusedAdam: the step lives in the param groups
+        (step,) = steps
+        for param_state in opt.optimizer.state.values():
+            if torch.is_tensor(param_state.get("step")):
+                old = param_state["step"]
+                param_state["step"] = torch.tensor(float(step), dtype=old.dtype, device=old.device)
+
+
+@contextlib.contextmanager
+def _tolerate_missing_adam_step(optimizer: Any) -> Iterator[None]:
+    """Let megatron-core 0.16.1 load `fully_reshardable` state into torch's Adam.
+
+    Its `_set_main_param_and_optimizer_states` copies every key of the parameter's Adam
+    state from the loaded tensors, but the fully_reshardable loader leaves `step` out of
+    them ("handled separately"): a KeyError. For the duration of the load, a missing `step`
+    is copied onto itself; `_restore_adam_steps` then sets the checkpoint's value.
+    """
+    patched = []
+    for opt in _inner_optimizers(optimizer):
+        if not isinstance(opt.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            continue
+        setter = getattr(opt, "_set_main_param_and_optimizer_states", None)
+        if setter is None:
+            continue
+
+        def set_states(model_param, tensors, _opt=opt, _setter=setter):
+            if "step" not in tensors:
+                group, order = _opt.model_param_group_index_map[model_param]
+                main_param = _opt.optimizer.param_groups[group]["params"][order]
+                tensors = {**tensors, "step": _opt.optimizer.state[main_param]["step"]}
+            _setter(model_param, tensors)
+
+        opt._set_main_param_and_optimizer_states = set_states
+        patched.append(opt)
+    try:
+        yield
+    finally:
+        for opt in patched:
+            del opt._set_main_param_and_optimizer_states
+
+
+def _role_meta(role: Any, sharding: str) -> dict:
+    """What `load` needs to know about a saved role beyond its tensors."""
+    return {
+        "step_count": role.step_count,
+        "vpp": len(role.model),
+        "optimizer": sharding if role.optimizer is not None else None,
+    }
+
+
+@contextlib.contextmanager
+def _on_device(role: Any) -> Iterator[None]:
+    """An offloaded role's storages are empty: bring it back for its save / load only.
+
+    One role at a time, so a save never holds more roles on the device than a phase does.
+    """
+    offloader = getattr(role, "offloader", None)
+    offloaded = offloader is not None and offloader.is_offloaded
+    if offloaded:
+        role.reload()
+    try:
+        yield
+    finally:
+        if offloaded:
+            role.offload()
+
+
+def _write_sidecar(role_dir: Path, sidecar: dict) -> None:
+    """`rl_megatron.json`, and `hf/` copied from its `source` (an HF or converted dir).
+
+    megatron_to_hf.py needs both: the sidecar for dtype / head / padded vocabulary, `hf/`
+    for config.json and the tokenizer files of the exported model.
+    """
+    meta = dict(sidecar)
+    if "dtype" in meta:  # torch's name, as the tools write (megatron_to_hf: getattr(torch, ...))
+        meta["dtype"] = _DTYPE_NAMES.get(meta["dtype"], meta["dtype"])
+    _write_json(role_dir / SIDECAR_FILE, meta)
+    if not sidecar.get("source"):
+        return
+    for source in (Path(sidecar["source"]), Path(sidecar["source"]) / HF_SUBDIR):
+        if (source / "config.json").is_file():
+            (role_dir / HF_SUBDIR).mkdir()
+            for name in ("config.json", *HF_AUX_FILES):
+                if (source / name).is_file():
+                    shutil.copy2(source / name, role_dir / HF_SUBDIR / name)
+            return
+
+
+# ---- layout ----------------------------------------------------------------------------------
+
+
+def _layout() -> dict:
+    """This run's parallel layout, identical on every rank."""
+    return {
+        "world_size": dist.get_world_size(),
+        "tp": ps.get_tensor_model_parallel_world_size(),
+        "pp": ps.get_pipeline_model_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "dp": ps.get_data_parallel_world_size(),
+    }
+
+
+def _coordinates() -> dict:
+    """This rank's place in the layout (the rank order decides it)."""
+    return {
+        "rank": dist.get_rank(),
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+    }
+
+
+def _check_role_layout(
+    role_dir: Path, saved_layout: dict, saved: dict, role: Any, allow_reshard: bool
+) -> None:
+    """Refuse what megatron-core cannot load, before it fails half-way on some rank."""
+    layout, vpp = _layout(), len(role.model)
+    if saved_layout == layout and saved["vpp"] == vpp:
+        return
+    then = f"{_describe(saved_layout)} vpp={saved['vpp']}"
+    now = f"{_describe(layout)} vpp={vpp}"
+    if not allow_reshard:
+        raise CheckpointError(
+            f"{role_dir}: saved at {then}, this run is {now} (load with allow_reshard=True)"
+        )
+    same_model_parallel = all(saved_layout[k] == layout[k] for k in ("tp", "pp", "cp"))
+    if saved["optimizer"] == "dp_reshardable" and not (same_model_parallel and saved["vpp"] == vpp):
+        raise CheckpointError(
+            f"{role_dir}: optimizer state saved as dp_reshardable at {then} cannot be "
+            f"loaded at {now} (only DP may change; save with fully_reshardable)"
+        )
+
+
+def _describe(layout: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in layout.items())
+
+
+# ---- RNG -------------------------------------------------------------------------------------
+
+
+def _save_rng(rng_dir: Path, rank: int) -> None:
+    """This rank's RNG streams: tensors to safetensors, python / numpy states to JSON."""
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors["cuda"] = torch.cuda.get_rng_state()
+    tracker = get_cuda_rng_tracker().get_states()
+    for name, state in tracker.items():
+        state = state.get_state() if isinstance(state, torch.Generator) else state
+        tensors[f"tracker/{name}"] = state.detach().cpu().clone()
+    version, mt, gauss = random.getstate()
+    meta: dict[str, Any] = {
+        "coordinates": _coordinates(),
+        "tracker_names": sorted(tracker),
+        "python_random": [version, list(mt), gauss],
+        "numpy_random": _numpy_state(),
+    }
+    base = rng_dir / f"rank_{rank:05d}"
+    save_file(tensors, str(base.with_suffix(".safetensors")))
+    _write_json(base.with_suffix(".json"), meta)
+
+
+def _read_rng(rng_dir: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
+    """This rank's saved RNG states; refuses files of a rank at other coordinates."""
+    base = rng_dir / f"rank_{rank:05d}"
+    try:
+        meta = json.loads(base.with_suffix(".json").read_text())
+        tensors = load_file(str(base.with_suffix(".safetensors")))
+    except Exception as exc:  # OSError, JSONDecodeError, safetensors' SafetensorError
+        raise CheckpointError(f"{base}.json/.safetensors: unreadable RNG state ({exc})") from None
+    if meta.get("coordinates") != _coordinates():
+        raise CheckpointError(
+            f"{base}.json: saved by a rank at {meta.get('coordinates')}, this rank is at "
+            f"{_coordinates()} (different rank order?)"
+        )
+    return tensors, meta
+
+
+def _restore_rng(tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Set every stream `_save_rng` recorded (the tracker's generators kept in place)."""
+    torch.set_rng_state(tensors["torch_cpu"])
+    if "cuda" in tensors and torch.cuda.is_available():
+        torch.cuda.set_rng_state(tensors["cuda"])
+    tracker = get_cuda_rng_tracker()
+    current = tracker.get_states()
+    states = {}
+    for name in meta["tracker_names"]:
+        saved = tensors[f"tracker/{name}"]
+        if isinstance(current.get(name), torch.Generator):
+            current[name].set_state(saved)
+            states[name] = current[name]
+        else:
+            states[name] = saved
+    tracker.set_states(states)
+    version, mt, gauss = meta["python_random"]
+    random.setstate((version, tuple(mt), gauss))
+    if meta["numpy_random"] is not None:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, cached = meta["numpy_random"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _numpy_state() -> list | None:
+    try:
+        import numpy as np
+    except ImportError:
+        return None
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
+
+
+# ---- directories -----------------------------------------------------------------------------
+
+
+def _complete(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, newest first; a step's `.old-` copy only where it has no other."""
+    if not root.is_dir():
+        return []
+    found: dict[int, Path] = {}
+    for path in root.iterdir():
+        match = _FINAL.match(path.name)
+        if not match or not (path / STATE_FILE).is_file():
+            continue
+        step = int(match.group(1))
+        if match.group(2) is None or step not in found:
+            found[step] = path
+    return sorted(found.items(), reverse=True)
+
+
+def _latest(root: Path) -> Path | None:
+    complete = _complete(root)
+    return complete[0][1] if complete else None
+
+
+def _recover_replaced(root: Path) -> None:
+    """Put back a step's old copy if a kill came between re-save's two renames."""
+    for step, path in _complete(root):
+        if path.name != f"step_{step:08d}":
+            os.rename(path, root / f"step_{step:08d}")
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    """Make `tmp` visible as `final`; an existing `final` is replaced, never lost."""
+    _fsync_tree(tmp)
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{tmp.name.rsplit('-', 1)[1]}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        _delete(old)
+
+
+def _delete(path: Path) -> None:
+    """Remove a checkpoint directory: first out of sight (one rename), then its files.
+
+    A kill during the removal then leaves a `.del-` directory that nothing reads, never a
+    complete-looking checkpoint with files missing.
+    """
+    doomed = path.with_name(f"{path.name.split('.')[0]}.del-{uuid.uuid4().hex[:12]}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def _check_checkpoint(path: Path, names: list[str]) -> dict:
+    """Check that `path` is a complete checkpoint holding `names`; return its metadata."""
+    state_file = path / STATE_FILE
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: not a directory")
+    if not state_file.is_file():
+        raise CheckpointError(f"{state_file}: not found (incomplete or not a training checkpoint)")
+    try:
+        meta = json.loads(state_file.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointError(f"{state_file}: unreadable ({exc})") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{state_file}: format_version={meta.get('format_version')} is not {FORMAT_VERSION}"
+        )
+    lacking = [k for k in ("step", "layout", "roles", "trainer_state") if k not in meta]
+    if lacking:
+        raise CheckpointError(f"{state_file}: no '{lacking[0]}' field")
+    missing = [n for n in names if n not in meta.get("roles", {})]
+    if missing:
+        raise CheckpointError(
+            f"{path}: no role '{missing[0]}' in this checkpoint (has {sorted(meta['roles'])})"
+        )
+    for name in names:
+        _check_dist_checkpoint(path / name)
+    return meta
+
+
+def _check_dist_checkpoint(role_dir: Path) -> None:
+    """Every file the dist checkpoint's index names exists and is long enough.
+
+    Catches deleted or truncated files on rank 0 before any rank starts reading, so no
+    rank fails alone inside dist_checkpointing's collectives.
+    """
+    from torch.distributed.checkpoint import FileSystemReader
+
+    for name in ("metadata.json", ".metadata", "common.pt"):
+        if not (role_dir / name).is_file():
+            raise CheckpointError(f"{role_dir}: incomplete dist checkpoint ({name} missing)")
+    try:
+        index = FileSystemReader(str(role_dir)).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"{role_dir / '.metadata'}: unreadable ({exc})") from None
+    needed: dict[str, int] = {}
+    for info in index.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for rel, size in sorted(needed.items()):
+        file = role_dir / rel
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing")
+        if file.stat().st_size < size:
+            raise CheckpointError(f"{file}: truncated ({file.stat().st_size} of {size} bytes)")
+
+
+def _write_json(path: Path, content: Any) -> None:
+    """Write JSON durably: a temporary file, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.partial")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(content, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync the directories of a checkpoint so the rename never exposes missing entries."""
+    for dirpath, _, _ in os.walk(root):
+        _fsync_dir(Path(dirpath))
+
+
+# ---- dist_checkpointing without helper processes -----------------------------------------
+
+
+class _InProcessSaveStrategy(TorchDistSaveShardedStrategy):
+    """The torch_dist save strategy, writing its files from the calling process.
+
+    megatron-core 0.16.1 offers no synchronous writer: even `save(..., async_sharded_save=
+    False)` runs `FileSystemWriterAsync.write_preloaded_data_multiproc`, which forks one
+    writer process per file and collects results through a spawn-context multiprocessing
+    Manager (the reason for the `__main__` guard in DESIGN §5; the Manager also outlives a
+    killed rank). This strategy writes the same buckets with the same function, in order,
+    and hands the results over in a plain queue: same files, no helper processes.
+    """
+
+    def __init__(self) -> None:
+        super().__init__("torch_dist", 1, thread_count=1)
+
+    def save(self, sharded_state_dict: dict, checkpoint_dir: str | Path) -> None:
+        with _local_results_queue():
+            request = self.async_save(sharded_state_dict, Path(checkpoint_dir))
+        if request.async_fn is not None:
+            transforms, _use_msc = request.async_fn.args
+            request = request._replace(async_fn=partial(_write_buckets, transforms))
+        request.execute_sync()  # preload to host, write, barrier, write the index
+
+
+@contextlib.contextmanager
+def _local_results_queue() -> Iterator[None]:
+    """Make the writer take a plain queue instead of starting a multiprocessing Manager."""
+    saved = filesystem_async._results_queue
+    filesystem_async._results_queue = queue.Queue()
+    try:
+        yield
+    finally:
+        filesystem_async._results_queue = saved
+
+
+def _write_buckets(transforms: list, rank: int, buckets: list, results: queue.Queue) -> None:
+    """`write_preloaded_data_multiproc` without the forks: each bucket, in this process."""
+    written: dict | Exception = {}
+    for index, bucket in enumerate(buckets):
+        local, count = queue.Queue(), queue.Queue()
+        count.put(index)
+        FileSystemWriterAsync.write_preloaded_data(
+            transforms, index, bucket, local, count, use_fsync=True
+        )
+        _, out = local.get()
+        if isinstance(out, Exception):
+            written = out
+            break
+        written[index] = out
+    results.put(written)
