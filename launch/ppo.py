@@ -3,9 +3,11 @@
     torchrun --nproc_per_node 8 launch/ppo.py --config yaml_configs/llama7b.yaml \
         actor.optim.lr=1e-6 parallel.tp=4
 
-Config errors print one line and exit with code 2 (no traceback); `--dry-run` resolves
-and validates the config, initialises the process groups, prints the rank layout and the
-planned generation layout, and exits 0.
+Bad input (config, data, checkpoint, reward function) prints one line and exits with code
+2 (no traceback); `--dry-run` resolves and validates the config, initialises the process
+groups, prints the rank layout and the planned generation layout, and exits 0. Without it
+the PPO/GRPO trainer runs (`rl_megatron/trainer/ppo_trainer.py`), resuming from the run
+folder's newest checkpoint when there is one.
 """
 
 from __future__ import annotations
@@ -17,6 +19,16 @@ from rl_megatron.config import ConfigError, load_config, save_resolved, to_dict,
 from rl_megatron.distributed import distributed_run, gather_rank_table, launch_env
 from rl_megatron.resharding.layouts import generation_layout_for, micro_dp
 from rl_megatron.utils.logging import format_config, format_layout_table, get_logger
+
+
+def user_errors() -> tuple[type[Exception], ...]:
+    """Bad input the user can fix; anything else is a bug and keeps its traceback."""
+    from rl_megatron.checkpoint.training_state import CheckpointError
+    from rl_megatron.data.datasets import DataError
+    from rl_megatron.models.hf_config import HFConfigError
+    from rl_megatron.rewards.registry import RewardError
+
+    return (ConfigError, DataError, HFConfigError, RewardError, CheckpointError)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -74,13 +86,20 @@ def main(argv: list[str] | None = None) -> int:
             )
         if dry_run:
             return 0
-        if env.rank == 0:
-            print(
-                "config error: training is not part of this build yet (the PPO trainer has "
-                "not landed); run with --dry-run",
-                file=sys.stderr,
-            )
-        return 2
+        # Imported here: the trainer pulls in megatron-core, which `--help` and config
+        # errors need not wait for.
+        from rl_megatron.trainer.ppo_trainer import build_trainer
+
+        try:
+            trainer = build_trainer(config, run, log)
+            trainer.fit()
+        except user_errors() as exc:
+            # Raised on every rank alike (inputs are read everywhere; reward failures are
+            # shared before raising): one line from rank 0, nothing half-written.
+            if env.rank == 0:
+                print(f"error: {exc}", file=sys.stderr, flush=True)
+            return 2
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,269 @@
+"""Everything the PPO loop needs, built from the config on every rank: data, roles, engine.
+
+Kept apart from the loop so `ppo_trainer.py` reads as the algorithm. Each builder raises a
+one-line user error (`DataError`, `ConfigError`, `HFConfigError`) for bad input, identically
+on every rank, before any collective that could leave other ranks waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rl_megatron.config import Config, ConfigError, OffloadConfig
+from rl_megatron.data.datasets import DataError
+from rl_megatron.data.synthetic import CharTokenizer, synthetic_dataset
+from rl_megatron.data.tokenize import PromptTokenizer, TokenizedPrompts, tokenize_prompts
+from rl_megatron.distributed import DistributedRun
+from rl_megatron.models.builders import (
+    ValueHead,
+    build_actor,
+    build_critic,
+    build_gpt_chunks,
+    build_reference,
+    build_reward_model,
+)
+from rl_megatron.models.hf_config import HFModelInfo, load_hf_config, parse_hf_config
+from rl_megatron.rollout.engine import RolloutEngine
+from rl_megatron.trainer.roles import MegatronRole
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+# ---------------------------------------------------------------------------- data
+
+
+@dataclass
+class TrainingData:
+    tokenizer: Any  # PromptTokenizer or the synthetic CharTokenizer (same methods)
+    train: TokenizedPrompts
+    val: TokenizedPrompts | None
+
+
+def build_data(config: Config, logger: logging.Logger) -> TrainingData:
+    """Tokenizer, training and validation prompts after the length policy (counts logged)."""
+    d, r = config.data, config.rollout
+    # `filter` happens once here; the engines only ever see prompts that fit.
+    overflow = "filter" if r.prompt_overflow == "filter" else r.prompt_overflow
+    if d.synthetic_task is not None:
+        tokenizer = CharTokenizer()
+        train_set = synthetic_dataset(d.synthetic_task, d.synthetic_size, config.trainer.seed)
+        val_size = d.val_size or d.val_batch_size
+        val_set = synthetic_dataset(d.synthetic_task, val_size, config.trainer.seed, "val")
+    else:
+        from rl_megatron.data.datasets import dataset_from_config
+
+        # Records first: a bad file is named before any tokenizer is loaded.
+        train_set = dataset_from_config(config, "train")
+        val_set = dataset_from_config(config, "val") if d.val_files else None
+        tokenizer = PromptTokenizer.from_config(config)
+    if len(tokenizer) > config.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: {config.model.vocab_size} is smaller than the tokenizer's "
+            f"{len(tokenizer)} tokens"
+        )
+    limit = r.max_prompt_length
+    train = tokenize_prompts(train_set, tokenizer, limit, overflow, "data.train_files", logger)
+    val = None
+    if val_set is not None:
+        val = tokenize_prompts(val_set, tokenizer, limit, overflow, "data.val_files", logger)
+    if len(train) < d.train_batch_size:
+        raise DataError(
+            f"data.train_files: {len(train)} usable prompts ({train.num_read} read, "
+            f"{train.num_filtered} filtered as too long) are fewer than one batch of "
+            f"data.train_batch_size={d.train_batch_size}"
+        )
+    return TrainingData(tokenizer, train, val)
+
+
+# --------------------------------------------------------------------------- model
+
+
+def model_info(config: Config) -> HFModelInfo:
+    """The model's architecture: the HF checkpoint's, or the config's for a random init."""
+    m = config.model
+    if m.hf_path is not None:
+        return load_hf_config(m.hf_path)
+    return parse_hf_config(
+        {
+            "model_type": "llama",
+            "vocab_size": m.vocab_size,
+            "hidden_size": m.hidden_size,
+            "num_hidden_layers": m.num_layers,
+            "num_attention_heads": m.num_attention_heads,
+            "num_key_value_heads": m.num_query_groups,
+            "intermediate_size": m.ffn_hidden_size,
+            "max_position_embeddings": m.max_position_embeddings,
+            "rope_theta": m.rope_theta,
+            "rms_norm_eps": m.norm_epsilon,
+            "tie_word_embeddings": m.tie_word_embeddings,
+        }
+    )
+
+
+@dataclass
+class Roles:
+    actor: MegatronRole
+    critic: MegatronRole | None
+    reference: MegatronRole | None
+    reward_model: MegatronRole | None
+
+    def trainable(self) -> dict[str, MegatronRole]:
+        """The roles whose state a checkpoint must hold (frozen ones are rebuilt)."""
+        out = {"actor": self.actor}
+        if self.critic is not None:
+            out["critic"] = self.critic
+        return out
+
+
+def _random_chunks(config: Config, info: HFModelInfo, value_head: bool, extra: dict) -> list:
+    """Randomly initialised chunks (no `model.hf_path`): the demo and the tests."""
+    p = config.parallel
+    chunks = build_gpt_chunks(
+        info,
+        tp=p.tp,
+        pp=p.pp,
+        vpp=p.vpp,
+        dtype=DTYPES[config.model.dtype],
+        value_head=value_head,
+        **extra,
+    )
+    for chunk in chunks:
+        if isinstance(getattr(chunk, "output_layer", None), ValueHead):
+            chunk.output_layer.reset_parameters(config.trainer.seed)
+    return chunks
+
+
+@torch.no_grad()
+def _copy_trunk(src: list, dst: list) -> None:
+    """Copy `src` chunks' parameters into `dst` where names and shapes match (not the head)."""
+    for a, b in zip(src, dst):
+        theirs = dict(a.named_parameters())
+        for name, param in b.named_parameters():
+            if name in theirs and theirs[name].shape == param.shape:
+                param.copy_(theirs[name])
+
+
+def build_roles(config: Config, info: HFModelInfo, total_steps: int) -> Roles:
+    """Actor, and critic / reference / reward model where the config enables them."""
+    p, m = config.parallel, config.model
+    dtype = DTYPES[m.dtype]
+    layout = dict(tp=p.tp, pp=p.pp, vpp=p.vpp, dtype=dtype)
+    extra = {
+        "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+        "sequence_parallel": p.sequence_parallel,
+    }
+    if m.recompute_activations:
+        extra.update(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    if m.hf_path is not None:
+        actor_chunks = build_actor(m.hf_path, **layout, **extra)
+    else:
+        actor_chunks = _random_chunks(config, info, False, extra)
+    act, cr, ref = config.actor, config.critic, config.reference
+    temperature = config.rollout.temperature or 1.0
+
+    reference = None
+    if ref.enable:
+        if m.hf_path is not None:
+            ref_chunks = build_reference(m.hf_path, **layout, **extra)
+        else:
+            ref_chunks = _random_chunks(config, info, False, extra)
+            _copy_trunk(actor_chunks, ref_chunks)
+            for chunk in ref_chunks:
+                chunk.eval()
+                chunk.requires_grad_(False)
+        reference = MegatronRole(
+            ref_chunks,
+            micro_batch_size=ref.micro_batch_size,
+            temperature=temperature,
+            offload=OffloadConfig(params=ref.offload_params),
+        )
+    critic = None
+    if cr.enable:
+        if cr.init_from is not None:
+            critic_chunks = build_critic(cr.init_from, init_from="reward", **layout, **extra)
+        elif m.hf_path is not None:
+            critic_chunks = build_critic(
+                m.hf_path, **layout, head_seed=config.trainer.seed, **extra
+            )
+        else:
+            critic_chunks = _random_chunks(config, info, True, extra)
+            _copy_trunk(actor_chunks, critic_chunks)
+        critic = MegatronRole(
+            critic_chunks,
+            optim=cr.optim,
+            micro_batch_size=cr.micro_batch_size,
+            total_steps=total_steps * cr.ppo_epochs * _mini_batches(config, cr.mini_batch_size),
+            offload=cr.offload,
+        )
+    reward_model = None
+    if config.reward.type == "model":
+        rm_chunks = build_reward_model(config.reward.model_path, **layout, **extra)
+        reward_model = MegatronRole(
+            rm_chunks, micro_batch_size=config.reward.micro_batch_size, output_at="token"
+        )
+    actor = MegatronRole(
+        actor_chunks,
+        optim=act.optim,
+        micro_batch_size=act.micro_batch_size,
+        use_dynamic_batch=act.use_dynamic_batch,
+        max_tokens_per_micro_batch=act.max_tokens_per_micro_batch,
+        temperature=temperature,
+        total_steps=total_steps * act.ppo_epochs * _mini_batches(config, act.mini_batch_size),
+        offload=act.offload,
+    )
+    return Roles(actor, critic, reference, reward_model)
+
+
+def _mini_batches(config: Config, mini_batch_size: int) -> int:
+    return config.data.train_batch_size * config.rollout.n // mini_batch_size
+
+
+# -------------------------------------------------------------------------- engine
+
+
+def build_engine(
+    config: Config, info: HFModelInfo, actor: MegatronRole, tokenizer: Any, run: DistributedRun
+) -> RolloutEngine:
+    """The rollout engine of `rollout.engine`, on every rank (collective)."""
+    r = config.rollout
+    eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    pad = tokenizer.pad_token_id or 0
+    if r.engine == "megatron":
+        from rl_megatron.rollout.megatron_engine import MegatronEngine
+
+        # Every TP rank of a replica samples with the same seed; replicas differ.
+        return MegatronEngine(
+            actor.model,
+            info,
+            eos_token_ids=eos,
+            max_model_len=r.max_prompt_length + r.max_response_length,
+            seed=config.trainer.seed + 7919 * run.coordinates["dp"],
+            max_batch_size=max(1, config.data.train_batch_size // run.layout.dp * r.n),
+            pad_token_id=pad,
+        )
+    if config.model.hf_path is None:
+        raise ConfigError("rollout.engine: vllm loads model.hf_path; set it or use megatron")
+    from rl_megatron.rollout.vllm_engine import VllmEngine, VllmEngineArgs
+
+    replica = run.layout.tp * run.layout.pp * run.layout.cp
+    groups = [list(range(k * replica, (k + 1) * replica)) for k in range(run.layout.dp)]
+    args = VllmEngineArgs(
+        model=config.model.hf_path,
+        tp=r.tp,
+        # The trainer's dtype, not vLLM's "auto" (which runs fp32 checkpoints in bf16 on
+        # CPU): the rollout policy must be the policy being trained.
+        dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[config.model.dtype],
+        max_model_len=r.max_prompt_length + r.max_response_length,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        seed=config.trainer.seed,
+        enable_sleep_mode=r.enable_sleep_mode if torch.cuda.is_available() else False,
+        enforce_eager=r.enforce_eager if torch.cuda.is_available() else None,
+        pad_token_id=pad,
+    )
+    return VllmEngine(args, prompt_groups=groups)

@@ -1,0 +1,116 @@
+"""Rollout output → the batch the roles train on, and the small tensor chores of a PPO step.
+
+Pure functions (plus one DP reduction), so the loop in `ppo_trainer.py` stays readable and
+each piece is unit-tested on its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.distributed as dist
+
+from rl_megatron.rollout.batch import RolloutBatch
+
+__all__ = [
+    "dp_mean",
+    "logprob_mismatch",
+    "mini_batch_rows",
+    "sequence_scores_at_last_token",
+    "token_level_scores",
+    "training_batch",
+]
+
+
+def training_batch(rollout: RolloutBatch) -> dict[str, torch.Tensor]:
+    """The dict layout `MegatronRole` reads (see `trainer/roles.py`), from a rollout."""
+    return {
+        "prompts": rollout.prompts,
+        "responses": rollout.responses,
+        "attention_mask": rollout.attention_mask,
+        "position_ids": rollout.position_ids,
+        "response_mask": rollout.response_mask.long(),
+        "rollout_log_prob": rollout.rollout_log_probs.float(),
+    }
+
+
+def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Put each sequence's score on its last response token (zeros elsewhere).
+
+    scores: `[b]`; response_mask: `[b, R]`, right-padded. A row without response tokens (a
+    rejected prompt) keeps no reward: it has no token to carry it and takes no part in
+    the loss.
+    """
+    lengths = response_mask.long().sum(dim=-1)
+    out = torch.zeros(response_mask.shape, dtype=torch.float32, device=scores.device)
+    rows = (lengths > 0).nonzero().squeeze(-1)
+    out[rows, lengths[rows] - 1] = scores[rows].float()
+    return out
+
+
+def sequence_scores_at_last_token(
+    values: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
+    """A reward model's `[b, R]` per-token outputs → the score at each sequence's end."""
+    lengths = response_mask.long().sum(dim=-1)
+    index = (lengths - 1).clamp(min=0).unsqueeze(-1)
+    return torch.where(lengths > 0, values.gather(-1, index).squeeze(-1), 0.0)
+
+
+def mini_batch_rows(num_rows: int, rows_per_mini_batch: int, generator: torch.Generator):
+    """This rank's rows, shuffled, cut into mini-batches (one list of row ids each).
+
+    The generator must be seeded identically on every rank of a data-parallel replica
+    (TP/PP ranks must agree on the rows); replicas may differ.
+    """
+    if num_rows % rows_per_mini_batch:
+        raise ValueError(f"{num_rows} rows do not split into mini-batches of {rows_per_mini_batch}")
+    order = torch.randperm(num_rows, generator=generator).tolist()
+    return [
+        order[start : start + rows_per_mini_batch]
+        for start in range(0, num_rows, rows_per_mini_batch)
+    ]
+
+
+@torch.no_grad()
+def logprob_mismatch(
+    engine_log_prob: torch.Tensor, trainer_log_prob: torch.Tensor, response_mask: torch.Tensor
+) -> dict[str, float]:
+    """How far the engine's sampling log-probs are from the trainer's recomputation.
+
+    A large gap means the rollout policy is not the policy being trained (precision,
+    kernels, a stale weight sync): PPO's ratio then starts away from 1.
+    """
+    valid = response_mask.bool()
+    if not valid.any():
+        return {"rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0}
+    diff = (engine_log_prob.float() - trainer_log_prob.float()).abs()[valid]
+    return {
+        "rollout/logprob_diff_mean": diff.mean().item(),
+        "rollout/logprob_diff_max": diff.max().item(),
+    }
+
+
+def dp_mean(
+    metrics: Mapping[str, float], group: dist.ProcessGroup, sums: tuple[str, ...] = ()
+) -> dict[str, float]:
+    """Average per-rank metrics over the data-parallel group (keys in `sums` are summed).
+
+    Every rank must pass the same keys in the same order (sorted here to be safe).
+    """
+    keys = sorted(metrics)
+    if not keys:
+        return {}
+    values = torch.tensor([float(metrics[k]) for k in keys], dtype=torch.float64)
+    size = dist.get_world_size(group)
+    if size > 1:
+        device = torch.device("cuda", torch.cuda.current_device()) if _nccl(group) else "cpu"
+        values = values.to(device)
+        dist.all_reduce(values, group=group)
+        values = values.cpu()
+    return {k: v if k in sums else v / size for k, v in zip(keys, values.tolist())}
+
+
+def _nccl(group: dist.ProcessGroup) -> bool:
+    return torch.cuda.is_available() and dist.get_backend(group) == "nccl"

@@ -1,0 +1,617 @@
+"""The PPO / GRPO loop (DESIGN.md §2), one step read top to bottom in `train_step`.
+
+    rollout   actor weights → engine (reshard), generate n responses per prompt
+    score     actor old log-probs, reference log-probs, critic values, rewards
+    advantage GAE / GRPO / RLOO / REINFORCE++ (pure functions, DP-reduced statistics)
+    update    PPO epochs × mini-batches × micro-batches: critic, then actor
+    bookkeep  metrics, evaluation, checkpoint, SIGTERM
+
+Every rank runs every line (SPMD). The ranks of one data-parallel replica read the same
+prompts and hold the same rollout rows; replicas hold different rows, and everything that
+is a statistic of the batch (whitening, loss normalisation, metrics) is reduced over DP.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from rl_megatron.algorithms.advantages import compute_advantages
+from rl_megatron.algorithms.kl import apply_kl_penalty, build_kl_controller, kl_loss
+from rl_megatron.algorithms.losses import entropy_bonus, explained_variance, policy_loss, value_loss
+from rl_megatron.checkpoint.training_state import CheckpointManager
+from rl_megatron.config import Config
+from rl_megatron.data.sampler import PromptSampler, eval_batches
+from rl_megatron.distributed import DistributedRun
+from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.rewards.registry import RewardError, reward_fn_from_config
+from rl_megatron.rewards.scoring import score_batch
+from rl_megatron.rollout.batch import RolloutBatch
+from rl_megatron.rollout.sampling import SamplingParams
+from rl_megatron.trainer import experience as ex
+from rl_megatron.trainer.build import DTYPES, Roles, TrainingData
+from rl_megatron.trainer.roles import MegatronRole
+from rl_megatron.utils.flops import PEAK_TFLOPS_BF16, TransformerShape, flops_per_token
+from rl_megatron.utils.metrics import MetricsTracker
+from rl_megatron.utils.timers import PhaseTimer
+
+Batch = dict[str, torch.Tensor]
+
+
+class PPOTrainer:
+    """Owns the run's state: roles, engine, data position, KL controller, step."""
+
+    def __init__(
+        self,
+        config: Config,
+        run: DistributedRun,
+        data: TrainingData,
+        info: HFModelInfo,
+        roles: Roles,
+        engine,
+        total_steps: int,
+        logger,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.config, self.run, self.data, self.info = config, run, data, info
+        self.device = run.device  # where collectives' tensors live (NCCL needs the GPU)
+        # The Megatron engine generates with the actor's modules, so the actor stays on
+        # the device through generation; vLLM has its own copy (the actor may go away).
+        self.generates_with_actor = config.rollout.engine == "megatron"
+        self.roles, self.engine, self.total_steps, self.log = roles, engine, total_steps, logger
+        self.dp_group = ps.get_data_parallel_group()
+        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        # The replica's ranks (TP × PP) agree on rewards through its first rank.
+        self.replica_group = ps.get_model_parallel_group()
+        self.replica_src = dist.get_process_group_ranks(self.replica_group)[0]
+        self.sampler = PromptSampler.from_config(
+            config, len(data.train), self.dp_rank, self.dp_size
+        )
+        self.reward_fn = reward_fn_from_config(config) if config.reward.type == "rule" else None
+        kl = config.algorithm.kl_ctrl
+        self.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
+        self.metrics = MetricsTracker(config.run_dir, run.env.rank, config.logging.tensorboard)
+        self.checkpoints = CheckpointManager(
+            config.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last
+        )
+        self.phases = PhaseTimer()
+        self.step = 0  # optimizer steps of the actor taken so far = the next step's index
+        self.resumed = False
+
+    # ------------------------------------------------------------------------ driver
+
+    def fit(self) -> None:
+        """Train until `total_steps`, evaluating and checkpointing on schedule or SIGTERM."""
+        self.resume()
+        cfg = self.config
+        while self.step < self.total_steps:
+            started = time.perf_counter()
+            metrics = self.train_step()
+            self.step += 1
+            if cfg.trainer.val_interval and self.step % cfg.trainer.val_interval == 0:
+                with self.phases.time("evaluate"):
+                    metrics.update(self.evaluate())
+            metrics["timing_s/step"] = time.perf_counter() - started
+            self._report(metrics)
+            stop = self._stop_requested()
+            due = cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0
+            if due or self.step == self.total_steps or (stop and cfg.checkpoint.save_on_sigterm):
+                self.save()
+            if stop:
+                self.log.info("SIGTERM: stopped after step %d (checkpoint saved)", self.step)
+                break
+        self.metrics.close()
+
+    def train_step(self) -> dict[str, float]:
+        """One PPO iteration; returns this step's metrics (identical on every rank)."""
+        roles, cfg = self.roles, self.config
+        indices = self.sampler.next_batch()
+        prompts = [self.data.train.input_ids[i] for i in indices]
+
+        # 1. Rollout: the engine gets this step's weights, then samples n responses each.
+        rollout, sync = self._rollout(prompts, self._sampling(self.step))
+        batch = self._to_device(ex.training_batch(rollout))
+        mask = batch["response_mask"]
+
+        # 2. Score: recompute the sampling policy's log-probs (never trust the engine's),
+        #    the reference's, the critic's values and the rewards.
+        with self.phases.time("old_log_probs"), self._on_device(roles.actor):
+            old = roles.actor.forward_only(batch, with_entropy=True)
+        batch["old_log_prob"] = old["log_prob"]
+        if roles.reference is not None:
+            with self.phases.time("reference"), self._on_device(roles.reference):
+                batch["ref_log_prob"] = roles.reference.forward_only(batch)["log_prob"]
+        if roles.critic is not None:
+            with self.phases.time("values"), self._on_device(roles.critic):
+                batch["values"] = roles.critic.forward_only(batch)["values"]
+        with self.phases.time("reward"):
+            samples = [indices[int(g)] for g in rollout.group_index]
+            scores, reward_metrics = self._score(rollout, self.data.train.dataset, samples, batch)
+
+        # 3. Advantages.
+        rewards = ex.token_level_scores(scores.to(self.device), mask)
+        kl_metrics: dict[str, float] = {}
+        if cfg.algorithm.use_kl_in_reward:
+            rewards, raw = apply_kl_penalty(
+                rewards,
+                batch["old_log_prob"],
+                batch["ref_log_prob"],
+                mask,
+                self.kl_ctrl.value,
+                cfg.algorithm.kl_penalty,
+            )
+            kl_metrics = {k: float(v) for k, v in raw.items()}
+        batch["advantages"], batch["returns"] = compute_advantages(
+            cfg.algorithm.adv_estimator,
+            rewards,
+            mask,
+            values=batch.get("values"),
+            group_index=rollout.group_index.to(self.device),
+            gamma=cfg.algorithm.gamma,
+            lam=cfg.algorithm.lam,
+            norm_by_std=cfg.algorithm.norm_adv_by_std,
+            group=self.dp_group,
+        )
+
+        # 4. Update: critic first (it does not depend on the actor's new weights).
+        critic_metrics: dict[str, float] = {}
+        if roles.critic is not None:
+            with self.phases.time("update_critic"), self._on_device(roles.critic):
+                critic_metrics = self._update(roles.critic, batch, self._critic_loss, "critic")
+            critic_metrics["critic/explained_variance"] = float(
+                explained_variance(batch["values"], batch["returns"], mask, self.dp_group)
+            )
+        with self.phases.time("update_actor"), self._on_device(roles.actor):
+            actor_metrics = self._update(roles.actor, batch, self._actor_loss, "actor")
+        if cfg.algorithm.use_kl_in_reward:
+            self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], len(indices) * cfg.rollout.n)
+
+        # 5. Metrics (DP-averaged where they are per-replica statistics).
+        local = {
+            **rollout.metrics(),
+            **ex.logprob_mismatch(batch["rollout_log_prob"], batch["old_log_prob"], mask),
+            **self._batch_stats(batch, old["entropy"]),
+            **reward_metrics,
+            **kl_metrics,
+        }
+        metrics = ex.dp_mean(local, self.dp_group, sums=("reward/errors", "rollout/num_samples"))
+        metrics.update(actor_metrics, **critic_metrics, **sync, **self.sampler.metrics())
+        metrics["actor/kl_coef"] = self.kl_ctrl.value
+        metrics.update(self.phases.pop())
+        metrics.update(self._throughput(metrics))
+        return metrics
+
+    # ------------------------------------------------------------------ rollout
+
+    def _sampling(self, step: int, evaluation: bool = False) -> SamplingParams:
+        r = self.config.rollout
+        eos = self.data.tokenizer.eos_token_id
+        n = 1 if evaluation else r.n
+        local = self.sampler.local_batch_size
+        # Seeds unique per (step, replica, prompt, sample) and a function of the step only,
+        # so a resumed run draws exactly the samples the uninterrupted run drew.
+        seed = self.config.trainer.seed + (step * self.dp_size + self.dp_rank) * local * r.n
+        return SamplingParams(
+            temperature=r.val_temperature if evaluation else r.temperature,
+            top_p=1.0 if evaluation else r.top_p,
+            top_k=-1 if evaluation else r.top_k,
+            max_new_tokens=r.max_response_length,
+            n=n,
+            seed=seed,
+            prompt_overflow="reject" if r.prompt_overflow == "reject" else "truncate_left",
+            max_prompt_len=r.max_prompt_length,
+            # The tokenizer's EOS ends a response, whatever the checkpoint's config says.
+            stop_token_ids=None if eos is None else (eos,),
+        )
+
+    def _rollout(
+        self, prompts: list[list[int]], sampling: SamplingParams
+    ) -> tuple[RolloutBatch, dict[str, float]]:
+        """Sync the engine to the actor's weights (version = step), then generate."""
+        with self._on_device(self.roles.actor):
+            with self.phases.time("reshard"):
+                sync = self._sync_engine(version=self.step)
+            if self.generates_with_actor:
+                with self.phases.time("generate"):
+                    return self._generate(prompts, sampling), sync
+        with self.phases.time("generate"):
+            rollout = self._generate(prompts, sampling)
+        self._release_engine()
+        return rollout, sync
+
+    def _sync_engine(self, version: int) -> dict[str, float]:
+        """Put the actor's current weights into the engine as `version`."""
+        if self.config.rollout.engine == "megatron":
+            # The engine generates with the actor's own modules: nothing moves.
+            self.engine.update_weights({}, version)
+            return {}
+        from rl_megatron.resharding.executor import sync_weights
+        from rl_megatron.resharding.targets import VllmEngineTarget
+
+        if version == 0 and self.engine.weight_version == 0 and not self.resumed:
+            # vLLM loaded model.hf_path, the actor's own starting point: nothing to move.
+            return {}
+        self.engine.wake(["weights"])
+        stats = sync_weights(
+            self.roles.actor.model,
+            VllmEngineTarget(self.engine),
+            info=self.info,
+            training=self.run.layout,
+            version=version,
+            bucket_mb=self.config.rollout.weight_sync_bucket_mb,
+        )
+        self.engine.wake(["kv_cache"])
+        return {
+            "reshard/bytes_received_gb": stats.bytes_received / 1e9,
+            "reshard/bytes_sent_gb": stats.bytes_sent / 1e9,
+        }
+
+    def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
+        return self.engine.generate(prompts, sampling, output_layout="full")
+
+    def _release_engine(self) -> None:
+        """vLLM frees its weights and KV cache while the roles train (GPU builds only)."""
+        r = self.config.rollout
+        if r.engine == "vllm" and r.enable_sleep_mode and torch.cuda.is_available():
+            self.engine.sleep(level=1)
+
+    # ------------------------------------------------------------------- reward
+
+    def _score(
+        self, rollout: RolloutBatch, dataset, rows: list[int], batch: Batch | None
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """Sequence rewards `[b]` of a rollout whose row i answers `dataset[rows[i]]`.
+
+        The same on every rank of the replica. Collective over the whole world (failures
+        are raised on every rank together), so every rank calls it, with 0 rows if need be.
+        """
+        n = len(rows)
+        if self.roles.reward_model is not None:
+            if n == 0:
+                return torch.zeros(0), {}
+            with self._on_device(self.roles.reward_model):
+                values = self.roles.reward_model.forward_only(batch)["values"]
+            scores = ex.sequence_scores_at_last_token(values, batch["response_mask"]).cpu()
+            return scores, {
+                "reward/mean": scores.mean().item(),
+                "reward/std": scores.std(unbiased=False).item(),
+            }
+        rcfg = self.config.reward
+        message = ""
+        scores = torch.zeros(n)
+        errors = torch.zeros(1)
+        if dist.get_rank() == self.replica_src and n:
+            # One rank scores (user functions need not be deterministic); the rest copy.
+            texts = self.data.tokenizer.batch_decode([rollout.row_tokens(i)[1] for i in range(n)])
+            try:
+                scores, m = score_batch(
+                    self.reward_fn,
+                    texts,
+                    [dataset[i] for i in rows],
+                    on_error=rcfg.on_error,
+                    error_score=rcfg.error_score,
+                    names=[dataset.sources[i] for i in rows],
+                    logger=self.log,
+                )
+                errors[0] = m["reward/errors"]
+            except RewardError as exc:
+                message, errors[0] = str(exc), -1.0
+        shared = torch.cat([scores, errors]).to(self.device)
+        dist.broadcast(shared, src=self.replica_src, group=self.replica_group)
+        scores, errors = shared[:n].cpu(), shared[n:].cpu()
+        self._raise_together(message, errors.item() < 0)
+        # Counted once per rank of each replica on both sides, so the ratio is exact.
+        total = torch.tensor([errors.item(), float(n)], device=self.device)
+        dist.all_reduce(total)
+        if total[0] > 0 and total[0] == total[1]:
+            raise RewardError(
+                f"reward.function: {rcfg.function!r} failed on every sample of step "
+                f"{self.step} ({int(total[1]) // max(self._replica_size(), 1)} samples); "
+                "the first error is logged above"
+            )
+        if not n:
+            return scores, {}
+        return scores, {
+            "reward/mean": scores.mean().item(),
+            "reward/std": scores.std(unbiased=False).item(),
+            "reward/errors": errors.item(),
+        }
+
+    def _replica_size(self) -> int:
+        return dist.get_world_size(self.replica_group)
+
+    def _raise_together(self, message: str, failed: bool) -> None:
+        """Raise on every rank when any rank failed, so none is left in a collective."""
+        flag = torch.tensor([1.0 if failed else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        if flag.item() > 0:
+            # Every rank raises the first failing rank's message, so rank 0 can print it.
+            messages: list[str] = [""] * dist.get_world_size()
+            dist.all_gather_object(messages, message)
+            raise RewardError(next(m for m in messages if m))
+
+    # ------------------------------------------------------------------- update
+
+    def _actor_loss(self, out: Batch, mb: Batch, totals):
+        a = self.config.actor
+        mask = mb["response_mask"]
+        loss, metrics = policy_loss(
+            out["log_prob"],
+            mb["old_log_prob"],
+            mb["advantages"],
+            mask,
+            a.clip_ratio_low,
+            a.clip_ratio_high,
+            a.clip_ratio_c,
+            a.loss_agg_mode,
+            totals=totals,
+        )
+        if a.entropy_coeff:
+            bonus, m = entropy_bonus(out["entropy"], mask, a.loss_agg_mode, totals=totals)
+            loss = loss - a.entropy_coeff * bonus
+            metrics.update(m)
+        if a.use_kl_loss:
+            kl, m = kl_loss(
+                out["log_prob"],
+                mb["ref_log_prob"],
+                mask,
+                a.kl_loss_type,
+                a.loss_agg_mode,
+                totals=totals,
+            )
+            loss = loss + a.kl_loss_coef * kl
+            metrics.update(m)
+        return loss, metrics
+
+    def _critic_loss(self, out: Batch, mb: Batch, totals):
+        return value_loss(
+            out["values"],
+            mb["values"],
+            mb["returns"],
+            mb["response_mask"],
+            self.config.critic.cliprange_value,
+            totals=totals,
+        )
+
+    def _update(self, role: MegatronRole, batch: Batch, loss_fn, name: str) -> dict[str, float]:
+        """PPO epochs over shuffled mini-batches; metrics averaged over optimizer steps."""
+        section = self.config.actor if name == "actor" else self.config.critic
+        rows = batch["prompts"].shape[0]
+        per_rank = section.mini_batch_size // self.dp_size
+        # Same permutation on every rank of a replica; a pure function of the step.
+        generator = torch.Generator().manual_seed(self.config.trainer.seed * 1009 + self.step)
+        with_entropy = name == "actor" and self.config.actor.entropy_coeff != 0
+        sums: dict[str, float] = {}
+        count = 0
+        for _ in range(section.ppo_epochs):
+            for mini in ex.mini_batch_rows(rows, per_rank, generator):
+                index = torch.tensor(mini)
+                mini_batch = {k: v[index] for k, v in batch.items()}
+                out = role.train_step(mini_batch, loss_fn, with_entropy=with_entropy)
+                for key, value in out.items():
+                    sums[key] = sums.get(key, 0.0) + value
+                count += 1
+        metrics = {}
+        for key, total in sums.items():
+            short = key if "/" in key else f"{name}/{key}"
+            metrics[short] = total / count
+        return metrics
+
+    # ------------------------------------------------------------------ metrics
+
+    @torch.no_grad()
+    def _batch_stats(self, batch: Batch, entropy: torch.Tensor) -> dict[str, float]:
+        valid = batch["response_mask"].bool()
+        adv = batch["advantages"][valid]
+        stats = {
+            "advantages/mean": adv.mean().item() if adv.numel() else 0.0,
+            "advantages/std": adv.std(unbiased=False).item() if adv.numel() else 0.0,
+            "actor/entropy_rollout": entropy[valid].mean().item() if valid.any() else 0.0,
+        }
+        if "ref_log_prob" in batch:
+            kl = (batch["old_log_prob"] - batch["ref_log_prob"])[valid]
+            stats["actor/kl_to_ref"] = kl.mean().item() if kl.numel() else 0.0
+        if "values" in batch:
+            stats["critic/values_mean"] = batch["values"][valid].mean().item()
+            stats["critic/returns_mean"] = batch["returns"][valid].mean().item()
+        return stats
+
+    def _throughput(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Tokens per second per device over the step, and the actor update's MFU."""
+        # num_samples is summed over DP: the global count of sequences this step.
+        tokens = metrics["rollout/num_samples"] * (
+            metrics["rollout/prompt_length_mean"] + metrics["rollout/response_length_mean"]
+        )
+        step_s = sum(v for k, v in metrics.items() if k.startswith("timing_s/"))
+        out = {"perf/tokens_per_s_per_device": tokens / max(step_s, 1e-9) / dist.get_world_size()}
+        peak = _peak_tflops()
+        update_s = metrics.get("timing_s/update_actor", 0.0)
+        if peak and update_s > 0:
+            m = self.info
+            shape = TransformerShape(
+                m.num_layers,
+                m.hidden_size,
+                m.ffn_hidden_size,
+                m.num_attention_heads,
+                m.num_key_value_heads,
+                m.vocab_size,
+            )
+            seq = int(
+                metrics["rollout/prompt_length_mean"] + metrics["rollout/response_length_mean"]
+            )
+            flops = tokens * self.config.actor.ppo_epochs * flops_per_token(shape, seq)
+            out["perf/mfu_update_actor"] = flops / update_s / dist.get_world_size() / (peak * 1e12)
+        return out
+
+    def _report(self, metrics: dict[str, float]) -> None:
+        self.metrics.log(self.step, metrics)
+        if self.run.env.rank != 0 or self.step % self.config.logging.log_interval:
+            return
+        m = metrics
+        line = (
+            f"step {self.step}/{self.total_steps} | reward {m['reward/mean']:.3f}"
+            f"±{m.get('reward/std', 0.0):.3f} | len {m['rollout/response_length_mean']:.1f}"
+            f" | entropy {m['actor/entropy_rollout']:.2f}"
+            f" | clip {m.get('actor/pg_clipfrac', 0.0):.3f}"
+            f" | gnorm {m.get('actor/grad_norm', math.nan):.2f}"
+        )
+        if "critic/loss" in m:
+            line += f" | vloss {m['critic/loss']:.4f} ev {m['critic/explained_variance']:.2f}"
+        if "actor/kl_to_ref" in m:
+            line += f" | kl {m['actor/kl_to_ref']:.4f}"
+        if "val/reward_mean" in m:
+            line += f" | val {m['val/reward_mean']:.3f}"
+        line += (
+            f" | {m['timing_s/step']:.1f}s (gen {m.get('timing_s/generate', 0):.1f}"
+            f", upd {m.get('timing_s/update_actor', 0):.1f})"
+            f" | {m['perf/tokens_per_s_per_device']:.0f} tok/s/dev"
+        )
+        print(line, flush=True)
+
+    # --------------------------------------------------------------- evaluation
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy responses to every held-out prompt once; `val/...` metrics."""
+        val = self.data.val
+        if val is None:
+            return {}
+        with self._on_device(self.roles.actor):
+            self._sync_engine(version=self.step)
+        totals = torch.zeros(3, dtype=torch.float64)  # reward sum, length sum, count
+        batches = eval_batches(
+            len(val), self.config.data.val_batch_size, self.dp_rank, self.dp_size
+        )
+        for batch_index, rows in enumerate(batches):
+            # Every rank walks the same batches; a replica with an empty share (the last
+            # batch may be uneven) generates nothing but joins the reward collectives.
+            rollout, batch = None, None
+            if rows:
+                sampling = self._sampling(batch_index, evaluation=True)
+                with contextlib.ExitStack() as stack:
+                    if self.generates_with_actor:
+                        stack.enter_context(self._on_device(self.roles.actor))
+                    rollout = self._generate([val.input_ids[i] for i in rows], sampling)
+                batch = self._to_device(ex.training_batch(rollout))
+            scores, _ = self._score(rollout, val.dataset, rows, batch)
+            if rows:
+                totals += torch.tensor(
+                    [scores.sum().item(), rollout.response_lengths.sum().item(), len(rows)],
+                    dtype=torch.float64,
+                )
+        self._release_engine()
+        totals = totals.to(self.device)
+        dist.all_reduce(totals, group=self.dp_group)
+        count = max(totals[2].item(), 1.0)
+        return {
+            "val/reward_mean": totals[0].item() / count,
+            "val/response_length_mean": totals[1].item() / count,
+            "val/num_prompts": totals[2].item(),
+        }
+
+    # -------------------------------------------------------------- checkpoints
+
+    def save(self) -> None:
+        # The manager reloads an offloaded role for its part of the save, one at a time.
+        with self.phases.time("checkpoint"):
+            path = self.checkpoints.save(
+                self.step,
+                self.roles.trainable(),
+                self._trainer_state(),
+                sidecar=self._sidecars(),
+            )
+        self.log.info("checkpoint: step %d saved to %s", self.step, path)
+
+    def resume(self) -> None:
+        """Continue from `checkpoint.resume_from`, or the run's newest checkpoint (auto)."""
+        c = self.config.checkpoint
+        path = None
+        if c.resume_from is not None:
+            from pathlib import Path
+
+            path = Path(c.resume_from)
+        elif c.resume == "auto":
+            path = self.checkpoints.latest()
+        if path is None:
+            return
+        step, state = self.checkpoints.load(path, self.roles.trainable())
+        self.step, self.resumed = step, True
+        self.sampler.load_state_dict(state["sampler"])
+        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self.log.info("resumed from %s at step %d", path, step)
+
+    def _trainer_state(self) -> dict:
+        return {
+            "step": self.step,
+            "sampler": self.sampler.state_dict(),
+            "kl_ctrl": self.kl_ctrl.state_dict(),
+            "total_steps": self.total_steps,
+        }
+
+    def _sidecars(self) -> dict[str, dict]:
+        """`rl_megatron.json` per role, so `megatron_to_hf.py` can export the checkpoint."""
+        from rl_megatron.checkpoint.conversions import padded_vocab_size
+
+        p, m = self.config.parallel, self.config.model
+        common = {
+            "format_version": 1,
+            "dtype": str(DTYPES[m.dtype]).removeprefix("torch."),  # as checkpoints_tools write
+            "padded_vocab_size": padded_vocab_size(
+                self.info.vocab_size, m.make_vocab_size_divisible_by, p.tp
+            ),
+            "tp": p.tp,
+            "pp": p.pp,
+            "vpp": p.vpp,
+            "source": m.hf_path,
+        }
+        out = {"actor": {**common, "head": "lm"}}
+        if self.roles.critic is not None:
+            out["critic"] = {**common, "head": "value"}
+        return out
+
+    # -------------------------------------------------------------------- misc
+
+    def _to_device(self, batch: Batch) -> Batch:
+        """Rollouts arrive on the CPU; scores, advantages and DP reductions run here."""
+        return {k: v.to(self.device) for k, v in batch.items()}
+
+    @contextlib.contextmanager
+    def _on_device(self, role: MegatronRole) -> Iterator[None]:
+        """Reload the role for the phase; offload what its config says afterwards."""
+        role.reload()
+        try:
+            yield
+        finally:
+            role.offload()
+
+    def _stop_requested(self) -> bool:
+        """SIGTERM on any rank stops all of them after the same step."""
+        flag = torch.tensor([1.0 if self.run.stop_requested else 0.0], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def _peak_tflops() -> float | None:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS_BF16.items() if k in name), None)
+
+
+def build_trainer(config: Config, run: DistributedRun, logger) -> PPOTrainer:
+    """Data, model roles and rollout engine from the config; raises user errors first."""
+    from rl_megatron.trainer.build import build_data, build_engine, build_roles, model_info
+
+    data = build_data(config, logger)
+    info = model_info(config)
+    total_steps = config.trainer.total_steps or (
+        config.trainer.total_epochs * (len(data.train) // config.data.train_batch_size)
+    )
+    roles = build_roles(config, info, total_steps)
+    engine = build_engine(config, info, roles.actor, data.tokenizer, run)
+    return PPOTrainer(config, run, data, info, roles, engine, total_steps, logger)

@@ -1,0 +1,247 @@
+"""`launch/ppo.py` trains: reward climbs (GRPO, PPO+GAE), resume after a kill, bad input.
+
+The runs use `yaml_configs/tiny_cpu.yaml` (synthetic digit_echo task, random 4-layer
+model) under torchrun on 4 gloo ranks, TP=2 × DP=2, as `make demo` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.test_launcher import ROOT, TINY, _run
+
+# Mean reward of the last steps minus that of the first steps must exceed this. A random
+# policy scores ~0.03 (one of ~100 tokens is the answer, 10 are digits); emitting only
+# digits already scores >= 0.2, so 0.1 is a clear, learned improvement and far above the
+# step-to-step noise (std of the step mean ~0.01-0.02 at 64 samples).
+MIN_IMPROVEMENT = 0.1
+WINDOW = 5
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _improvement(rows: list[dict]) -> float:
+    rewards = [r["reward/mean"] for r in rows]
+    return sum(rewards[-WINDOW:]) / WINDOW - sum(rewards[:WINDOW]) / WINDOW
+
+
+def _train(tmp_path: Path, *overrides: str, ranks: int = 4, timeout: int = 600):
+    args = ["--config", TINY, f"trainer.output_dir={tmp_path}", *overrides]
+    return _run(args, torchrun_ranks=ranks, timeout=timeout)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "estimator, extra",
+    [
+        ("grpo", []),
+        # PPO with a critic (GAE); λ < 1 so the critic's values shape the advantages.
+        ("gae", ["algorithm.lam=0.95"]),
+    ],
+)
+def test_reward_improves(tmp_path, estimator, extra):
+    result = _train(
+        tmp_path,
+        f"algorithm.adv_estimator={estimator}",
+        "trainer.total_steps=40",
+        "trainer.val_interval=20",
+        "checkpoint.save_interval=0",
+        *extra,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _metrics(tmp_path / "tiny_cpu")
+    assert [r["step"] for r in rows] == list(range(1, 41))
+    gain = _improvement(rows)
+    assert gain > MIN_IMPROVEMENT, f"{estimator}: reward improved by {gain:.3f} only"
+    # The console line carries the reward too (what `make demo` shows).
+    assert result.stdout.count("| reward ") == 40
+    if estimator == "gae":
+        assert "critic/loss" in rows[-1] and "critic/explained_variance" in rows[-1]
+    # Every step times its phases and compares engine and trainer log-probs.
+    for key in ("timing_s/generate", "timing_s/update_actor", "rollout/logprob_diff_max"):
+        assert key in rows[-1], key
+    # The Megatron engine samples with the actor's own weights: the same policy.
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-3
+    assert rows[19]["val/num_prompts"] == 32 and "val/reward_mean" in rows[-1]
+
+
+@pytest.mark.slow
+def test_kl_terms_reference_and_offload(tmp_path):
+    """KL loss + KL reward penalty (adaptive β) with the reference role; every role's
+    params, grads and optimizer state offloaded between phases."""
+    result = _train(
+        tmp_path,
+        "trainer.total_steps=3",
+        "trainer.val_interval=0",
+        "actor.use_kl_loss=true",
+        "algorithm.use_kl_in_reward=true",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.horizon=100",
+        "actor.offload.params=true",
+        "actor.offload.grads=true",
+        "actor.offload.optimizer=true",
+        "reference.offload_params=true",
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _metrics(tmp_path / "tiny_cpu")
+    # The reference starts as the actor: no divergence before the first update (up to
+    # float summation order: the two roles run different micro-batch shapes)...
+    assert abs(rows[0]["actor/kl_to_ref"]) < 1e-6
+    assert abs(rows[0]["actor/reward_kl_penalty"]) < 1e-6
+    # ...and some after it, which the adaptive controller (target 0.1 > KL) lowers β for.
+    assert rows[2]["actor/kl_to_ref"] != 0.0 and rows[2]["actor/kl_loss"] > 0.0
+    assert rows[2]["actor/kl_coef"] < rows[0]["actor/kl_coef"]
+    assert "timing_s/reference" in rows[0]
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"run exited ({proc.returncode}) before {path} appeared")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{path} did not appear within {timeout} s")
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
+    common = ["trainer.total_steps=6", "trainer.val_interval=0", "checkpoint.save_interval=3"]
+    straight = tmp_path / "straight"
+    result = _train(straight, *common)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    # Same run, killed (SIGKILL, whole process group) once step 3's checkpoint exists.
+    killed = tmp_path / "killed"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    cmd += ["launch/ppo.py", "--config", TINY, f"trainer.output_dir={killed}", *common]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        _wait_for(killed / "tiny_cpu" / "checkpoints" / "step_00000003", proc, 300)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    first = _metrics(killed / "tiny_cpu")
+    assert 3 <= len(first) < 6, f"killed run logged {len(first)} steps"
+
+    result = _train(killed, *common)  # auto-resumes from the newest checkpoint
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
+    want = {r["step"]: r for r in _metrics(straight / "tiny_cpu")}
+    # Steps after the kill were logged twice (before and after the resume); the last
+    # record of each step is the resumed run's.
+    got = {r["step"]: r for r in _metrics(killed / "tiny_cpu")}
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    for step in (4, 5, 6):
+        for key in (
+            "reward/mean",
+            "rollout/prompt_length_mean",  # the same prompts (data order)
+            "rollout/response_length_mean",  # the same samples
+            "actor/loss",
+            "actor/grad_norm",  # the same weights and optimizer state going in
+            "actor/pg_clipfrac",
+        ):
+            assert got[step][key] == pytest.approx(want[step][key], rel=1e-6, abs=1e-7), (
+                f"step {step} {key}: resumed {got[step][key]} vs uninterrupted {want[step][key]}"
+            )
+
+
+# ------------------------------------------------------------------- bad input
+
+ONE_RANK = ["parallel.tp=1", "rollout.tp=1", "trainer.total_steps=2", "trainer.val_interval=0"]
+
+
+def _one_rank(tmp_path: Path, *overrides: str):
+    args = ["--config", TINY, f"trainer.output_dir={tmp_path}", *ONE_RANK, *overrides]
+    return _run(args, timeout=300)
+
+
+def _one_error_line(result) -> str:
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, result.stderr[-3000:]
+    return lines[0]
+
+
+def _jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_empty_dataset(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    line = _one_error_line(
+        _one_rank(tmp_path, "data.synthetic_task=null", f"data.train_files=[{empty}]")
+    )
+    assert line == f"error: data.train_files: no records in {empty}"
+
+
+def test_missing_reward_field(tmp_path):
+    data = _jsonl(tmp_path / "train.jsonl", [{"prompt": "1 2 =", "answer": "2"}, {"prompt": "3"}])
+    line = _one_error_line(
+        _one_rank(tmp_path, "data.synthetic_task=null", f"data.train_files=[{data}]")
+    )
+    assert f"{data}:2" in line and "'answer'" in line
+
+
+def test_all_prompts_too_long(tmp_path):
+    line = _one_error_line(
+        _one_rank(tmp_path, "rollout.max_prompt_length=4", "rollout.prompt_overflow=filter")
+    )
+    assert "all 2048 prompts are longer than rollout.max_prompt_length=4 tokens" in line
+
+
+REWARDS = """
+def always_raises(response, sample):
+    raise KeyError("score_me")
+
+def raises_on_odd_answers(response, sample):
+    if int(sample["answer"]) % 2:
+        raise ValueError("odd answers are not scored")
+    return 1.0
+"""
+
+
+def test_raising_reward_function(tmp_path):
+    module = tmp_path / "my_rewards.py"
+    module.write_text(REWARDS)
+    # on_error=raise: the run stops at the first failure, naming the sample.
+    line = _one_error_line(
+        _one_rank(
+            tmp_path / "a", f"reward.function={module}:always_raises", "reward.on_error=raise"
+        )
+    )
+    assert "'always_raises' failed on sample 0 (synthetic:train:" in line
+    assert "KeyError: 'score_me'" in line
+    # on_error=score: failures are scored and counted...
+    result = _one_rank(tmp_path / "b", f"reward.function={module}:raises_on_odd_answers")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _metrics(tmp_path / "b" / "tiny_cpu")
+    assert all(0 < r["reward/errors"] < 64 for r in rows), [r["reward/errors"] for r in rows]
+    assert "samples failed in 'raises_on_odd_answers'" in result.stdout  # the log
+    # ...but a function that fails on every sample stops the run instead of training on it.
+    line = _one_error_line(_one_rank(tmp_path / "c", f"reward.function={module}:always_raises"))
+    assert "always_raises' failed on every sample of step 0 (64 samples)" in line

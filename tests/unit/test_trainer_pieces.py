@@ -1,0 +1,75 @@
+"""The trainer's pure pieces: experience helpers, the synthetic task, its reward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_megatron.data.datasets import DataError
+from rl_megatron.data.synthetic import ALPHABET, CharTokenizer, synthetic_dataset
+from rl_megatron.rewards.rules import digit_echo
+from rl_megatron.trainer import experience as ex
+
+
+def test_token_level_scores_sit_on_the_last_response_token():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    scores = torch.tensor([0.5, -1.0, 9.0, 2.0])
+    out = ex.token_level_scores(scores, mask)
+    want = torch.zeros(4, 4)
+    want[0, 2], want[1, 0], want[3, 3] = 0.5, -1.0, 2.0  # row 2 has no token: no reward
+    assert torch.equal(out, want)
+
+
+def test_sequence_scores_read_at_the_last_token():
+    values = torch.arange(12, dtype=torch.float32).view(3, 4)
+    mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1], [0, 0, 0, 0]])
+    assert ex.sequence_scores_at_last_token(values, mask).tolist() == [1.0, 7.0, 0.0]
+
+
+def test_mini_batch_rows_partition_and_determinism():
+    rows = ex.mini_batch_rows(12, 4, torch.Generator().manual_seed(3))
+    again = ex.mini_batch_rows(12, 4, torch.Generator().manual_seed(3))
+    assert rows == again and len(rows) == 3
+    assert sorted(i for mb in rows for i in mb) == list(range(12))
+    assert rows != ex.mini_batch_rows(12, 4, torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError, match="do not split"):
+        ex.mini_batch_rows(10, 4, torch.Generator())
+
+
+def test_logprob_mismatch_counts_valid_tokens_only():
+    engine = torch.tensor([[-1.0, -2.0, -50.0]])
+    trainer = torch.tensor([[-1.5, -2.0, 0.0]])
+    out = ex.logprob_mismatch(engine, trainer, torch.tensor([[1, 1, 0]]))
+    assert out == {"rollout/logprob_diff_mean": 0.25, "rollout/logprob_diff_max": 0.5}
+
+
+def test_char_tokenizer_round_trip_and_specials():
+    tok = CharTokenizer()
+    ids = tok.encode("3 8 1 =")
+    assert len(ids) == 7 and min(ids) >= 2 and len(tok) == len(ALPHABET) + 2 <= 100
+    assert tok.decode(ids + [tok.eos_token_id, tok.pad_token_id]) == "3 8 1 ="
+    assert tok.decode([len(tok) + 5]) == "\ufffd"  # ids past the alphabet are not digits
+    with pytest.raises(ValueError, match="alphabet"):
+        tok.encode("é")
+
+
+def test_synthetic_dataset_is_a_pure_function_of_seed_and_split():
+    a = synthetic_dataset("digit_echo", 50, seed=1)
+    assert a.samples == synthetic_dataset("digit_echo", 50, seed=1).samples
+    assert a.samples != synthetic_dataset("digit_echo", 50, seed=2).samples
+    assert a.samples != synthetic_dataset("digit_echo", 50, seed=1, split="val").samples
+    for sample, source in zip(a.samples, a.sources):
+        assert sample["prompt"][-1] == sample["answer"] and sample["prompt"][-2] == " "
+        assert source.startswith("synthetic:train:")
+    with pytest.raises(DataError, match="data.synthetic_task"):
+        synthetic_dataset("nope", 5, seed=0)
+
+
+def test_digit_echo_reward():
+    sample = {"answer": "7"}
+    assert digit_echo("7777", sample) == 1.0
+    assert digit_echo("7a", sample) == 0.5
+    assert digit_echo("12", sample) == pytest.approx(0.2)
+    assert digit_echo("", sample) == 0.0
+    with pytest.raises(ValueError, match="one digit"):
+        digit_echo("7", {"answer": "77"})

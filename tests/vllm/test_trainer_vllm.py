@@ -1,0 +1,66 @@
+"""The trainer with the in-process vLLM engine (CPU build) on a pipeline-parallel actor.
+
+2 ranks, TP=1 × PP=2 for training, vLLM at TP=1 (two generation replicas inside the one
+training replica): every step reshards the actor's two pipeline stages into both engines.
+If a sync put any weight in the wrong place, vLLM's sampling log-probs would drift from the
+actor's recomputed ones; the fp32 CPU parity of the two is ~1e-6 (tests/vllm), so the
+mismatch bound below (1e-3) catches any wrong row while the weights change every step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.rollout_refs import tiny_llama
+from tests.vllm.torchrun_script import REPO
+
+STEPS = 4
+
+
+@pytest.mark.slow
+def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
+    hf_dir = tmp_path / "tiny_llama"
+    tiny_llama(0).save_pretrained(hf_dir, safe_serialization=True)
+    arch = ["num_layers", "hidden_size", "num_attention_heads", "num_query_groups"]
+    arch += ["ffn_hidden_size", "vocab_size"]
+    overrides = [f"model.{key}=null" for key in arch] + [
+        f"model.hf_path={hf_dir}",
+        "model.max_position_embeddings=256",
+        "parallel.tp=1",
+        "parallel.pp=2",
+        "rollout.engine=vllm",
+        "rollout.tp=1",
+        "rollout.gpu_memory_utilization=0.05",
+        f"trainer.total_steps={STEPS}",
+        "trainer.val_interval=2",
+        f"trainer.output_dir={tmp_path / 'runs'}",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    cmd += ["launch/ppo.py", "--config", "yaml_configs/tiny_cpu.yaml", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = (tmp_path / "runs" / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for row in rows:
+        assert row["rollout/logprob_diff_max"] < 1e-3, row["rollout/logprob_diff_max"]
+        assert row["rollout/num_samples"] == 64 and row["rollout/response_length_mean"] > 0
+        # Step 1 generates with the weights vLLM loaded from hf_path (the actor's too);
+        # later steps need a sync: each stage holds half the layers, each engine all.
+        if row["step"] == 1:
+            assert "reshard/bytes_received_gb" not in row
+        else:
+            assert row["reshard/bytes_received_gb"] > 0
+        assert row["actor/grad_norm"] > 0
+    assert rows[1]["val/num_prompts"] == 32
