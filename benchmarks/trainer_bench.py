@@ -1,0 +1,573 @@
+"""The trainer's PPO/GRPO step against a plain Megatron training loop, in one process.
+
+Two measurements on the same model shape, builder and parallel layout (issue 8):
+
+* `plain_loop`: megatron-core alone, none of our role code. `build_gpt_chunks` → Megatron
+  DDP (distributed optimizer, fp32 grad reduce, as the roles use) → `get_megatron_optimizer`
+  (Adam); each iteration runs `get_forward_backward_func` over `--plain-micro-batches` fixed
+  `[micro_batch, seq]` random-token batches with GPTModel's own cross-entropy (labels =
+  the inputs shifted; causal attention, no padding mask) and one optimizer step — the shape
+  of one actor mini-batch. Training tokens/s and MFU. `plain_loop_masked` repeats it with
+  an explicit causal mask, the attention path the trainer takes for left-padded rows.
+* `trainer`: `build_trainer(config, run, log)` then `trainer.train_step()` for each
+  algorithm (GRPO; PPO+GAE with the critic on), `--warmup-steps` excluded from the summary.
+  Per phase: seconds (`timing_s/*`, the trainer's own timers) and peak GPU memory
+  (`memory_gb/*_peak`); the step's wall time; tokens/s per GPU over the wall time; the
+  actor update's tokens/s and MFU, and its ratio to the plain loop's tokens/s.
+
+The trainer counts real tokens (prompt + response lengths, no padding) in its throughput;
+the plain loop's batches have no padding, so both count the same kind of token. Its
+sequence length defaults to `max_prompt_length + max_response_length` (a few tokens more
+than the trainer's mean sequence, which is prompt mean + response mean).
+
+`--save` also times the checkpoint `fit` writes at the last step (first algorithm only),
+and with `--profile-dir` one extra step under torch.profiler (top ops to a text file).
+The first H200 run (RESULTS.md, 2026-11-29) patched two device-placement bugs of the
+trainer in-process; they are fixed in the trainer since, and the bench patches nothing.
+
+GPU (one H200; megatron-core from its wheel, see gpu/README.md):
+
+    torchrun --standalone --nproc_per_node 1 benchmarks/trainer_bench.py \
+        --config yaml_configs/bench_h200_1b.yaml --save --profile-dir $OUT \
+        --out-json $OUT/trainer_h200_1b.json
+
+CPU smoke test (the tiny_cpu model shape, a few tokens, seconds):
+
+    .venv/bin/torchrun --standalone --nproc_per_node 1 benchmarks/trainer_bench.py \
+        --config yaml_configs/bench_h200_1b.yaml --tiny
+
+Writes one JSON object (rank 0) to `--out-json` (default `$OUT/trainer_bench.json` when
+`$OUT` is set) and prints a summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import platform
+import shutil
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# The tiny_cpu model and a batch small enough for a 2-core smoke test.
+TINY_OVERRIDES = [
+    "model.num_layers=4",
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=128",
+    "model.vocab_size=100",
+    "model.max_position_embeddings=64",
+    "model.make_vocab_size_divisible_by=32",
+    "model.dtype=fp32",
+    "rollout.max_response_length=8",
+    "rollout.n=4",
+    "data.train_batch_size=4",
+    "data.synthetic_size=64",
+    "actor.mini_batch_size=8",
+    "actor.micro_batch_size=4",
+    "critic.mini_batch_size=8",
+    "critic.micro_batch_size=4",
+    "reference.micro_batch_size=4",
+]
+
+# Per algorithm: the overrides that make it (the critic follows from `gae`). KL terms
+# (and with them the reference) come from the YAML or the command line's overrides.
+ALGORITHMS = {
+    "grpo": ["algorithm.adv_estimator=grpo"],
+    "gae": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95"],
+}
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _gib(nbytes: float) -> float:
+    return nbytes / 2**30
+
+
+def _allocated_gb() -> float:
+    return _gib(torch.cuda.memory_allocated()) if torch.cuda.is_available() else 0.0
+
+
+def _free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _peak_tflops() -> float | None:
+    from rl_megatron.utils.flops import PEAK_TFLOPS_BF16
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS_BF16.items() if k in name), None)
+
+
+def _shape(info):
+    from rl_megatron.utils.flops import TransformerShape
+
+    return TransformerShape(
+        info.num_layers,
+        info.hidden_size,
+        info.ffn_hidden_size,
+        info.num_attention_heads,
+        info.num_key_value_heads,
+        info.vocab_size,
+    )
+
+
+# ------------------------------------------------------------------------- plain loop
+
+
+def plain_loop(config, info, args, masked: bool = False) -> dict:
+    """Megatron-core forward/backward + Adam on fixed batches; tokens/s, MFU, peak memory.
+
+    masked: pass an explicit causal `[b, 1, s, s]` mask (no padding in it) instead of None,
+        which is what the trainer's micro-batches pass whenever a row is left-padded:
+        it takes SDPA off the causal fast path (explicit mask, K/V expanded for GQA).
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from rl_megatron.models.builders import build_gpt_chunks
+    from rl_megatron.trainer.build import DTYPES
+    from rl_megatron.utils.flops import flops_per_token
+
+    p, m = config.parallel, config.model
+    dtype = DTYPES[m.dtype]
+    micro_batch = args.plain_micro_batch or config.actor.micro_batch_size
+    seq = args.plain_seq or (config.rollout.max_prompt_length + config.rollout.max_response_length)
+    dp = dist.get_world_size() // (p.tp * p.pp)
+    num_micro = args.plain_micro_batches or (
+        config.actor.mini_batch_size // (config.actor.micro_batch_size * dp)
+    )
+    before_gb = _allocated_gb()
+    chunks = build_gpt_chunks(
+        info,
+        tp=p.tp,
+        pp=p.pp,
+        dtype=dtype,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+    )
+    model_config = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
+    )
+    model = [DistributedDataParallel(model_config, ddp_config, c) for c in chunks]
+    model_config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-6,
+            weight_decay=0.0,
+            clip_grad=1.0,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            use_distributed_optimizer=True,
+        ),
+        model,
+    )
+    device = next(chunks[0].parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, info.vocab_size, (micro_batch, seq + 1), generator=gen).to(device)
+    batch = {
+        "input_ids": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.arange(seq, device=device).expand(micro_batch, seq).contiguous(),
+        "attention_mask": None,
+    }
+    if masked:
+        from rl_megatron.models.sdpa_attention import causal_padding_mask
+
+        ones = torch.ones(micro_batch, seq, dtype=torch.bool, device=device)
+        batch["attention_mask"] = causal_padding_mask(ones)
+
+    def loss_func(per_token_loss: torch.Tensor):
+        loss = per_token_loss.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    def forward_step(data_iterator, chunk):
+        b = next(data_iterator)
+        # attention_mask None: the causal fast path of SDPAttention. With labels, GPTModel
+        # returns the per-token vocab-parallel cross-entropy `[b, s]`.
+        out = chunk(b["input_ids"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+        return out, loss_func
+
+    forward_backward = get_forward_backward_func()
+
+    def iteration() -> float:
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter([batch] * num_micro),
+            model=model,
+            num_microbatches=num_micro,
+            seq_length=seq,
+            micro_batch_size=micro_batch,
+            forward_only=False,
+        )
+        optimizer.step()
+        return float(torch.stack([x["loss"] for x in losses]).mean())
+
+    for chunk in model:
+        chunk.train()
+    first_loss = iteration()  # warm-up: kernel selection, optimizer state allocation
+    for _ in range(args.plain_warmup - 1):
+        iteration()
+    _sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    last_loss = 0.0
+    for _ in range(args.plain_iters):
+        last_loss = iteration()
+    _sync()
+    seconds = time.perf_counter() - start
+    peak_gb = _gib(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0
+    tokens_total = args.plain_iters * num_micro * micro_batch * seq
+    tok_s = tokens_total / seconds / dist.get_world_size()
+    peak = _peak_tflops()
+    mfu = tok_s * flops_per_token(_shape(info), seq) / (peak * 1e12) if peak else None
+    out = {
+        "attention_mask": "explicit causal [b,1,s,s]" if masked else "None (is_causal)",
+        "micro_batch_size": micro_batch,
+        "seq_length": seq,
+        "micro_batches_per_step": num_micro,
+        "warmup_iters": args.plain_warmup,
+        "timed_iters": args.plain_iters,
+        "seconds": seconds,
+        "seconds_per_iter": seconds / args.plain_iters,
+        "tokens_per_s_per_gpu": tok_s,
+        "mfu": mfu,
+        "flops_per_token": flops_per_token(_shape(info), seq),
+        "peak_memory_gb": peak_gb,
+        "allocated_before_gb": before_gb,
+        "loss_first": first_loss,
+        "loss_last": last_loss,
+    }
+    model_config.finalize_model_grads_func = None
+    return out  # the model and optimizer go with this frame (the caller measures that)
+
+
+# -------------------------------------------------------------------------- trainer
+
+
+def load_bench_config(args, algorithm: str):
+    from rl_megatron.config import load_config, validate
+
+    overrides = list(TINY_OVERRIDES if args.tiny else [])
+    overrides += ALGORITHMS[algorithm]
+    overrides += [
+        f"trainer.output_dir={args.run_dir}",
+        f"trainer.experiment_name=trainer_bench_{algorithm}",
+        f"trainer.total_steps={args.warmup_steps + args.steps}",
+        "trainer.val_interval=0",
+        "checkpoint.save_interval=0",
+    ]
+    overrides += args.overrides
+    config = load_config(args.config, overrides)
+    validate(config, int(os.environ.get("WORLD_SIZE", "1")))
+    return config
+
+
+def _summarise(steps: list[dict], flops_tok: float | None, plain_tok_s: float | None) -> dict:
+    """Means over the timed steps (peaks: max), and the actor update vs the plain loop."""
+    keys = sorted({k for s in steps for k in s})
+    out: dict = {}
+    for key in keys:
+        values = [s[key] for s in steps if key in s]
+        if key.startswith("memory_gb/"):
+            out[key] = max(values)
+        else:
+            out[key] = sum(values) / len(values)
+    update_s = out.get("timing_s/update_actor")
+    if update_s:
+        out["actor_update_tokens_per_s_per_gpu"] = out["bench/actor_update_tokens"] / update_s
+        peak = _peak_tflops()
+        if peak and flops_tok:
+            out["actor_update_mfu"] = (
+                out["actor_update_tokens_per_s_per_gpu"] * flops_tok / (peak * 1e12)
+            )
+        if plain_tok_s:
+            out["actor_update_vs_plain_loop"] = (
+                out["actor_update_tokens_per_s_per_gpu"] / plain_tok_s
+            )
+    return out
+
+
+def run_trainer(config, run, log, args, plain_tok_s: float | None, save: bool) -> dict:
+    """Build the trainer, run warm-up + timed steps; per-step and summary metrics."""
+    from rl_megatron.config import to_dict
+    from rl_megatron.trainer.ppo_trainer import build_trainer
+    from rl_megatron.utils.flops import flops_per_token
+
+    if run.env.rank == 0:
+        shutil.rmtree(config.run_dir, ignore_errors=True)
+    dist.barrier()
+    result: dict = {"config": to_dict(config), "allocated_before_build_gb": _allocated_gb()}
+    start = time.perf_counter()
+    trainer = build_trainer(config, run, log)
+    _sync()
+    result["build_s"] = time.perf_counter() - start
+    result["allocated_after_build_gb"] = _allocated_gb()
+    steps, flops_tok = [], None
+    try:
+        for i in range(args.warmup_steps + args.steps):
+            _sync()
+            start = time.perf_counter()
+            metrics = trainer.train_step()
+            _sync()
+            wall = time.perf_counter() - start
+            trainer.step += 1
+            trainer.metrics.log(trainer.step, metrics)
+            phases = sum(v for k, v in metrics.items() if k.startswith("timing_s/"))
+            seq = metrics["rollout/prompt_length_mean"] + metrics["rollout/response_length_mean"]
+            tokens = metrics["rollout/num_samples"] * seq
+            flops_tok = flops_per_token(_shape(trainer.info), int(seq))
+            row = {
+                k: float(v)
+                for k, v in metrics.items()
+                if k.startswith(("timing_s/", "memory_gb/", "perf/", "rollout/"))
+                or k in ("reward/mean", "actor/grad_norm", "actor/pg_loss", "critic/loss")
+            }
+            row.update(
+                {
+                    "bench/step_wall_s": wall,
+                    "timing_s/other": wall - phases,
+                    "bench/tokens": tokens,
+                    "bench/actor_update_tokens": tokens * config.actor.ppo_epochs,
+                    "bench/tokens_per_s_per_gpu_wall": tokens / wall / dist.get_world_size(),
+                    "bench/max_reserved_gb": _gib(torch.cuda.max_memory_reserved())
+                    if torch.cuda.is_available()
+                    else 0.0,
+                }
+            )
+            steps.append(row)
+            if run.env.rank == 0:
+                print(
+                    f"[{config.algorithm.adv_estimator}] step {i} "
+                    f"{'(warm-up) ' if i < args.warmup_steps else ''}wall {wall:.2f}s "
+                    + " ".join(
+                        f"{k[9:]}={v:.2f}" for k, v in row.items() if k.startswith("timing_s/")
+                    ),
+                    flush=True,
+                )
+        result["warmup_steps"] = steps[: args.warmup_steps]
+        result["timed_steps"] = steps[args.warmup_steps :]
+        result["summary"] = _summarise(result["timed_steps"] or steps, flops_tok, plain_tok_s)
+        if args.profile_dir is not None and save:
+            result["profile"] = _profile_step(trainer, run, args.profile_dir)
+        if save:
+            result["checkpoint"] = _try_save(trainer, run)
+    finally:
+        trainer.metrics.close()
+    return result  # the trainer goes with this frame (the caller measures that)
+
+
+def _profile_step(trainer, run, out_dir: Path) -> str:
+    """One more step under torch.profiler; the top ops by device and host time, to a file."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities) as prof:
+        trainer.train_step()
+        _sync()
+    trainer.step += 1
+    path = out_dir / f"trainer_profile_{trainer.config.algorithm.adv_estimator}.txt"
+    if run.env.rank == 0:
+        events = prof.key_averages()
+        device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(
+            f"by {device_key}:\n{events.table(sort_by=device_key, row_limit=40)}\n\n"
+            f"by self_cpu_time_total:\n{events.table(sort_by='self_cpu_time_total', row_limit=40)}\n"
+        )
+    return str(path)
+
+
+def _try_save(trainer, run) -> dict:
+    """The save `fit` makes at the last step (checkpoint module in progress: report errors)."""
+    _sync()
+    start = time.perf_counter()
+    try:
+        trainer.save()
+    except Exception as exc:  # noqa: BLE001 - recorded in the JSON, the bench goes on
+        return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+    _sync()
+    seconds = time.perf_counter() - start
+    root = trainer.config.run_dir / "checkpoints"
+    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
+    return {"ok": True, "seconds": seconds, "bytes_on_disk": size, "path": str(root)}
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def environment() -> dict:
+    import megatron.core
+
+    env = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "megatron_core": megatron.core.__version__,
+        "world_size": dist.get_world_size(),
+        "command": " ".join(sys.argv),
+    }
+    try:
+        import transformer_engine  # noqa: F401
+
+        env["transformer_engine"] = True
+    except ImportError:
+        env["transformer_engine"] = False
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(
+            device=torch.cuda.get_device_name(),
+            device_memory_gb=_gib(props.total_memory),
+            cuda=torch.version.cuda,
+            peak_tflops_bf16=_peak_tflops(),
+        )
+    else:
+        env.update(device="cpu", cpu_threads=torch.get_num_threads())
+    return env
+
+
+def print_summary(result: dict) -> None:
+    plain = result.get("plain_loop", {})
+    if "tokens_per_s_per_gpu" in plain:
+        mfu = plain["mfu"]
+        print(
+            f"plain loop: {plain['tokens_per_s_per_gpu']:.0f} tok/s/GPU"
+            f" (mb {plain['micro_batch_size']} x seq {plain['seq_length']} x "
+            f"{plain['micro_batches_per_step']}), MFU {mfu if mfu is None else f'{mfu:.3f}'},"
+            f" peak {plain['peak_memory_gb']:.1f} GiB"
+        )
+    masked = result.get("plain_loop_masked", {})
+    if "tokens_per_s_per_gpu" in masked:
+        print(
+            f"plain loop, explicit mask: {masked['tokens_per_s_per_gpu']:.0f} tok/s/GPU, "
+            f"peak {masked['peak_memory_gb']:.1f} GiB"
+        )
+    for name, res in result.get("trainer", {}).items():
+        s = res.get("summary")
+        if not s:
+            print(f"{name}: {res.get('error', 'no summary')[-500:]}")
+            continue
+        phases = [k for k in s if k.startswith("timing_s/")]
+        print(f"{name}: wall {s['bench/step_wall_s']:.2f}s/step, "
+              f"{s['bench/tokens_per_s_per_gpu_wall']:.0f} tok/s/GPU, actor update "
+              f"{s.get('actor_update_tokens_per_s_per_gpu', 0):.0f} tok/s "
+              f"(MFU {s.get('actor_update_mfu', float('nan')):.3f}, "
+              f"x{s.get('actor_update_vs_plain_loop', float('nan')):.2f} of plain)")  # fmt: skip
+        for k in phases:
+            mem = s.get(f"memory_gb/{k[9:]}_peak")
+            print(f"  {k[9:]:>15}: {s[k]:7.3f} s" + (f"  peak {mem:6.1f} GiB" if mem else ""))
+        if "checkpoint" in res:
+            print(f"  checkpoint: {res['checkpoint']}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--config", default="yaml_configs/bench_h200_1b.yaml")
+    parser.add_argument("--algorithms", nargs="+", default=["grpo", "gae"], choices=ALGORITHMS)
+    parser.add_argument("--steps", type=int, default=4, help="timed trainer steps")
+    parser.add_argument("--warmup-steps", type=int, default=1)
+    parser.add_argument("--plain-iters", type=int, default=10, help="timed plain-loop steps")
+    parser.add_argument("--plain-warmup", type=int, default=3)
+    parser.add_argument("--plain-micro-batch", type=int, default=None, help="default: actor's")
+    parser.add_argument("--plain-seq", type=int, default=None, help="default: prompt+response")
+    parser.add_argument("--plain-micro-batches", type=int, default=None)
+    parser.add_argument("--no-plain", action="store_true", help="skip the plain loops")
+    parser.add_argument(
+        "--no-plain-masked", action="store_true", help="skip the explicit-mask plain loop"
+    )
+    parser.add_argument(
+        "--save",
+        action="store_true",
+        help="profile (--profile-dir) and save a checkpoint after the first algorithm's steps",
+    )
+    parser.add_argument("--profile-dir", type=Path, default=None, help="profile one extra step")
+    parser.add_argument("--run-dir", default="runs/trainer_bench")
+    parser.add_argument("--tiny", action="store_true", help="tiny_cpu model: CPU smoke test")
+    parser.add_argument("--out-json", type=Path, default=None)
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.plain_iters, args.plain_warmup = min(args.plain_iters, 2), min(args.plain_warmup, 1)
+    if args.out_json is None and os.environ.get("OUT"):
+        args.out_json = Path(os.environ["OUT"]) / "trainer_bench.json"
+
+    from rl_megatron.distributed import distributed_run
+    from rl_megatron.trainer.build import model_info
+    from rl_megatron.utils.logging import get_logger
+
+    configs = {name: load_bench_config(args, name) for name in args.algorithms}
+    first = next(iter(configs.values()))
+    p = first.parallel
+    result: dict = {"benchmark": "trainer_step", "args": vars(args) | {"out_json": None}}
+    with distributed_run(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, seed=first.trainer.seed) as run:
+        log = get_logger(run.env.rank, "WARNING")
+        result["environment"] = environment()
+        info = model_info(first)
+
+        def write() -> None:
+            # After every part, so a run cut short still leaves what it measured.
+            if run.env.rank == 0 and args.out_json:
+                args.out_json.parent.mkdir(parents=True, exist_ok=True)
+                args.out_json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+
+        plain_tok_s = None
+        if not args.no_plain:
+            variants = [("plain_loop", False)]
+            if not args.no_plain_masked:
+                variants.append(("plain_loop_masked", True))
+            for key, masked in variants:
+                result[key] = plain_loop(first, info, args, masked=masked)
+                _free_memory()
+                result[key]["allocated_after_return_gb"] = _allocated_gb()
+                if run.env.rank == 0:
+                    print(f"{key}: {result[key]}", flush=True)
+                write()
+            plain_tok_s = result["plain_loop"]["tokens_per_s_per_gpu"]
+        result["trainer"] = {}
+        for i, (name, config) in enumerate(configs.items()):
+            try:
+                result["trainer"][name] = run_trainer(
+                    config, run, log, args, plain_tok_s, save=args.save and i == 0
+                )
+            except Exception:  # noqa: BLE001 - one failing algorithm must not lose the rest
+                if dist.get_world_size() > 1:
+                    raise
+                result["trainer"][name] = {"error": traceback.format_exc()[-4000:]}
+            _free_memory()
+            result["trainer"][name]["allocated_after_return_gb"] = _allocated_gb()
+            write()
+        if run.env.rank == 0:
+            print_summary(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
