@@ -47,10 +47,9 @@ restored bit for bit, this rank's RNG streams included. Any other layout is refu
   * RNG streams: left as the caller seeded them (per-rank streams do not map across layouts).
 Frozen roles (no optimizer) store and load weights only.
 
-megatron-core 0.16.1 needs a few workarounds here, each in its own function: with torch's
-Adam (no TE / apex) it cannot save or load a fresh optimizer (`_ensure_adam_state`), loses
-or aliases Adam's `step` on load (`_restore_adam_steps`, `_tolerate_missing_adam_step`);
-its checkpoint writer forks helper processes (`_InProcessSaveStrategy`).
+megatron-core 0.16.1 needs a few workarounds (`mcore_compat.py`): with torch's Adam it
+cannot save or load a fresh optimizer and loses or aliases Adam's `step` on load; its
+checkpoint writer forks helper processes. RNG streams: `rng_state.py`.
 """
 
 from __future__ import annotations
@@ -59,14 +58,11 @@ import contextlib
 import json
 import logging
 import os
-import queue
-import random
 import re
 import shutil
 import time
 import uuid
 from collections.abc import Iterator, Mapping
-from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -74,15 +70,17 @@ import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
-from megatron.core.dist_checkpointing.strategies import filesystem_async
-from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
-from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
-from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-from safetensors.torch import load_file, save_file
 
 from rl_megatron.checkpoint import hf_loader
 from rl_megatron.checkpoint.hf_export import HF_AUX_FILES
 from rl_megatron.checkpoint.hf_loader import unwrap
+from rl_megatron.checkpoint.mcore_compat import (
+    InProcessSaveStrategy,
+    ensure_adam_state,
+    restore_adam_steps,
+    tolerate_missing_adam_step,
+)
+from rl_megatron.checkpoint.rng_state import read_rng, restore_rng, save_rng
 
 FORMAT_VERSION = 1
 STATE_FILE = "trainer_state.json"  # the completion marker: written last
@@ -170,7 +168,7 @@ class CheckpointManager:
         for name in sorted(roles):
             with _on_device(roles[name]):
                 self._save_role(tmp / name, roles[name], (sidecar or {}).get(name))
-        _save_rng(tmp / RNG_DIR, dist.get_rank())
+        save_rng(tmp / RNG_DIR, dist.get_rank(), _coordinates())
         dist.barrier(group=self.group)
         if self._is_leader():
             meta = {
@@ -206,7 +204,7 @@ class CheckpointManager:
             role_dir.mkdir()
         dist.barrier(group=self.group)
         state = _sharded_state(role, self.optimizer_sharding, is_loading=False)
-        dist_checkpointing.save(state, str(role_dir), sharded_strategy=_InProcessSaveStrategy())
+        dist_checkpointing.save(state, str(role_dir), sharded_strategy=InProcessSaveStrategy())
         if sidecar is not None and self._is_leader():
             _write_sidecar(role_dir, sidecar)
 
@@ -273,15 +271,15 @@ class CheckpointManager:
                 saved = meta["roles"][name]
                 _check_role_layout(path / name, meta["layout"], saved, role, allow_reshard)
             if same_layout:
-                rng = _read_rng(path / RNG_DIR, dist.get_rank())
-        except CheckpointError as exc:
+                rng = read_rng(path / RNG_DIR, dist.get_rank(), _coordinates())
+        except (CheckpointError, ValueError) as exc:
             problem = str(exc)
         self._agree(problem)
         for name in sorted(roles):
             with _on_device(roles[name]):
                 self._load_role(path / name, roles[name], meta["roles"][name])
         if rng is not None:
-            _restore_rng(*rng)
+            restore_rng(*rng)
         elif self._is_leader():
             log.warning("%s: saved at layout %s; RNG streams not restored", path, meta["layout"])
         return meta["step"], meta["trainer_state"]
@@ -301,9 +299,9 @@ class CheckpointManager:
                 for key, chunk in zip(_model_keys(role), role.model):
                     unwrap(chunk).load_state_dict(loaded[key], strict=True)
                 if role.optimizer is not None:
-                    with _tolerate_missing_adam_step(role.optimizer):
+                    with tolerate_missing_adam_step(role.optimizer):
                         role.optimizer.load_state_dict(loaded["optimizer"])
-                    _restore_adam_steps(role.optimizer, loaded["optimizer"])
+                    restore_adam_steps(role.optimizer, loaded["optimizer"])
                     role.step_count = role_meta["step_count"]
         except CheckpointError as exc:
             problem = str(exc)
@@ -349,94 +347,13 @@ def _sharded_state(role: Any, sharding: str | None, *, is_loading: bool) -> dict
         key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_keys(role), role.model)
     }
     if role.optimizer is not None:
-        _ensure_adam_state(role.optimizer)
+        ensure_adam_state(role.optimizer)
         # As Megatron-LM: no optimizer-index prefix, so the keys do not depend on chaining.
         metadata = {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
         state["optimizer"] = role.optimizer.sharded_state_dict(
             state, is_loading=is_loading, metadata=metadata
         )
     return state
-
-
-def _inner_optimizers(optimizer: Any) -> list:
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
-
-
-def _ensure_adam_state(optimizer: Any) -> None:
-    """Give torch.optim.Adam its state before the first step.
-
-    torch's Adam creates its state lazily, and megatron-core 0.16.1's
-    `DistributedOptimizer.state_dict()` (without TE / apex) asserts that the state holds
-    exactly one `step`: a fresh optimizer can neither be saved nor loaded into. Zero moments
-    and step 0 are exactly what Adam's first step would create.
-    """
-    for opt in _inner_optimizers(optimizer):
-        inner = opt.optimizer
-        if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
-            continue  # TE / apex FusedAdam keep `step` in the param groups instead
-        for group in inner.param_groups:
-            for param in group["params"]:
-                if not inner.state[param]:
-                    inner.state[param] = {
-                        "step": torch.tensor(0.0),
-                        "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                        "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
-                    }
-
-
-def _restore_adam_steps(optimizer: Any, loaded: dict) -> None:
-    """Set torch Adam's per-parameter `step` to the checkpoint's, one tensor per parameter.
-
-    With torch's Adam (no TE / apex) megatron-core 0.16.1 gets `step` wrong on load in two
-    ways: `DistributedOptimizer.load_state_dict` puts one shared tensor in every parameter's
-    state (Adam increments it in place per parameter, so it would advance once per
-    parameter per step), and the dp_reshardable loader then copies the *pre-load* local
-    step into it. The checkpoint's value is in each optimizer's `param_groups`.
-    """
-    inner = _inner_optimizers(optimizer)
-    states = [loaded] if len(inner) == 1 else [v for _, v in sorted(loaded.items())]
-    for opt, state in zip(inner, states):
-        steps = {g["step"] for g in state["optimizer"]["param_groups"] if "step" in g}
-        if len(steps) != 1:
-            continue  # TE / apex FusedAdam: the step lives in the param groups
-        (step,) = steps
-        for param_state in opt.optimizer.state.values():
-            if torch.is_tensor(param_state.get("step")):
-                old = param_state["step"]
-                param_state["step"] = torch.tensor(float(step), dtype=old.dtype, device=old.device)
-
-
-@contextlib.contextmanager
-def _tolerate_missing_adam_step(optimizer: Any) -> Iterator[None]:
-    """Let megatron-core 0.16.1 load `fully_reshardable` state into torch's Adam.
-
-    Its `_set_main_param_and_optimizer_states` copies every key of the parameter's Adam
-    state from the loaded tensors, but the fully_reshardable loader leaves `step` out of
-    them ("handled separately"): a KeyError. For the duration of the load, a missing `step`
-    is copied onto itself; `_restore_adam_steps` then sets the checkpoint's value.
-    """
-    patched = []
-    for opt in _inner_optimizers(optimizer):
-        if not isinstance(opt.optimizer, torch.optim.Adam | torch.optim.AdamW):
-            continue
-        setter = getattr(opt, "_set_main_param_and_optimizer_states", None)
-        if setter is None:
-            continue
-
-        def set_states(model_param, tensors, _opt=opt, _setter=setter):
-            if "step" not in tensors:
-                group, order = _opt.model_param_group_index_map[model_param]
-                main_param = _opt.optimizer.param_groups[group]["params"][order]
-                tensors = {**tensors, "step": _opt.optimizer.state[main_param]["step"]}
-            _setter(model_param, tensors)
-
-        opt._set_main_param_and_optimizer_states = set_states
-        patched.append(opt)
-    try:
-        yield
-    finally:
-        for opt in patched:
-            del opt._set_main_param_and_optimizer_states
 
 
 def _role_meta(role: Any, sharding: str) -> dict:
@@ -534,80 +451,6 @@ def _check_role_layout(
 
 def _describe(layout: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in layout.items())
-
-
-# ---- RNG -------------------------------------------------------------------------------------
-
-
-def _save_rng(rng_dir: Path, rank: int) -> None:
-    """This rank's RNG streams: tensors to safetensors, python / numpy states to JSON."""
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors["cuda"] = torch.cuda.get_rng_state()
-    tracker = get_cuda_rng_tracker().get_states()
-    for name, state in tracker.items():
-        state = state.get_state() if isinstance(state, torch.Generator) else state
-        tensors[f"tracker/{name}"] = state.detach().cpu().clone()
-    version, mt, gauss = random.getstate()
-    meta: dict[str, Any] = {
-        "coordinates": _coordinates(),
-        "tracker_names": sorted(tracker),
-        "python_random": [version, list(mt), gauss],
-        "numpy_random": _numpy_state(),
-    }
-    base = rng_dir / f"rank_{rank:05d}"
-    save_file(tensors, str(base.with_suffix(".safetensors")))
-    _write_json(base.with_suffix(".json"), meta)
-
-
-def _read_rng(rng_dir: Path, rank: int) -> tuple[dict[str, torch.Tensor], dict]:
-    """This rank's saved RNG states; refuses files of a rank at other coordinates."""
-    base = rng_dir / f"rank_{rank:05d}"
-    try:
-        meta = json.loads(base.with_suffix(".json").read_text())
-        tensors = load_file(str(base.with_suffix(".safetensors")))
-    except Exception as exc:  # OSError, JSONDecodeError, safetensors' SafetensorError
-        raise CheckpointError(f"{base}.json/.safetensors: unreadable RNG state ({exc})") from None
-    if meta.get("coordinates") != _coordinates():
-        raise CheckpointError(
-            f"{base}.json: saved by a rank at {meta.get('coordinates')}, this rank is at "
-            f"{_coordinates()} (different rank order?)"
-        )
-    return tensors, meta
-
-
-def _restore_rng(tensors: dict[str, torch.Tensor], meta: dict) -> None:
-    """Set every stream `_save_rng` recorded (the tracker's generators kept in place)."""
-    torch.set_rng_state(tensors["torch_cpu"])
-    if "cuda" in tensors and torch.cuda.is_available():
-        torch.cuda.set_rng_state(tensors["cuda"])
-    tracker = get_cuda_rng_tracker()
-    current = tracker.get_states()
-    states = {}
-    for name in meta["tracker_names"]:
-        saved = tensors[f"tracker/{name}"]
-        if isinstance(current.get(name), torch.Generator):
-            current[name].set_state(saved)
-            states[name] = current[name]
-        else:
-            states[name] = saved
-    tracker.set_states(states)
-    version, mt, gauss = meta["python_random"]
-    random.setstate((version, tuple(mt), gauss))
-    if meta["numpy_random"] is not None:
-        import numpy as np
-
-        kind, keys, pos, has_gauss, cached = meta["numpy_random"]
-        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
-
-
-def _numpy_state() -> list | None:
-    try:
-        import numpy as np
-    except ImportError:
-        return None
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]
 
 
 # ---- directories -----------------------------------------------------------------------------
@@ -741,57 +584,3 @@ def _fsync_tree(root: Path) -> None:
     """fsync the directories of a checkpoint so the rename never exposes missing entries."""
     for dirpath, _, _ in os.walk(root):
         _fsync_dir(Path(dirpath))
-
-
-# ---- dist_checkpointing without helper processes -----------------------------------------
-
-
-class _InProcessSaveStrategy(TorchDistSaveShardedStrategy):
-    """The torch_dist save strategy, writing its files from the calling process.
-
-    megatron-core 0.16.1 offers no synchronous writer: even `save(..., async_sharded_save=
-    False)` runs `FileSystemWriterAsync.write_preloaded_data_multiproc`, which forks one
-    writer process per file and collects results through a spawn-context multiprocessing
-    Manager (the reason for the `__main__` guard in DESIGN §5; the Manager also outlives a
-    killed rank). This strategy writes the same buckets with the same function, in order,
-    and hands the results over in a plain queue: same files, no helper processes.
-    """
-
-    def __init__(self) -> None:
-        super().__init__("torch_dist", 1, thread_count=1)
-
-    def save(self, sharded_state_dict: dict, checkpoint_dir: str | Path) -> None:
-        with _local_results_queue():
-            request = self.async_save(sharded_state_dict, Path(checkpoint_dir))
-        if request.async_fn is not None:
-            transforms, _use_msc = request.async_fn.args
-            request = request._replace(async_fn=partial(_write_buckets, transforms))
-        request.execute_sync()  # preload to host, write, barrier, write the index
-
-
-@contextlib.contextmanager
-def _local_results_queue() -> Iterator[None]:
-    """Make the writer take a plain queue instead of starting a multiprocessing Manager."""
-    saved = filesystem_async._results_queue
-    filesystem_async._results_queue = queue.Queue()
-    try:
-        yield
-    finally:
-        filesystem_async._results_queue = saved
-
-
-def _write_buckets(transforms: list, rank: int, buckets: list, results: queue.Queue) -> None:
-    """`write_preloaded_data_multiproc` without the forks: each bucket, in this process."""
-    written: dict | Exception = {}
-    for index, bucket in enumerate(buckets):
-        local, count = queue.Queue(), queue.Queue()
-        count.put(index)
-        FileSystemWriterAsync.write_preloaded_data(
-            transforms, index, bucket, local, count, use_fsync=True
-        )
-        _, out = local.get()
-        if isinstance(out, Exception):
-            written = out
-            break
-        written[index] = out
-    results.put(written)
