@@ -53,6 +53,9 @@ class ModelConfig:
     dtype: Dtype = "bf16"  # parameter / compute dtype; optimizer state stays fp32
     tokenizer_path: str | None = None  # HF tokenizer; None = hf_path
     recompute_activations: bool = False  # full activation recompute per layer
+    # Training and scoring passes pack each micro-batch's sequences into one (THD layout,
+    # no FLOP on padding); false runs them padded with an attention mask.
+    pack_sequences: bool = True
 
 
 @dataclass

@@ -179,6 +179,7 @@ def build_roles(config: Config, info: HFModelInfo, total_steps: int) -> Roles:
                 chunk.requires_grad_(False)
         reference = MegatronRole(
             ref_chunks,
+            pack_sequences=m.pack_sequences,
             micro_batch_size=ref.micro_batch_size,
             temperature=temperature,
             offload=OffloadConfig(params=ref.offload_params),
@@ -196,6 +197,7 @@ def build_roles(config: Config, info: HFModelInfo, total_steps: int) -> Roles:
             _copy_trunk(actor_chunks, critic_chunks)
         critic = MegatronRole(
             critic_chunks,
+            pack_sequences=m.pack_sequences,
             optim=cr.optim,
             micro_batch_size=cr.micro_batch_size,
             total_steps=total_steps * cr.ppo_epochs * _mini_batches(config, cr.mini_batch_size),
@@ -205,10 +207,14 @@ def build_roles(config: Config, info: HFModelInfo, total_steps: int) -> Roles:
     if config.reward.type == "model":
         rm_chunks = build_reward_model(config.reward.model_path, **layout, **extra)
         reward_model = MegatronRole(
-            rm_chunks, micro_batch_size=config.reward.micro_batch_size, output_at="token"
+            rm_chunks,
+            pack_sequences=m.pack_sequences,
+            micro_batch_size=config.reward.micro_batch_size,
+            output_at="token",
         )
     actor = MegatronRole(
         actor_chunks,
+        pack_sequences=m.pack_sequences,
         optim=act.optim,
         micro_batch_size=act.micro_batch_size,
         use_dynamic_batch=act.use_dynamic_batch,

@@ -52,6 +52,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rl_megatron.algorithms.aggregation import BatchTotals, batch_totals
@@ -64,6 +65,7 @@ from rl_megatron.models.vocab_parallel import (
 )
 from rl_megatron.trainer import micro_batches as mb
 from rl_megatron.trainer.offload import Offloader
+from rl_megatron.trainer.packing import pack_micro_batch
 
 Batch = Mapping[str, torch.Tensor]
 # loss_fn(outputs, micro_batch, totals) -> (loss, metrics). outputs: `log_prob` / `entropy`
@@ -142,6 +144,9 @@ class MegatronRole:
         total_steps: optimizer steps of the run, for linear/cosine decay.
         offload: what `offload()` moves to host memory between phases.
         groups: process groups; default: from `parallel_state`.
+        pack_sequences: run micro-batches padding-free, their rows packed into one
+            sequence (`trainer/packing.py`, THD layout); needs an attention that takes
+            `PackedSeqParams` (our SDPA module, Transformer Engine).
         output_at: which column a value head's output is read from for response token k:
             `prediction` (where token k is predicted: critics, V(s_k)) or `token` (token
             k's own position: reward models score a sequence at its last token).
@@ -160,6 +165,7 @@ class MegatronRole:
         offload: OffloadConfig | None = None,
         groups: RoleGroups | None = None,
         output_at: str = "prediction",
+        pack_sequences: bool = False,
     ) -> None:
         if output_at not in ("prediction", "token"):
             raise ValueError(f"output_at must be 'prediction' or 'token', got {output_at!r}")
@@ -188,6 +194,11 @@ class MegatronRole:
         # micro-batch keeps one fixed shape (`_micro_batches`).
         self.interleaved = len(chunks) > 1
         self.config.variable_seq_lengths = not self.interleaved
+        self.pack = pack_sequences
+        # Sequence parallelism splits the (packed) sequence over TP ranks.
+        self.pack_multiple = (
+            self.config.tensor_model_parallel_size if (self.config.sequence_parallel) else 1
+        )
         self.is_pp_last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         self.offload_config = offload or OffloadConfig()
         if optim is None:
@@ -259,6 +270,16 @@ class MegatronRole:
 
     def _micro_batches(self, batch: Batch, split: list[list[int]]) -> list[dict]:
         """The micro-batches of `split`, on the device, shaped for the schedule."""
+        if self.pack:
+            rows = [
+                {k: v.to(self.device) for k, v in mb.select_rows(batch, r).items()} for r in split
+            ]
+            # The interleaved schedule needs one shape: every pack as long as the longest.
+            longest = max(int(m["attention_mask"].sum()) for m in rows) if self.interleaved else 0
+            return [
+                pack_micro_batch(m, multiple_of=self.pack_multiple, min_length=longest)
+                for m in rows
+            ]
         if not self.interleaved:
             return [self._micro_batch(batch, rows) for rows in split]
         # One shape for all: the batch's full width, and every micro-batch filled up to the
@@ -296,6 +317,20 @@ class MegatronRole:
     def _forward_step(self, data_iterator: Iterator, model: torch.nn.Module, loss_func):
         """Megatron forward_step_func: one micro-batch through one chunk."""
         batch = next(data_iterator)
+        if "cu_seqlens" in batch:
+            cu = batch["cu_seqlens"]
+            max_len = int(batch["max_seqlen"])
+            params = PackedSeqParams(
+                qkv_format="thd",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=max_len,
+                max_seqlen_kv=max_len,
+            )
+            output = model(
+                batch["packed_ids"], batch["packed_position_ids"], None, packed_seq_params=params
+            )
+            return output, partial(loss_func, batch)
         input_ids = torch.cat([batch["prompts"], batch["responses"]], dim=1).to(self.device)
         mask2d = batch["attention_mask"].to(self.device)
         # No padding in this micro-batch: the causal fast path.
@@ -307,11 +342,18 @@ class MegatronRole:
         self, output: torch.Tensor, batch: Mapping[str, torch.Tensor], with_entropy: bool
     ) -> dict[str, torch.Tensor]:
         """`[b, s, V/tp]` logits or `[b, s, 1]` values → `[b, r]` response-token outputs."""
-        p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
-        cols = output[:, p - 1 : p - 1 + r]
-        if self.value_head:
-            start = p - self.output_shift
-            return {"values": output[:, start : start + r, 0].float()}
+        if "gather_index" in batch:
+            # Packed: [1, T, ...] → the rows' [b, r, ...] by position.
+            index = batch["gather_index"] + (1 - self.output_shift) * self.value_head
+            cols = output[0][index.clamp(max=output.shape[1] - 1)]
+            if self.value_head:
+                return {"values": cols[..., 0].float()}
+        else:
+            p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
+            cols = output[:, p - 1 : p - 1 + r]
+            if self.value_head:
+                start = p - self.output_shift
+                return {"values": output[:, start : start + r, 0].float()}
         labels = batch["responses"].to(self.device)
         if not with_entropy:
             # The entropy costs another pass over the vocabulary (and its backward).
@@ -330,8 +372,11 @@ class MegatronRole:
         With forward_only, `collect_non_loss_data` makes the schedule store loss_func's
         return value as is (our per-token dict), instead of treating it as a loss.
         """
-        seq = max(m["attention_mask"].shape[1] for m in micro)
-        mbs = max(m["prompts"].shape[0] for m in micro)
+        if self.pack:
+            seq, mbs = max(m["packed_ids"].shape[1] for m in micro), 1
+        else:
+            seq = max(m["attention_mask"].shape[1] for m in micro)
+            mbs = max(m["prompts"].shape[0] for m in micro)
         iters = [iter(micro) for _ in self.model]
         return get_forward_backward_func()(
             forward_step_func=forward_step,

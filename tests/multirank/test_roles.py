@@ -166,13 +166,15 @@ def _actor(root, tp, pp, vpp, **kw):
     return MegatronRole(chunks, optim=_optim(), temperature=TEMPERATURE, **kw)
 
 
-def _critic(root, tp, pp):
+def _critic(root, tp, pp, **kw):
     from rl_megatron.config import OptimConfig
     from rl_megatron.models.builders import build_critic
     from rl_megatron.trainer.roles import MegatronRole
 
     chunks = build_critic(root / "llama", tp=tp, pp=pp, dtype=torch.float32, head_seed=1)
-    return MegatronRole(chunks, optim=OptimConfig(lr=1e-2, weight_decay=0.0), micro_batch_size=2)
+    return MegatronRole(
+        chunks, optim=OptimConfig(lr=1e-2, weight_decay=0.0), micro_batch_size=2, **kw
+    )
 
 
 def _params(role) -> dict[str, torch.Tensor]:
@@ -217,11 +219,21 @@ def _check_micro_batching(root, batch, main_update, init, ref_norm):
         "1 micro-batch": dict(micro_batch_size=8),
         "2 micro-batches": dict(micro_batch_size=4),
         "dynamic": dict(use_dynamic_batch=True, max_tokens_per_micro_batch=24),
+        # Padding-free: each micro-batch's rows packed into one THD sequence.
+        "packed": dict(pack_sequences=True),
+        "packed, dynamic": dict(
+            pack_sequences=True, use_dynamic_batch=True, max_tokens_per_micro_batch=24
+        ),
     }
     for name, kw in variants.items():
         role = _actor(root, 2, 2, None, **kw)
         if name == "dynamic":
             assert len(role._split(batch, None)) == 3
+        if kw.get("pack_sequences"):
+            out = role.forward_only(batch, with_entropy=True)
+            mask = batch["response_mask"]
+            _close(f"{name} log_prob vs transformers", out["log_prob"], batch["ref_log_prob"], mask)
+            _close(f"{name} entropy vs transformers", out["entropy"], batch["ref_entropy"], mask)
         norm = role.train_step(batch, _ppo_loss)["grad_norm"]
         assert abs(norm / ref_norm - 1) < TOL, f"{name}: grad norm {norm} vs {ref_norm}"
         _assert_same_update(f"{name} vs 4 micro-batches", init, main_update, _params(role))
@@ -273,6 +285,8 @@ def _check_critic(root, batch, ref_values):
     values = critic.forward_only(batch)["values"]
     assert values.shape == (B, R) and torch.isfinite(values).all()
     _close("critic values TP2·PP2 vs TP1·PP1", values, ref_values, batch["response_mask"])
+    packed = _critic(root, 2, 2, pack_sequences=True).forward_only(batch)["values"]
+    _close("packed critic values vs TP1·PP1", packed, ref_values, batch["response_mask"])
     batch = dict(batch, old_values=values)
     losses = [critic.train_step(batch, _value_loss)["loss"] for _ in range(3)]
     assert losses[2] < losses[0], f"value loss did not decrease: {losses}"
@@ -299,6 +313,10 @@ def _body(rank: int, world_size: int, root) -> None:
         _close(f"{layout} entropy vs transformers", out["entropy"], batch["ref_entropy"], mask)
         if layout != "tp1pp1vpp1":
             _close(f"{layout} log_prob vs TP1", out["log_prob"], results["lp"], mask)
+        if vpp:
+            # Packed micro-batches keep one shape for the interleaved schedule.
+            packed = _actor(root, tp, pp, vpp, pack_sequences=True).forward_only(batch)
+            _close(f"{layout} packed log_prob", packed["log_prob"], batch["ref_log_prob"], mask)
         init = _params(actor)
         metrics = actor.train_step(_dp_rows(batch), _ppo_loss)
         assert metrics["grad_norm"] > 0.5, "grad clipping should be active in this test"

@@ -73,3 +73,40 @@ def test_digit_echo_reward():
     assert digit_echo("", sample) == 0.0
     with pytest.raises(ValueError, match="one digit"):
         digit_echo("7", {"answer": "77"})
+
+
+def test_pack_micro_batch_layout():
+    from rl_megatron.trainer.packing import pack_micro_batch
+
+    # Row 0: prompt [5, 6], response [7, 8, 9]; row 1: prompt [4], response [3].
+    batch = {
+        "prompts": torch.tensor([[5, 6], [0, 4]]),
+        "responses": torch.tensor([[7, 8, 9], [3, 0, 0]]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1, 1], [0, 1, 1, 0, 0]]),
+        "position_ids": torch.tensor([[0, 1, 2, 3, 4], [0, 0, 1, 1, 1]]),
+        "response_mask": torch.tensor([[1, 1, 1], [1, 0, 0]]),
+        "advantages": torch.tensor([[0.1, 0.2, 0.3], [0.4, 0.0, 0.0]]),
+        "scores": torch.tensor([1.0, 2.0]),
+    }
+    out = pack_micro_batch(batch)
+    assert out["packed_ids"].tolist() == [[5, 6, 7, 8, 9, 4, 3]]
+    assert out["packed_position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1]]
+    assert out["cu_seqlens"].tolist() == [0, 5, 7] and out["cu_seqlens"].dtype == torch.int32
+    assert int(out["max_seqlen"]) == 5
+    # Response token k of row 0 is predicted at packed 1 + k; row 1's only one at 5; the
+    # columns past a response are clamped into the row.
+    assert out["gather_index"].tolist() == [[1, 2, 3], [5, 5, 5]]
+    assert out["advantages"].shape == (2, 3) and out["scores"].tolist() == [1.0, 2.0]
+    assert "attention_mask" not in out and "position_ids" not in out
+
+    padded = pack_micro_batch(batch, multiple_of=4, min_length=9)
+    assert padded["packed_ids"].shape == (1, 12)
+    assert padded["cu_seqlens"].tolist() == [0, 5, 7, 12]  # padding is its own sequence
+    assert padded["packed_position_ids"][0, 7:].tolist() == [0, 1, 2, 3, 4]
+
+    short = dict(
+        batch, responses=batch["responses"][:, :2], response_mask=batch["response_mask"][:, :2]
+    )
+    short["attention_mask"] = batch["attention_mask"][:, :4]
+    short["advantages"] = batch["advantages"][:, :2]
+    assert pack_micro_batch(short)["gather_index"].shape == (2, 2)
