@@ -3,19 +3,24 @@
 Writes a random Llama-shaped HF checkpoint (default ~1B parameters, bf16, sharded
 safetensors with an index), converts it HF → Megatron (dist_checkpointing) and back with
 the bundled tools, and reports for each direction: wall seconds, GB/s of weights
-converted, and the peak RSS of the converting processes (ru_maxrss of the children).
+converted, CPU seconds (user + system: steadier than wall time on a shared machine), and
+the peak RSS of the converting processes (ru_maxrss of the children). The load average
+at the start of each direction is recorded too.
 
     .venv/bin/python benchmarks/convert_bench.py --out-json bench_convert.json
     .venv/bin/python benchmarks/convert_bench.py --layers 2 --hidden 256   # quick check
 
 Each direction runs in fresh child processes so their peak RSS is theirs alone; with
-`--nproc N` the conversions run under torchrun with N ranks (tp·pp = N for hf_to_megatron).
+`--nproc N` both conversions run under torchrun with N ranks (tp = N for hf_to_megatron;
+megatron_to_hf shares its output shards, `--out-shard-gb` each, among the N ranks) and the
+peak RSS is that of the largest rank.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -114,7 +119,8 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=5632)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--nproc", type=int, default=1, help="ranks per conversion (tp·pp)")
-    parser.add_argument("--shard-gb", type=float, default=0.5)
+    parser.add_argument("--shard-gb", type=float, default=0.5, help="input HF shard size")
+    parser.add_argument("--out-shard-gb", type=float, default=2.0, help="exported shard size")
     parser.add_argument("--direction", choices=["both", "to_megatron", "to_hf"], default="both")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--out-json", type=Path, default=None)
@@ -134,6 +140,7 @@ def main() -> None:
             "params_b": weight_bytes / 2 / 1e9,
             "weight_gb": weight_bytes / 1e9,
             "nproc": args.nproc,
+            "out_shard_gb": args.out_shard_gb,
             "write_random_s": time.perf_counter() - start,
             "torch": torch.__version__,
         }
@@ -155,17 +162,27 @@ def main() -> None:
             "--dtype",
             "bf16",
         ]
-        to_hf = [*launcher(1), str(tools / "megatron_to_hf.py"), "--ckpt", str(mcore_dir)]
-        to_hf += ["--out", str(back_dir), "--dtype", "bf16"]
+        to_hf = [*launcher(args.nproc), str(tools / "megatron_to_hf.py"), "--ckpt", str(mcore_dir)]
+        to_hf += [
+            "--out",
+            str(back_dir),
+            "--dtype",
+            "bf16",
+            "--max-shard-gb",
+            str(args.out_shard_gb),
+        ]
         for key, cmd in (("hf_to_megatron", to_mcore), ("megatron_to_hf", to_hf)):
+            load = os.getloadavg()[0]
             probe = [sys.executable, "-c", _PROBE, json.dumps(cmd)]
             out = subprocess.run(probe, cwd=ROOT, check=True, capture_output=True, text=True)
-            wall, peak_gib = json.loads(out.stdout.strip().splitlines()[-1])
+            wall, cpu, peak_gib = json.loads(out.stdout.strip().splitlines()[-1])
             result[key] = {
                 "wall_s": round(wall, 2),
+                "cpu_s": round(cpu, 2),
                 "gb_per_s": round(weight_bytes / 1e9 / wall, 3),
                 "peak_rss_gib": round(peak_gib, 2),
                 "peak_rss_over_model": round(peak_gib * 2**30 / weight_bytes, 2),
+                "load_avg_1min_at_start": round(load, 2),
             }
     text = json.dumps(result, indent=2)
     print(text)
@@ -173,14 +190,15 @@ def main() -> None:
         args.out_json.write_text(text + "\n")
 
 
-# Runs one tool in a child of a fresh interpreter and prints [wall_s, peak_rss_gib].
+# Runs one tool in a child of a fresh interpreter; prints [wall_s, cpu_s, peak_rss_gib].
 _PROBE = """
 import json, resource, subprocess, sys, time
 cmd = json.loads(sys.argv[1])
 start = time.perf_counter()
 subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 wall = time.perf_counter() - start
-print(json.dumps([wall, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20]))
+use = resource.getrusage(resource.RUSAGE_CHILDREN)
+print(json.dumps([wall, use.ru_utime + use.ru_stime, use.ru_maxrss / 2**20]))
 """
 
 if __name__ == "__main__":

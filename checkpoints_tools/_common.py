@@ -66,6 +66,19 @@ def read_meta(ckpt_dir: Path) -> dict:
     return meta
 
 
+def raise_if_any(problem: str | None) -> None:
+    """Collective: raise a CheckpointError on every rank if any rank has a problem."""
+    import torch.distributed as dist
+
+    problems: list = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    if problem:
+        raise CheckpointError(problem)
+    first = next((p for p in problems if p), None)
+    if first:
+        raise CheckpointError(f"another rank failed: {first}")
+
+
 def run_cli(
     prog: str,
     preflight: Callable[[], object],

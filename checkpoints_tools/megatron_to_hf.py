@@ -2,11 +2,15 @@
 
     python checkpoints_tools/megatron_to_hf.py --ckpt CKPT --out HF [--dtype bf16|fp16|fp32]
         [--force] [--max-shard-gb 2]
-    torchrun --nproc_per_node N checkpoints_tools/megatron_to_hf.py ...   # PP = N
+    torchrun --nproc_per_node N checkpoints_tools/megatron_to_hf.py ...   # N writers
 
-The checkpoint is loaded at TP1 with its layers split over the processes (pipeline
-stages), so each process holds 1/N of the model; stage by stage, tensors are converted and
-sent to rank 0, which writes safetensors shards of at most `--max-shard-gb` as it goes.
+Streaming: no model is built. The safetensors shards are planned from the name table and
+the checkpoint's index (names, shapes, dtypes; at most `--max-shard-gb` each) and written
+header first; then the checkpoint is read one layer at a time (`dist_checkpointing.load` of
+that layer's tensors only), converted to HF tensors and written at their planned offsets.
+Host memory stays near one layer's tensors, whatever the model and shard sizes. Under
+torchrun the shards are shared out among the processes, each writing its own files.
+
 The result (shards + index, config.json, generation_config.json, tokenizer files) loads with
 `AutoModelForCausalLM.from_pretrained` (or *ForSequenceClassification for a reward model) and
 with vLLM. It is written into a hidden sibling directory, verified (tensor count, shapes,
@@ -27,7 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _common as common  # noqa: E402
 import torch  # noqa: E402
 
-from rl_megatron.checkpoint.hf_export import check_output_dir, partial_dir  # noqa: E402
+from rl_megatron.checkpoint import hf_mapping as hm  # noqa: E402
+from rl_megatron.checkpoint.hf_export import (  # noqa: E402
+    ShardPlan,
+    check_output_dir,
+    export_order,
+    partial_dir,
+)
 from rl_megatron.checkpoint.hf_loader import CheckpointError  # noqa: E402
 from rl_megatron.models.hf_config import load_hf_config  # noqa: E402
 
@@ -49,65 +59,195 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+class _Param:
+    """One exported Megatron parameter and where it lies in the checkpoint."""
+
+    def __init__(self, rule: hm.Rule, layer: int | None, key: str, index: int | None, stored):
+        self.rule, self.layer = rule, layer
+        self.key = key  # dist_checkpointing key
+        self.index = index  # position on the stacked layer axis (None: not stacked)
+        self.shape, self.dtype = stored  # global shape and dtype in the checkpoint
+
+    def sharded_tensor(self):
+        """An empty ShardedTensor selecting this parameter (one layer of a stacked key).
+
+        A layer is selected as a `[1, ...]` slice of the stacked tensor, not through
+        megatron's `prepend_axis_num`: that path assumes the other layers are loaded by
+        other ranks, and here no rank loads them.
+        """
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        if self.index is None:
+            data = torch.empty(self.shape, dtype=self.dtype)
+            return ShardedTensor.from_rank_offsets(self.key, data)
+        data = torch.empty((1, *self.shape[1:]), dtype=self.dtype)
+        return ShardedTensor.from_rank_offsets(self.key, data, (0, self.index, self.shape[0]))
+
+    def unstack(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor if self.index is None else tensor[0]
+
+
 def preflight(args: argparse.Namespace):
+    """Check the checkpoint's sidecar and index against the name table; write nothing."""
     meta = common.read_meta(args.ckpt)
     info = load_hf_config(args.ckpt / common.HF_SUBDIR)
     if not (args.ckpt / "metadata.json").is_file():
         raise CheckpointError(f"{args.ckpt}: no dist_checkpointing metadata.json")
-    _, size = common.world()
-    if info.num_layers % size:
-        raise CheckpointError(
-            f"num_hidden_layers={info.num_layers} is not divisible by the "
-            f"{size} processes (pipeline stages)"
-        )
     check_output_dir(args.out, args.force)
-    return meta, info
+    return meta, info, _params(args.ckpt, info, meta)
 
 
-def convert(args: argparse.Namespace, meta: dict, info) -> None:
-    from megatron.core import dist_checkpointing, parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+def _stored_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """Key → (global shape, dtype) of every tensor in a torch_dist checkpoint's index."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from rl_megatron.checkpoint.hf_export import save_hf_checkpoint
-    from rl_megatron.models.builders import build_gpt_chunks
+    try:
+        metadata = FileSystemReader(str(ckpt)).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(f"{ckpt}/.metadata: unreadable ({type(exc).__name__})") from None
+    return {
+        key: (tuple(md.size), md.properties.dtype)
+        for key, md in metadata.state_dict_metadata.items()
+        if isinstance(md, TensorStorageMetadata)
+    }
+
+
+def _params(ckpt: Path, info, meta: dict) -> list[_Param]:
+    """Each exported parameter in HF order, found in the checkpoint with the right shape."""
+    stored = _stored_tensors(ckpt)
+    params = []
+    for rule, layer in export_order(hm.rules_for(info, meta["head"]), info):
+        shape = _megatron_shape(rule, info, meta["padded_vocab_size"])
+        key, index = rule.megatron, None
+        if layer is not None:
+            # Layers are stored stacked (`decoder.layers.<name>`, layer = first axis) unless
+            # the model was saved with `non_homogeneous_layers`.
+            key = rule.megatron.format(layer=layer)
+            if key not in stored:
+                key, index = rule.megatron.replace("{layer}.", ""), layer
+                shape = (info.num_layers, *shape)
+        if key not in stored:
+            raise CheckpointError(f"{ckpt}: checkpoint lacks '{key}'")
+        if stored[key][0] != shape:
+            raise CheckpointError(
+                f"{ckpt}: '{key}' has shape {list(stored[key][0])}, config.json and "
+                f"{common.META_FILE} imply {list(shape)}"
+            )
+        params.append(_Param(rule, layer, key, index, stored[key]))
+    return params
+
+
+def _megatron_shape(rule: hm.Rule, info, padded_vocab: int) -> tuple[int, ...]:
+    """Global (TP=1) shape of a Megatron parameter, from its HF tensors' shapes."""
+    shapes = [hm.hf_shape(shape, info) for _, shape in rule.hf]
+    if rule.transform == hm.VOCAB:
+        return (padded_vocab, *shapes[0][1:])
+    return (sum(s[0] for s in shapes), *shapes[0][1:])  # QKV, GATE_UP rows; COPY: one tensor
+
+
+def convert(args: argparse.Namespace, meta: dict, info, params: list[_Param]) -> None:
+    import torch.distributed as dist
+
+    from rl_megatron.checkpoint.hf_export import (
+        SafetensorsShardWriter,
+        commit_output_dir,
+        finish_hf_dir,
+        plan_shards,
+        prepare_output_dir,
+    )
 
     start = time.time()
     common.init_distributed()
     rank, size = common.world()
-    parallel_state.initialize_model_parallel(1, size)
-    model_parallel_cuda_manual_seed(0)
-    ckpt_dtype = getattr(torch, meta["dtype"])
-    chunks = build_gpt_chunks(
-        info,
-        tp=1,
-        pp=size,
-        dtype=ckpt_dtype,
-        padded_vocab=meta["padded_vocab_size"],
-        value_head=meta["head"] == "value",
-        perform_initialization=False,
-    )
-    model = chunks[0]
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(args.ckpt))
-    result = model.load_state_dict(loaded["model"], strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    if missing:
-        raise CheckpointError(f"{args.ckpt}: checkpoint lacks '{missing[0]}'")
-    dtype = common.DTYPES[args.dtype] if args.dtype else ckpt_dtype
-    save_hf_checkpoint(
-        chunks,
-        info,
-        args.out,
-        src_dir=args.ckpt / common.HF_SUBDIR,
-        head=meta["head"],
-        dtype=dtype,
-        force=args.force,
-        max_shard_bytes=int(args.max_shard_gb * 1024**3),
-        progress=rank == 0,
-    )
+    out_dtype = common.DTYPES[args.dtype] if args.dtype else None
+    groups = [
+        [
+            (name.format(layer=p.layer), hm.hf_shape(shape, info), out_dtype or p.dtype)
+            for name, shape in p.rule.hf
+        ]
+        for p in params
+    ]
+    shards = plan_shards(groups, int(args.max_shard_gb * 1024**3))
+    owners = _share_out(shards, size)
+    batches = [_batches(params, groups, shards, owners, r) for r in range(size)]
+
+    tmp = partial_dir(args.out)
     if rank == 0:
-        print(
-            f"{PROG}: wrote {args.out} ({str(dtype).split('.')[-1]}) in {time.time() - start:.1f} s"
-        )
+        prepare_output_dir(args.out, args.force)
+    dist.barrier()
+    writer = SafetensorsShardWriter(tmp, [s for s, r in zip(shards, owners) if r == rank])
+    bar = None
+    if rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=sum(len(groups[g]) for b in batches[0] for g in b), unit="tensor")
+        bar.set_description("export" if size == 1 else f"export (rank 0 of {size})")
+    problem = None
+    # Every rank loads in lockstep (each load is collective); an idle rank loads nothing.
+    for step in range(max(map(len, batches))):
+        batch = [params[g] for g in batches[rank][step]] if step < len(batches[rank]) else []
+        for p, tensor in zip(batch, _load(args.ckpt, batch)):
+            for name, hf_tensor in hm.megatron_to_hf(p.rule, p.layer, [tensor], info):
+                try:
+                    writer.write(name, hf_tensor.to(out_dtype or hf_tensor.dtype))
+                except CheckpointError as exc:
+                    problem = problem or str(exc)
+                if bar is not None:
+                    bar.update(1)
+    try:
+        writer.close()
+    except CheckpointError as exc:
+        problem = problem or str(exc)
+    if bar is not None:
+        bar.close()
+    common.raise_if_any(problem)
+    if rank == 0:
+        head, hf_dir = meta["head"], args.ckpt / common.HF_SUBDIR
+        expected = hm.expected_hf_tensors([r for r in hm.rules_for(info, head) if r.export], info)
+        finish_hf_dir(tmp, shards, expected=expected, src_dir=hf_dir, info=info, head=head)
+        commit_output_dir(tmp, args.out)
+        dtype = args.dtype or meta["dtype"]
+        took = time.time() - start
+        print(f"{PROG}: wrote {args.out} ({dtype}, {len(shards)} shards) in {took:.1f} s")
+    dist.barrier()
+
+
+def _share_out(shards: list[ShardPlan], size: int) -> list[int]:
+    """The rank writing each shard: consecutive shards, about equal bytes per rank."""
+    total = max(1, sum(s.nbytes for s in shards))
+    owners, done = [], 0
+    for shard in shards:
+        owners.append(min(size - 1, done * size // total))
+        done += shard.nbytes
+    return owners
+
+
+def _batches(params, groups, shards, owners, rank: int) -> list[list[int]]:
+    """Indices of the parameters rank `rank` exports, batched one layer (or one non-layer
+    parameter) per checkpoint load."""
+    shard_of = {name: i for i, s in enumerate(shards) for name, _, _ in s.tensors}
+    batches: list[list[int]] = []
+    last = object()
+    for g, p in enumerate(params):
+        if owners[shard_of[groups[g][0][0]]] != rank:
+            continue
+        unit = ("layer", p.layer) if p.layer is not None else ("param", g)
+        if unit != last:
+            batches.append([])
+            last = unit
+        batches[-1].append(g)
+    return batches
+
+
+def _load(ckpt: Path, params: list[_Param]) -> list[torch.Tensor]:
+    """The global tensors of `params` from the checkpoint (collective; may be empty)."""
+    from megatron.core import dist_checkpointing
+
+    state = {str(i): p.sharded_tensor() for i, p in enumerate(params)}
+    # Loading part of each key is the point: the whole-key coverage check does not apply.
+    loaded = dist_checkpointing.load(state, str(ckpt), validate_access_integrity=False)
+    return [p.unstack(loaded[str(i)]) for i, p in enumerate(params)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -120,5 +260,5 @@ def main(argv: list[str] | None = None) -> int:
     )
 
 
-if __name__ == "__main__":  # required: dist_checkpointing spawns a process
+if __name__ == "__main__":  # keeps spawned helper processes from re-running the tool
     sys.exit(main())

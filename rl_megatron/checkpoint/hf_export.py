@@ -1,10 +1,15 @@
-"""Export Megatron model chunks (any TP / PP / VPP) as an HF safetensors checkpoint.
+"""Write HF safetensors checkpoints tensor by tensor; export Megatron model chunks as one.
 
-Every rank walks the model's parameters in HF order in lockstep. The pipeline stage that
-owns a parameter all-gathers its TP shards, converts them to HF tensors (`hf_mapping`) and,
-unless it is the writing rank, sends them point-to-point to it. The writing rank (TP 0,
-PP 0, DP 0) holds at most one output shard (`max_shard_bytes`) plus one tensor; other DP
-replicas take no part.
+Shards are planned before any tensor exists (names, shapes and dtypes follow from the name
+table), so each safetensors file is written header first and then filled tensor by tensor
+at its planned offset (`SafetensorsShardWriter`): the writer holds no tensor, whatever the
+shard size. `checkpoints_tools/megatron_to_hf.py` uses the same planner and writer.
+
+Exporting model chunks (`save_hf_checkpoint`, any TP / PP / VPP): every rank walks the
+model's parameters in HF order in lockstep. The pipeline stage that owns a parameter
+all-gathers its TP shards, converts them to HF tensors (`hf_mapping`) and, unless it is the
+writing rank, sends them point-to-point to it. The writing rank (TP 0, PP 0, DP 0) holds one
+parameter's HF tensors at a time; other DP replicas take no part.
 
 The directory is written atomically: shards, index, config.json and the tokenizer /
 generation files go to a hidden sibling directory, are verified (tensor count, shapes,
@@ -13,9 +18,12 @@ dtypes), and only then renamed to `out_dir`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 import shutil
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,9 +54,9 @@ HF_AUX_FILES = (
     "added_tokens.json",
 )
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 _ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
+
+HFTensor = tuple[str, tuple[int, ...], torch.dtype]  # (HF name, shape, dtype)
 
 
 def _order_key(rule_index: int, layer: int | None, megatron_name: str) -> tuple:
@@ -60,73 +68,194 @@ def _order_key(rule_index: int, layer: int | None, megatron_name: str) -> tuple:
     return (group, 0, rule_index, None)
 
 
-def iter_hf_tensors(
-    model_chunks: list[torch.nn.Module], info: HFModelInfo, *, head: str = "lm"
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, cpu_tensor)` for the whole model on the writing rank, nothing elsewhere.
+def export_order(rules: list[hm.Rule], info: HFModelInfo) -> list[tuple[hm.Rule, int | None]]:
+    """Every exported (rule, global layer or None) of a model, in HF's natural order."""
+    keys = [
+        _order_key(i, layer, rule.megatron)
+        for i, rule in enumerate(rules)
+        if rule.export
+        for layer in (range(info.num_layers) if "{layer}" in rule.megatron else [None])
+    ]
+    return [(rules[key[-2]], key[-1]) for key in sorted(keys)]
 
-    Collective: every rank of the job must iterate it to the end.
+
+# ------------------------------------------------------------------ planned shards
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardPlan:
+    """One safetensors file of an HF checkpoint: its name and tensors, in file order."""
+
+    file: str
+    tensors: tuple[HFTensor, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(shape, dtype) for _, shape, dtype in self.tensors)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
+def plan_shards(groups: list[list[HFTensor]], max_bytes: int) -> list[ShardPlan]:
+    """Pack groups of tensors, in order, into shards of at most `max_bytes` each.
+
+    A group (the HF tensors of one Megatron parameter) never straddles two shards, so one
+    process can write all of it; a group larger than `max_bytes` gets a shard of its own.
+    Files get HF's names: `model.safetensors`, or `model-0000i-of-0000n.safetensors`.
+    """
+    packed: list[list[HFTensor]] = []
+    size = 0
+    for group in groups:
+        nbytes = sum(_nbytes(shape, dtype) for _, shape, dtype in group)
+        if not packed or (size and size + nbytes > max_bytes):
+            packed.append([])
+            size = 0
+        packed[-1].extend(group)
+        size += nbytes
+    n = len(packed)
+    names = (
+        ["model.safetensors"]
+        if n == 1
+        else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
+    return [ShardPlan(name, tuple(tensors)) for name, tensors in zip(names, packed)]
+
+
+class _SafetensorsFile:
+    """One planned safetensors file: the header is written first, each tensor at its offset."""
+
+    def __init__(self, path: Path, plan: ShardPlan) -> None:
+        header: dict = {"__metadata__": {"format": "pt"}}
+        self.spans: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
+        offset = 0
+        for name, shape, dtype in plan.tensors:
+            end = offset + _nbytes(shape, dtype)
+            header[name] = {
+                "dtype": _SAFETENSORS_DTYPE[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, end],
+            }
+            self.spans[name] = (offset, shape, dtype)
+            offset = end
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # safetensors aligns the data to 8 bytes
+        self.path, self.size = path, 8 + len(blob) + offset
+        self.pending = set(self.spans)
+        self._file = open(path, "wb")  # noqa: SIM115 (closed in close())
+        self._file.write(struct.pack("<Q", len(blob)) + blob)
+        self._data_start = 8 + len(blob)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        begin, shape, dtype = self.spans[name]
+        if name not in self.pending:
+            raise CheckpointError(f"{self.path}: '{name}' written twice")
+        if (tuple(tensor.shape), tensor.dtype) != (shape, dtype):
+            raise CheckpointError(
+                f"{self.path}: '{name}' is {list(tensor.shape)} {tensor.dtype}, "
+                f"planned {list(shape)} {dtype}"
+            )
+        self.pending.discard(name)
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._file.seek(self._data_start + begin)
+        self._file.write(data.numpy())
+
+    def close(self) -> None:
+        self._file.seek(0, os.SEEK_END)
+        size = self._file.tell()
+        self._file.close()
+        if self.pending or size != self.size:
+            missing = sorted(self.pending)[:3]
+            raise CheckpointError(
+                f"{self.path}: incomplete ({size} of {self.size} bytes; missing {missing})"
+            )
+
+
+class SafetensorsShardWriter:
+    """Writes planned shards tensor by tensor; each file is closed once it is complete.
 
     Args:
-        model_chunks: this rank's GPTModel chunks (wrappers allowed).
-        head: "lm" or "value" (scalar head exported as `score.weight`).
+        directory: where the files go.
+        shards: the shards this process writes (any subset of one plan).
     """
-    from megatron.core import parallel_state as ps
 
-    if ps.get_data_parallel_rank(with_context_parallel=True) != 0:
-        return  # another DP replica writes
-    tp_group, pp_group = (
-        ps.get_tensor_model_parallel_group(),
-        ps.get_pipeline_model_parallel_group(),
-    )
-    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    pp_ranks = dist.get_process_group_ranks(pp_group)
-    is_writer = tp_rank == 0 and pp_rank == 0
-    rules = hm.rules_for(info, head)
+    def __init__(self, directory: Path, shards: list[ShardPlan]) -> None:
+        self.dir = Path(directory)
+        self._plan = {name: shard for shard in shards for name, _, _ in shard.tensors}
+        self._open: dict[str, _SafetensorsFile] = {}
+        self._done: set[str] = set()
 
-    local: dict[tuple, torch.nn.Parameter] = {}
-    for chunk in model_chunks:
-        for rule, layer, param in iter_rule_params(unwrap(chunk), rules):
-            if rule.export:
-                local[_order_key(rules.index(rule), layer, rule.megatron)] = param
-    # Which stage owns which parameter (any PP / VPP split) and its dtype (a model may keep
-    # e.g. fp32 norms beside bf16 weights), known to every rank of the PP group.
-    per_stage: list = [None] * len(pp_ranks)
-    owned = sorted((key, str(p.dtype).split(".")[-1]) for key, p in local.items())
-    dist.all_gather_object(per_stage, owned, group=pp_group)
-    schedule = sorted(
-        (key, stage, dtype) for stage, items in enumerate(per_stage) for key, dtype in items
-    )
-    device = next(iter(local.values())).device
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        shard = self._plan.get(name)
+        if shard is None or shard.file in self._done:
+            raise CheckpointError(f"{self.dir}: '{name}' is not planned here or written twice")
+        f = self._open.get(shard.file)
+        if f is None:
+            f = self._open[shard.file] = _SafetensorsFile(self.dir / shard.file, shard)
+        f.write(name, tensor)
+        if not f.pending:
+            del self._open[shard.file]
+            self._done.add(shard.file)
+            f.close()
 
-    for key, stage, dtype in schedule:
-        rule, layer = rules[key[-2]], key[-1]
-        if stage == pp_rank:
-            shards = _gather_tp(local[key], rule, tp_group)
-            if tp_rank != 0:
-                continue
-            for hf_name, tensor in hm.megatron_to_hf(rule, layer, shards, info):
-                if is_writer:
-                    yield hf_name, tensor.to("cpu", copy=True)
-                else:
-                    dist.send(tensor.contiguous(), dst=pp_ranks[0])
-        elif is_writer:
-            for name, shape in rule.hf:
-                buf = torch.empty(
-                    hm.hf_shape(shape, info), dtype=getattr(torch, dtype), device=device
-                )
-                dist.recv(buf, src=pp_ranks[stage])
-                yield name.format(layer=layer), buf.cpu()
+    def close(self) -> None:
+        """Close every file; raise if a planned tensor was never written."""
+        files, self._open = list(self._open.values()), {}
+        for f in files:
+            f.close()
+        planned = {shard.file for shard in self._plan.values()}
+        if planned - self._done:
+            raise CheckpointError(f"{self.dir}: {sorted(planned - self._done)[0]} not written")
 
 
-def _gather_tp(param: torch.Tensor, rule: hm.Rule, tp_group) -> list[torch.Tensor]:
-    """All TP shards of a parameter, rank order (the parameter itself when replicated)."""
-    data = param.detach()
-    if tp_group.size() == 1 or rule.tp_dim is None:
-        return [data]
-    shards = [torch.empty_like(data) for _ in range(tp_group.size())]
-    dist.all_gather(shards, data.contiguous(), group=tp_group)
-    return shards
+def finish_hf_dir(
+    directory: Path,
+    shards: list[ShardPlan],
+    *,
+    expected: dict[str, tuple[int, ...]],
+    src_dir: Path,
+    info: HFModelInfo,
+    head: str,
+) -> None:
+    """Verify the written shards, then add the index, config.json and tokenizer files.
+
+    Args:
+        shards: the whole plan (every process's files).
+        expected: HF name → shape the name table implies (`hm.expected_hf_tensors`).
+    """
+    planned = {name: (shape, dtype) for s in shards for name, shape, dtype in s.tensors}
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for shard in shards:
+        found.update(
+            (name, (tuple(shape), dt))
+            for name, (dt, shape) in read_safetensors_header(directory / shard.file).items()
+        )
+    if found.keys() != expected.keys():
+        missing = sorted(expected.keys() - found.keys())[:3]
+        extra = sorted(found.keys() - expected.keys())[:3]
+        raise CheckpointError(
+            f"{directory}: wrote {len(found)} tensors, expected {len(expected)} "
+            f"(missing {missing}, unexpected {extra})"
+        )
+    for name, shape in expected.items():
+        want = (shape, _SAFETENSORS_DTYPE[planned[name][1]])
+        if found[name] != want or planned[name][0] != shape:
+            raise CheckpointError(
+                f"{directory}: '{name}' is {found[name]} on disk, expected {want}"
+            )
+    if len(shards) > 1:
+        weight_map = {name: s.file for s in shards for name, _, _ in s.tensors}
+        total = sum(s.nbytes for s in shards)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    dtypes = [dtype for _, dtype in planned.values()]
+    main_dtype = max(set(dtypes), key=dtypes.count)  # config.json names a single dtype
+    cfg = _hf_config_dict(src_dir, head, info, main_dtype)
+    (directory / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    for fname in HF_AUX_FILES:
+        if (src_dir / fname).is_file():
+            shutil.copy2(src_dir / fname, directory / fname)
 
 
 def _hf_config_dict(src_dir: Path, head: str, info: HFModelInfo, dtype: torch.dtype) -> dict:
@@ -144,80 +273,101 @@ def _hf_config_dict(src_dir: Path, head: str, info: HFModelInfo, dtype: torch.dt
     return cfg
 
 
-class _ShardWriter:
-    """Streams tensors into safetensors shards of at most `max_bytes` (one shard in memory)."""
-
-    def __init__(self, directory: Path, max_bytes: int) -> None:
-        self.dir, self.max_bytes = directory, max_bytes
-        self.files: list[str] = []
-        self.weight_map: dict[str, str] = {}
-        self.written: dict[str, tuple[tuple[int, ...], str]] = {}  # name -> (shape, dtype)
-        self.total = 0
-        self._buffer: dict[str, torch.Tensor] = {}
-        self._buffered = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        # A private contiguous copy: safetensors refuses tensors that share storage.
-        tensor = tensor.to("cpu", copy=True).contiguous()
-        if self._buffered and self._buffered + tensor.nbytes > self.max_bytes:
-            self._flush()
-        self._buffer[name] = tensor
-        self._buffered += tensor.nbytes
-        self.total += tensor.nbytes
-        self.written[name] = (tuple(tensor.shape), _SAFETENSORS_DTYPE[tensor.dtype])
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        fname = f"part-{len(self.files) + 1:05d}.safetensors"
-        save_file(self._buffer, str(self.dir / fname), metadata={"format": "pt"})
-        # safetensors creates files owner-only; HF dirs are usually shared with a group.
-        os.chmod(self.dir / fname, 0o666 & ~_UMASK)
-        self.files.append(fname)
-        self.weight_map.update(dict.fromkeys(self._buffer, fname))
-        self._buffer, self._buffered = {}, 0
-
-    def close(self) -> list[str]:
-        """Write the last shard, give the shards HF's names (and an index); return them."""
-        if self._buffer or not self.files:
-            self._flush()
-        n = len(self.files)
-        final = (
-            ["model.safetensors"]
-            if n == 1
-            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        )
-        rename = dict(zip(self.files, final))
-        for old, new in rename.items():
-            os.replace(self.dir / old, self.dir / new)
-        if n > 1:
-            weight_map = {k: rename[v] for k, v in sorted(self.weight_map.items())}
-            index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
-            (self.dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-        return final
+# ------------------------------------------------------------------ model chunks → HF
 
 
-def _verify(
-    directory: Path, files: list[str], expected: dict[str, tuple[int, ...]], written: dict
-) -> None:
-    """Re-read the written headers: the table's tensors, each with its shape and dtype."""
-    found: dict[str, tuple[tuple[int, ...], str]] = {}
-    for fname in files:
-        for name, (dt, shape) in read_safetensors_header(directory / fname).items():
-            found[name] = (tuple(shape), dt)
-    if found.keys() != expected.keys():
-        missing = sorted(expected.keys() - found.keys())[:3]
-        extra = sorted(found.keys() - expected.keys())[:3]
-        raise CheckpointError(
-            f"{directory}: wrote {len(found)} tensors, expected {len(expected)} "
-            f"(missing {missing}, unexpected {extra})"
-        )
-    for name, shape in expected.items():
-        if found[name] != (shape, written[name][1]):
-            raise CheckpointError(
-                f"{directory}: '{name}' is {found[name]} on disk, expected "
-                f"{(shape, written[name][1])}"
-            )
+@dataclasses.dataclass
+class _Schedule:
+    """Who owns which parameter, known to every rank of the exporting DP replica."""
+
+    rules: list[hm.Rule]
+    local: dict[tuple, torch.nn.Parameter]  # this stage's parameters by order key
+    order: list[tuple[tuple, int, str]]  # (order key, owning stage, dtype name), HF order
+    tp_group: dist.ProcessGroup
+    pp_ranks: list[int]
+    tp_rank: int
+    pp_rank: int
+
+
+def _schedule(model_chunks: list[torch.nn.Module], info: HFModelInfo, head: str):
+    """The export schedule (collective over the PP group); None outside DP replica 0."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_data_parallel_rank(with_context_parallel=True) != 0:
+        return None  # another DP replica writes
+    pp_group = ps.get_pipeline_model_parallel_group()
+    rules = hm.rules_for(info, head)
+    local: dict[tuple, torch.nn.Parameter] = {}
+    for chunk in model_chunks:
+        for rule, layer, param in iter_rule_params(unwrap(chunk), rules):
+            if rule.export:
+                local[_order_key(rules.index(rule), layer, rule.megatron)] = param
+    # Which stage owns which parameter (any PP / VPP split) and its dtype (a model may keep
+    # e.g. fp32 norms beside bf16 weights), known to every rank of the PP group.
+    per_stage: list = [None] * pp_group.size()
+    owned = sorted((key, str(p.dtype).split(".")[-1]) for key, p in local.items())
+    dist.all_gather_object(per_stage, owned, group=pp_group)
+    order = sorted(
+        (key, stage, dtype) for stage, items in enumerate(per_stage) for key, dtype in items
+    )
+    return _Schedule(
+        rules,
+        local,
+        order,
+        ps.get_tensor_model_parallel_group(),
+        dist.get_process_group_ranks(pp_group),
+        ps.get_tensor_model_parallel_rank(),
+        ps.get_pipeline_model_parallel_rank(),
+    )
+
+
+def iter_hf_tensors(
+    model_chunks: list[torch.nn.Module], info: HFModelInfo, *, head: str = "lm"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield `(hf_name, cpu_tensor)` for the whole model on the writing rank, nothing elsewhere.
+
+    Collective: every rank of the job must iterate it to the end.
+
+    Args:
+        model_chunks: this rank's GPTModel chunks (wrappers allowed).
+        head: "lm" or "value" (scalar head exported as `score.weight`).
+    """
+    plan = _schedule(model_chunks, info, head)
+    if plan is not None:
+        yield from _iter_scheduled(plan, info)
+
+
+def _iter_scheduled(plan: _Schedule, info: HFModelInfo) -> Iterator[tuple[str, torch.Tensor]]:
+    is_writer = plan.tp_rank == 0 and plan.pp_rank == 0
+    device = next(iter(plan.local.values())).device
+    for key, stage, dtype in plan.order:
+        rule, layer = plan.rules[key[-2]], key[-1]
+        if stage == plan.pp_rank:
+            shards = _gather_tp(plan.local[key], rule, plan.tp_group)
+            if plan.tp_rank != 0:
+                continue
+            for hf_name, tensor in hm.megatron_to_hf(rule, layer, shards, info):
+                if is_writer:
+                    yield hf_name, tensor.to("cpu", copy=True)
+                else:
+                    dist.send(tensor.contiguous(), dst=plan.pp_ranks[0])
+        elif is_writer:
+            for name, shape in rule.hf:
+                buf = torch.empty(
+                    hm.hf_shape(shape, info), dtype=getattr(torch, dtype), device=device
+                )
+                dist.recv(buf, src=plan.pp_ranks[stage])
+                yield name.format(layer=layer), buf.cpu()
+
+
+def _gather_tp(param: torch.Tensor, rule: hm.Rule, tp_group) -> list[torch.Tensor]:
+    """All TP shards of a parameter, rank order (the parameter itself when replicated)."""
+    data = param.detach()
+    if tp_group.size() == 1 or rule.tp_dim is None:
+        return [data]
+    shards = [torch.empty_like(data) for _ in range(tp_group.size())]
+    dist.all_gather(shards, data.contiguous(), group=tp_group)
+    return shards
 
 
 def check_output_dir(out_dir: str | Path, force: bool) -> None:
@@ -277,44 +427,39 @@ def save_hf_checkpoint(
         max_shard_bytes: size at which a new safetensors shard is started.
         progress: show a tensors-done bar on the writing rank.
     """
-    src_dir = Path(src_dir)
-    expected = hm.expected_hf_tensors([r for r in hm.rules_for(info, head) if r.export], info)
-    writer = None
+    plan = _schedule(model_chunks, info, head)
+    writer = bar = tmp = None
     if dist.get_rank() == 0:
-        writer = _ShardWriter(prepare_output_dir(out_dir, force), max_shard_bytes)
-    bar = None
-    if writer is not None and progress:
-        from tqdm import tqdm
+        groups = [
+            [
+                (name.format(layer=key[-1]), hm.hf_shape(shape, info), dtype or getattr(torch, dt))
+                for name, shape in plan.rules[key[-2]].hf
+            ]
+            for key, _, dt in plan.order
+        ]
+        shards = plan_shards(groups, max_shard_bytes)
+        tmp = prepare_output_dir(out_dir, force)
+        writer = SafetensorsShardWriter(tmp, shards)
+        if progress:
+            from tqdm import tqdm
 
-        bar = tqdm(total=len(expected), desc="export", unit="tensor")
+            bar = tqdm(total=sum(len(g) for g in groups), desc="export", unit="tensor")
     try:
-        for name, tensor in iter_hf_tensors(model_chunks, info, head=head):
-            writer.add(name, tensor.to(dtype or tensor.dtype))
+        for name, tensor in _iter_scheduled(plan, info) if plan is not None else ():
+            writer.write(name, tensor.to(dtype or tensor.dtype))
             if bar is not None:
                 bar.update(1)
         if writer is not None:
             if bar is not None:
                 bar.close()
-            files = writer.close()
-            _verify(writer.dir, files, expected, writer.written)
-            model_dtype = dtype or _main_dtype(writer.written)
-            cfg = _hf_config_dict(src_dir, head, info, model_dtype)
-            (writer.dir / "config.json").write_text(
-                json.dumps(cfg, indent=2, sort_keys=True) + "\n"
+            writer.close()
+            expected = hm.expected_hf_tensors([r for r in plan.rules if r.export], info)
+            finish_hf_dir(
+                tmp, shards, expected=expected, src_dir=Path(src_dir), info=info, head=head
             )
-            for fname in HF_AUX_FILES:
-                if (src_dir / fname).is_file():
-                    shutil.copy2(src_dir / fname, writer.dir / fname)
-            commit_output_dir(writer.dir, out_dir)
+            commit_output_dir(tmp, out_dir)
     except BaseException:
-        if writer is not None:
-            shutil.rmtree(writer.dir, ignore_errors=True)  # nothing partial left behind
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # nothing partial left behind
         raise
     dist.barrier()
-
-
-def _main_dtype(written: dict[str, tuple[tuple[int, ...], str]]) -> torch.dtype:
-    """The dtype most tensors were written in (config.json names a single dtype)."""
-    inverse = {v: k for k, v in _SAFETENSORS_DTYPE.items()}
-    names = [dt for _, dt in written.values()]
-    return inverse[max(set(names), key=names.count)]

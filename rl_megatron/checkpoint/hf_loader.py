@@ -1,15 +1,15 @@
 """Load HF safetensors straight into Megatron model chunks at any TP / PP / VPP layout.
 
-Each rank opens the checkpoint lazily (`safe_open`, memory-mapped) and reads only the
-tensors of its own layers and, within them, only its TP slice (`get_slice`): a rank's peak
-extra memory is about one HF tensor's slice, never the model. Before reading, every rank
+Each rank reads only the tensors of its own layers and, within them, only its TP slice
+(`safe_open(...).get_slice`): a rank's peak extra memory is about one HF tensor's slice, never
+the model. Each read opens its file afresh, so pages already read do not stay mapped (and
+resident) after the tensors made from them are gone. Before reading, every rank
 checks the headers: the checkpoint must hold exactly the tensors the name table consumes,
 with the shapes `config.json` implies, and no file may be truncated.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import struct
 from collections.abc import Callable, Iterator
@@ -54,7 +54,7 @@ def read_safetensors_header(path: str | Path) -> dict[str, tuple[str, list[int]]
 class SafetensorsCheckpoint:
     """The tensors of an HF model directory (one file, or shards with an index), read lazily.
 
-    Use as a context manager; files are opened on first use and closed on exit.
+    Usable as a context manager (kept for callers; no file stays open between reads).
     """
 
     def __init__(self, hf_dir: str | Path) -> None:
@@ -87,8 +87,6 @@ class SafetensorsCheckpoint:
             for name, fname in weight_map.items():
                 if name not in self.file_of:
                     raise CheckpointError(f"{self.dir / fname}: lacks tensor '{name}' of the index")
-        self._stack = contextlib.ExitStack()
-        self._open: dict[str, object] = {}
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(meta[1]) for name, meta in self.meta.items()}
@@ -97,20 +95,18 @@ class SafetensorsCheckpoint:
         """Tensor `name`, or its rows/columns `[start, end)` along `dim` (0 or 1) only."""
         from safetensors import safe_open
 
-        fname = self.file_of[name]
-        if fname not in self._open:
-            self._open[fname] = self._stack.enter_context(
-                safe_open(str(self.dir / fname), framework="pt", device="cpu")
-            )
-        handle = self._open[fname]
-        if dim is None:
-            return handle.get_tensor(name)
-        sl = handle.get_slice(name)
-        return sl[start:end] if dim == 0 else sl[:, start:end]
+        # Opened per read: a handle kept open keeps its memory map, and with it every page
+        # read so far, in this process's resident memory (the whole model by the end of a
+        # load). The tensors returned may be backed by the (copy-on-write) map itself: their
+        # pages stay mapped while they live, and are read only when used.
+        with safe_open(str(self.dir / self.file_of[name]), framework="pt", device="cpu") as handle:
+            if dim is None:
+                return handle.get_tensor(name)
+            sl = handle.get_slice(name)
+            return sl[start:end] if dim == 0 else sl[:, start:end]
 
     def close(self) -> None:
-        self._stack.close()
-        self._open.clear()
+        pass
 
     def __enter__(self) -> SafetensorsCheckpoint:
         return self

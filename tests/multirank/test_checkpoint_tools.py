@@ -1,14 +1,18 @@
-"""The conversion CLIs end to end, as users run them (subprocesses, torchrun on 4 gloo ranks).
+"""The conversion CLIs end to end, as users run them (subprocesses, torchrun on gloo ranks).
 
 * A tiny bf16 Llama (GQA, sharded safetensors with an index, a tokenizer with a chat
-  template) goes HF → Megatron at TP2·PP2 (torchrun, 4 processes) → HF (torchrun, 2
-  processes: the checkpoint is resharded to TP1·PP2 on load, and the second stage's
-  tensors travel to the writing rank). The result is bit-identical tensor by
-  tensor (same names, dtypes, values), carries config / generation config / tokenizer,
-  loads with `from_pretrained` and generates the same greedy tokens as the source.
+  template) goes HF → Megatron at TP2·PP2·VPP2 (torchrun, 4 processes, each writing its own
+  shard) → HF (torchrun, 2 processes, each writing its own safetensors shards: the shard
+  size is set small so that both write). The result is bit-identical tensor by tensor (same
+  names, dtypes, values), carries config / generation config / tokenizer, loads with
+  `from_pretrained` and generates the same greedy tokens as the source.
+* The same model converted by one process (the streaming path that builds no model at
+  all) loads into Megatron model chunks at another layout (TP2·PP1) exactly as the trainer
+  loads checkpoints (every key, strict), equal to loading the HF weights directly, and
+  exports back bit-identically from one process.
 * Bad input — no config.json, a truncated safetensors shard, TP that does not divide the KV
-  heads, a tokenizer larger than the embedding, an existing non-empty output — exits with
-  code 2 and one line on stderr naming the file or field, and leaves no output behind.
+  heads, a tokenizer larger than the embedding, an existing non-empty output, an HF directory
+  given to the export as a Megatron checkpoint — exits with code 2 and one line on stderr naming the file or field, and leaves no output behind.
 
 Tolerance: none; the round trip must be exact (bf16 in, bf16 out, no arithmetic).
 """
@@ -25,6 +29,8 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests.spawn import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / "checkpoints_tools"
@@ -116,39 +122,80 @@ def _bad_inputs(tmp: Path, good: Path) -> list[tuple[str, Path, subprocess.Popen
         ("tokenizer has 120 tokens but config.json vocab_size=100", big_tok, tmp / "o4", []),
         ("exists and is not empty", good, nonempty, []),
     ]
-    return [
+    runs = [
         (expect, out, _tool("hf_to_megatron.py", "--hf-dir", src, "--out", out, *extra))
         for expect, src, out, extra in cases
     ]
+    # An HF directory is not a Megatron checkpoint.
+    export = _tool("megatron_to_hf.py", "--ckpt", good, "--out", tmp / "o5")
+    return [*runs, ("rl_megatron.json: not found", tmp / "o5", export)]
+
+
+def _load_into_model(rank: int, world_size: int, hf_dir: Path, ckpt: Path) -> None:
+    """Load `ckpt` as the trainer does (strict, every key) at TP2·PP1; compare with HF."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from rl_megatron.checkpoint.hf_loader import load_hf_weights
+    from rl_megatron.models.builders import build_gpt_chunks
+    from rl_megatron.models.hf_config import load_hf_config
+
+    ps.initialize_model_parallel(2, 1)
+    model_parallel_cuda_manual_seed(0)
+    info = load_hf_config(hf_dir)
+    from_ckpt, from_hf = (
+        build_gpt_chunks(info, tp=2, pp=1, padded_vocab=256, perform_initialization=False)[0]
+        for _ in range(2)
+    )
+    state = {"model": from_ckpt.sharded_state_dict()}
+    loaded = dist_checkpointing.load(state, str(ckpt), strict="raise_all")
+    from_ckpt.load_state_dict(loaded["model"], strict=True)
+    load_hf_weights([from_hf], hf_dir, info)
+    expected = dict(from_hf.named_parameters())
+    for name, param in from_ckpt.named_parameters():
+        assert torch.equal(param, expected[name]), f"rank {rank}: {name} differs"
+
+
+def _check_same(src: Path, out: Path) -> None:
+    a, b = _tensors(src), _tensors(out)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert a[name].dtype == b[name].dtype == torch.bfloat16, name
+        assert torch.equal(a[name], b[name]), f"{out}: {name} is not bit-identical"
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "chat_template.jinja",
+    ):
+        assert (out / name).is_file(), name
 
 
 @pytest.mark.slow
 def test_hf_megatron_hf_round_trip_and_bad_inputs(tmp_path):
     src, meg, out = tmp_path / "hf", tmp_path / "meg", tmp_path / "hf_out"
+    meg1, out1 = tmp_path / "meg_1proc", tmp_path / "hf_out_1proc"
     _make_hf(src)
-    to_meg = _tool(
-        "hf_to_megatron.py",
-        "--hf-dir",
-        src,
-        "--out",
-        meg,
-        "--tp",
-        2,
-        "--pp",
-        2,
-        "--dtype",
-        "bf16",
-        nproc=4,
-    )
+    layout = ["--tp", 2, "--pp", 2, "--dtype", "bf16"]
+    to_meg = _tool("hf_to_megatron.py", "--hf-dir", src, "--out", meg, *layout, "--vpp", 2, nproc=4)
     code, stdout, stderr = _finish(to_meg)
     assert code == 0, stderr[-3000:]
     assert "padded vocab 256" in stdout
     assert json.loads((meg / "rl_megatron.json").read_text())["padded_vocab_size"] == 256
 
-    # Bad inputs run while megatron_to_hf runs: all quick, all before any heavy import.
+    # Bad inputs run while the other conversions run: all quick, before any heavy import.
     bad = _bad_inputs(tmp_path, src)
-    code, stdout, stderr = _finish(_tool("megatron_to_hf.py", "--ckpt", meg, "--out", out, nproc=2))
+    code, _, stderr = _finish(_tool("hf_to_megatron.py", "--hf-dir", src, "--out", meg1, *layout))
     assert code == 0, stderr[-3000:]
+    # ~52 KB shards: both processes write some (the model is ~270 KB).
+    shard_gb = ["--max-shard-gb", 0.00005]
+    code, stdout, stderr = _finish(
+        _tool("megatron_to_hf.py", "--ckpt", meg, "--out", out, *shard_gb, nproc=2)
+    )
+    assert code == 0, stderr[-3000:]
+    assert (out / "model.safetensors.index.json").is_file() and "6 shards" in stdout
     for expect, out_dir, proc in bad:
         code, _, stderr = _finish(proc)
         lines = stderr.strip().splitlines()
@@ -158,20 +205,12 @@ def test_hf_megatron_hf_round_trip_and_bad_inputs(tmp_path):
         if out_dir.name != "nonempty":
             assert not out_dir.exists(), f"{expect}: left {out_dir} behind"
     assert (tmp_path / "nonempty" / "keep.txt").read_text() == "user data"
+    _check_same(src, out)
 
-    a, b = _tensors(src), _tensors(out)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert a[name].dtype == b[name].dtype == torch.bfloat16, name
-        assert torch.equal(a[name], b[name]), f"{name} is not bit-identical"
-    for name in (
-        "config.json",
-        "generation_config.json",
-        "tokenizer.json",
-        "tokenizer_config.json",
-        "chat_template.jinja",
-    ):
-        assert (out / name).is_file(), name
+    code, _, stderr = _finish(_tool("megatron_to_hf.py", "--ckpt", meg1, "--out", out1))
+    assert code == 0, stderr[-3000:]
+    _check_same(src, out1)
+    run_on_ranks(_load_into_model, world_size=2, hf_dir=src, ckpt=meg1)
     assert not list(tmp_path.glob(".*.partial"))
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
