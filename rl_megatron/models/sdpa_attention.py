@@ -17,6 +17,10 @@ Masks follow megatron-core's convention so the two modules are interchangeable:
 * packed sequences (`PackedSeqParams(qkv_format="thd")`): causal attention inside each
   sequence given by `cu_seqlens_q` (`*_padded` when set), none across sequences.
 
+GQA with an explicit mask: when the mask is the same for every query (KV-cache decoding,
+one query per row) the query heads of a group are folded into the query dimension, so K/V
+are read in place; otherwise K/V are expanded to every head.
+
 Query rows whose every key is masked (left padding) would give NaN in SDPA; they attend to
 all keys instead, so their (unused) outputs stay finite and never poison later layers.
 """
@@ -111,14 +115,31 @@ class SDPAttention(MegatronModule):
 
     def _sdpa(self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, causal: bool) -> Tensor:
         """q `[b, np, sq, hn]`, k/v `[b, ng, sk, hn]`, keep bool (True = attend) or None."""
+        rep = self.num_heads // self.num_groups
+        if rep == 1 or keep is None:
+            return self._call_sdpa(q, k, v, keep, causal, gqa=rep > 1)
+        b, _, sq, hn = q.shape
+        heads = keep.shape[-3] if keep.dim() >= 3 else 1
+        if keep.shape[-2] == 1 and (heads == 1 or sq == 1):
+            # The mask is the same for every query (decoding: sq = 1): fold the rep query
+            # heads of each group into the query dim, [b, ng, rep·sq, hn], so every group
+            # reads its K/V in place. A view for sq = 1, and the mask needs no copy.
+            if heads != 1:
+                keep = keep.reshape(*keep.shape[:-3], self.num_groups, rep, keep.shape[-1])
+            q = q.reshape(b, self.num_groups, rep * sq, hn)
+            out = self._call_sdpa(q, k, v, keep, causal=False, gqa=False)
+            return out.reshape(b, self.num_heads, sq, hn)
+        # A per-query mask (prefill, training) would have to be copied rep times to fold,
+        # and not every torch's CUDA memory-efficient kernel (the one taking a mask) accepts
+        # enable_gqa (else: the math kernel, [b, np, sq, sk] scores): expand K/V instead.
+        k = k.repeat_interleave(rep, dim=1)
+        v = v.repeat_interleave(rep, dim=1)
+        return self._call_sdpa(q, k, v, keep, causal, gqa=False)
+
+    def _call_sdpa(
+        self, q: Tensor, k: Tensor, v: Tensor, keep: Tensor | None, causal: bool, gqa: bool
+    ) -> Tensor:
         dropout_p = self.dropout_p if self.training else 0.0
-        gqa = self.num_heads != self.num_groups
-        if gqa and keep is not None:
-            # Kernels that take an explicit mask lack native GQA: expand K/V to every head.
-            rep = self.num_heads // self.num_groups
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-            gqa = False
         kwargs = dict(attn_mask=keep, is_causal=causal, scale=self.softmax_scale, enable_gqa=gqa)
         if dropout_p > 0.0 and not self.config.sequence_parallel:
             # Different heads on different TP ranks must drop independently.

@@ -20,6 +20,9 @@ buffered until `finish_weight_update` and then copied in through the checkpoint 
 Sampling matches `vllm_engine` with `logprobs_mode="processed_logprobs"`: temperature,
 then top-k, then top-p; the log-prob returned is that of the sampled token under the
 filtered, renormalised distribution (under plain `log_softmax(logits)` when greedy).
+With a seed, row (i, j) draws one counter-based uniform per step from its own seed
+`seed + i·n + j` and inverts its CDF (`sampling.sample_tokens`), for all rows at once; its
+tokens therefore do not depend on which rows share its decode batch.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.models.sdpa_attention import causal_padding_mask
 from rl_megatron.rollout.batch import FinishReason, RolloutBatch
 from rl_megatron.rollout.engine import NamedTensors, OutputLayout, RolloutEngine, iter_named_tensors
-from rl_megatron.rollout.sampling import SamplingParams, filter_logits, fit_prompts
+from rl_megatron.rollout.sampling import SamplingParams, fit_prompts, sample_tokens, seed_tensor
 
 Sample = tuple[list[int], list[float], FinishReason]
 
@@ -196,23 +199,26 @@ class MegatronEngine(RolloutEngine):
     def _decode(
         self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None
     ) -> list[Sample]:
-        """Generate one response per prompt row (`len(prompts)` ≤ max_batch_size)."""
+        """Generate one response per prompt row (`len(prompts)` ≤ max_batch_size).
+
+        The loop issues no host sync except one `done.all()` per step when there are stop
+        tokens; results come back to the host once, at the end.
+        """
         from megatron.core.inference.contexts import StaticInferenceContext
 
         device = self._device
         b, p, r = len(prompts), max(map(len, prompts)), sampling.max_new_tokens
-        stop = torch.tensor(
-            sampling.resolved_stop_token_ids(self.eos_token_ids), dtype=torch.int64, device=device
-        )
-        tokens = torch.full((b, p), self.pad_token_id, dtype=torch.int64, device=device)
-        keep = torch.zeros((b, p + r), dtype=torch.bool, device=device)  # real keys
+        stop_ids = sampling.resolved_stop_token_ids(self.eos_token_ids)
+        stop = torch.tensor(stop_ids, dtype=torch.int64, device=device)
+        # Built on the host, copied once (not one small copy per row).
+        tokens = torch.full((b, p), self.pad_token_id, dtype=torch.int64)
+        keep = torch.zeros((b, p + r), dtype=torch.bool)  # real keys
         for k, prompt in enumerate(prompts):
             tokens[k, p - len(prompt) :] = torch.as_tensor(prompt)
             keep[k, p - len(prompt) : p] = True
+        tokens, keep = tokens.to(device), keep.to(device)
         prompt_len = keep[:, :p].sum(1)
-        generators = (
-            [torch.Generator(device=device).manual_seed(s) for s in seeds] if seeds else None
-        )
+        row_seeds = seed_tensor(seeds, device) if seeds is not None else None
         ctx = StaticInferenceContext(b, p + r)
         self.model.eval()
         # Prefill: causal + padding mask over the prompt block.
@@ -224,16 +230,18 @@ class MegatronEngine(RolloutEngine):
         out_tokens, out_lps = [], []
         done = torch.zeros(b, dtype=torch.bool, device=device)
         length = torch.zeros(b, dtype=torch.int64, device=device)
-        stopped = torch.zeros(b, dtype=torch.bool, device=device)
         for step in range(r):
-            tok, lp = self._sample(logits, sampling, generators)
+            tok, lp = sample_tokens(
+                logits, sampling, seeds=row_seeds, step=step, generator=self._generator
+            )
             out_tokens.append(tok)
             out_lps.append(lp)
             length += (~done).long()
-            hit = ~done & torch.isin(tok, stop)
-            stopped |= hit
-            done |= hit
-            if bool(done.all()) or step == r - 1:
+            if stop_ids:
+                done |= torch.isin(tok, stop)
+                if step == r - 1 or bool(done.all()):  # the one host sync per step
+                    break
+            elif step == r - 1:
                 break
             keep[:, p + step] = True
             logits = self._forward(
@@ -243,13 +251,20 @@ class MegatronEngine(RolloutEngine):
                 ctx,
             )
             ctx.sequence_len_offset += 1
-        tok_t, lp_t = torch.stack(out_tokens, 1).cpu(), torch.stack(out_lps, 1).cpu()
-        samples = []
-        for k in range(b):
-            n = int(length[k])
-            reason = FinishReason.STOP if bool(stopped[k]) else FinishReason.LENGTH
-            samples.append((tok_t[k, :n].tolist(), lp_t[k, :n].tolist(), reason))
-        return samples
+        # A row stopped iff it hit a stop token before the cap (its last kept token is one).
+        tok_t = torch.stack(out_tokens, 1)
+        last = tok_t.gather(1, (length - 1)[:, None])[:, 0]
+        stopped = torch.isin(last, stop) if stop_ids else torch.zeros_like(done)
+        tok_l, lp_l = tok_t.tolist(), torch.stack(out_lps, 1).tolist()
+        length_l, stopped_l = length.tolist(), stopped.tolist()
+        return [
+            (
+                tok_l[k][:n],
+                lp_l[k][:n],
+                FinishReason.STOP if stopped_l[k] else FinishReason.LENGTH,
+            )
+            for k, n in enumerate(length_l)
+        ]
 
     def _forward(self, tokens, position_ids, mask, ctx) -> torch.Tensor:
         """Last-position logits `[b, vocab]` (fp32, padding ids cut), gathered over TP."""
@@ -257,24 +272,3 @@ class MegatronEngine(RolloutEngine):
             tokens, position_ids, mask, inference_context=ctx, runtime_gather_output=True
         )
         return logits[:, -1, : self.vocab_size].float()
-
-    def _sample(
-        self,
-        logits: torch.Tensor,
-        sampling: SamplingParams,
-        generators: list[torch.Generator] | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token `[b]` and its log-prob `[b]` from `[b, vocab]` logits."""
-        if sampling.greedy:
-            log_probs = logits.log_softmax(-1)
-            tok = logits.argmax(-1)
-        else:
-            log_probs = filter_logits(logits, sampling).log_softmax(-1)
-            probs = log_probs.exp()
-            if generators is None:
-                tok = torch.multinomial(probs, 1, generator=self._generator)[:, 0]
-            else:
-                tok = torch.cat(
-                    [torch.multinomial(probs[k], 1, generator=g) for k, g in enumerate(generators)]
-                )
-        return tok, log_probs.gather(-1, tok[:, None])[:, 0]

@@ -3,6 +3,8 @@
 One `SamplingParams` describes a whole `generate` call: every prompt gets `n` responses
 drawn with the same temperature / top-p / top-k and at most `max_new_tokens` tokens each.
 Engines translate it to their own knobs (`vllm_engine.to_vllm_sampling_params`).
+Engines that sample themselves (the Megatron engine) use `sample_tokens`: batched,
+and with per-row seeds a pure function of (row seed, decode step, logits).
 
 A prompt *overflows* when it leaves less than `max_new_tokens` of room in the engine's
 context (`prompt_len + max_new_tokens > context_len`), or when it is longer than
@@ -167,3 +169,98 @@ def filter_logits(logits: torch.Tensor, sampling: SamplingParams) -> torch.Tenso
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x
+
+
+# ---- batched sampling -----------------------------------------------------------------
+#
+# Per-request seeds must make a row's samples independent of which rows share its batch
+# (DESIGN §7 "Rollout sampling"). One `torch.Generator` per row does that but costs one
+# `multinomial` call per row and step (46 % of a GRPO step's CPU time on an H200). Instead
+# every row draws one counter-based uniform per step, u = splitmix64(key(seed) + step·γ)
+# (Steele, Lea & Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014),
+# computed for all rows at once in int64 arithmetic on the device, and inverts the CDF of
+# its filtered distribution.
+
+
+def _signed(c: int) -> int:
+    """An unsigned 64-bit constant as the int64 with the same bits."""
+    return c - (1 << 64) if c >= 1 << 63 else c
+
+
+_GOLDEN_GAMMA = 0x9E3779B97F4A7C15
+_MIX1, _MIX2 = _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's `>>` is arithmetic: clear the sign fill)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _mix64(z: torch.Tensor) -> torch.Tensor:
+    """splitmix64's finaliser on int64 tensors; products wrap modulo 2^64, as in C."""
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    return z ^ _shr(z, 31)
+
+
+def seed_tensor(seeds: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Python seeds (any ints) → `[rows]` int64 holding their low 64 bits."""
+    return torch.tensor([_signed(s % (1 << 64)) for s in seeds], dtype=torch.int64, device=device)
+
+
+def seeded_uniform(seeds: torch.Tensor, step: int) -> torch.Tensor:
+    """One uniform draw in (0, 1] per row, a function of (row seed, step) only.
+
+    seeds: `[rows]` int64 (`seed_tensor`); step: the decode step (response position).
+    Returns `[rows]` float64 with 53 random bits: the `step`-th output of a splitmix64
+    stream keyed by a hash of the seed, so nearby seeds give unrelated streams.
+    """
+    key = _mix64(seeds)
+    offset = _signed((step + 1) * _GOLDEN_GAMMA % (1 << 64))  # the step-th state increment
+    bits = _shr(_mix64(key + offset), 11)  # top 53 bits
+    return (bits + 1).to(torch.float64) * 2.0**-53
+
+
+def inverse_cdf_sample(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Token `[rows]` drawn from `[rows, vocab]` probabilities by inverting their CDF at u.
+
+    probs: non-negative, each row with positive mass (need not sum to 1 exactly).
+    u: `[rows]` uniforms in (0, 1]. The result is the first i with cdf[i] >= u · cdf[-1]:
+    since 0 < u · cdf[-1] <= cdf[-1], that token always has positive probability. The CDF
+    is summed in float64 so that each token's interval is exact to ~1e-16, not fp32's ~1e-7.
+    """
+    cdf = probs.cumsum(-1, dtype=torch.float64)
+    target = u.to(torch.float64) * cdf[:, -1]
+    return torch.searchsorted(cdf, target[:, None])[:, 0].clamp_(max=probs.shape[-1] - 1)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    sampling: SamplingParams,
+    *,
+    seeds: torch.Tensor | None = None,
+    step: int = 0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row; return it and its log-prob, both `[rows]`.
+
+    logits: `[rows, vocab]` fp32. Greedy (temperature 0) takes the argmax and returns its
+    log-prob under `log_softmax(logits)`. Otherwise temperature, top-k and top-p are applied
+    (`filter_logits`) and the log-prob is that of the token under the filtered, renormalised
+    distribution (vLLM's "processed_logprobs").
+    seeds: `[rows]` int64 per-row seeds (`seed_tensor`): row r's token depends only on
+        (seeds[r], step, logits[r]), whatever else is in the batch. None: one uniform per
+        row from `generator` (on the logits' device).
+    step: the decode step, so each step of a row draws a fresh uniform.
+    """
+    if sampling.greedy:
+        tok = logits.argmax(-1)
+        return tok, logits.gather(-1, tok[:, None])[:, 0] - logits.logsumexp(-1)
+    x = filter_logits(logits, sampling)
+    lse = x.logsumexp(-1)
+    if seeds is None:  # 1 - [0, 1) is (0, 1]; cheaper than multinomial's vocab-wide draw
+        u = 1 - torch.rand(x.shape[0], generator=generator, dtype=torch.float64, device=x.device)
+    else:
+        u = seeded_uniform(seeds, step)
+    tok = inverse_cdf_sample((x - lse[:, None]).exp(), u)
+    return tok, x.gather(-1, tok[:, None])[:, 0] - lse

@@ -7,7 +7,8 @@ asserts against expectations computed with `transformers` in this process.
 Tolerances:
 * greedy tokens: exact; the reference's smallest top-1 lead is checked to exceed 1e-4
   (fp32 noise between implementations and TP splits is ~1e-6).
-* engine vs recomputed log-probs (`logprob_parity`): 2e-5 absolute. Both are fp32 forwards
+* engine vs recomputed log-probs (`logprob_parity`), and seeded samples' log-probs
+  between differently split calls: 2e-5 absolute. Both are fp32 forwards
   of the same modules; KV-cache decoding and one full pass differ only in summation order
   and in RoPE's absolute offsets for left-padded rows.
 """
@@ -35,6 +36,8 @@ def _body(rank: int, world_size: int, ref: dict) -> None:
 
 
 def _cases(tp: int, ref: dict) -> None:
+    from dataclasses import replace
+
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from safetensors.torch import load_file
@@ -58,6 +61,10 @@ def _cases(tp: int, ref: dict) -> None:
         batch.validate()
         return [batch.row_tokens(i)[1] for i in range(len(batch))]
 
+    def row_log_probs(batch):
+        lengths = batch.response_lengths.tolist()
+        return [batch.rollout_log_probs[i, :n] for i, n in enumerate(lengths)]
+
     # Greedy parity; max_batch_size=4 also splits the 5 prompts into two decode batches.
     batch = engine.generate(prompts, greedy)
     assert responses(batch) == ref["greedy_a"]
@@ -78,6 +85,20 @@ def _cases(tp: int, ref: dict) -> None:
         group = {tuple(r) for r, i in zip(responses(batch), batch.group_index) if i == g}
         assert len(group) > 1, f"prompt {g}: all 3 samples identical"
     assert responses(engine.generate(prompts[:3], sampled)) == responses(batch)
+    # Split-independence: the same rows drawn in other calls and other decode batches
+    # (max_batch_size 2, other left-padding widths) are the same samples. Prompt i of a call
+    # seeded s is prompt i + lo of a call seeded s - lo·n. Log-probs: LOGPROB_TOL, as below.
+    small = MegatronEngine(
+        chunks, info, eos_token_ids=[2], max_model_len=MAX_MODEL_LEN, seed=5, max_batch_size=2
+    )
+    pieces = [
+        small.generate(prompts[lo:hi], replace(sampled, seed=sampled.seed + lo * sampled.n))
+        for lo, hi in ((0, 1), (1, 3))
+    ]
+    assert [r for piece in pieces for r in responses(piece)] == responses(batch)
+    split_lps = [lp for piece in pieces for lp in row_log_probs(piece)]
+    for got, want in zip(split_lps, row_log_probs(batch), strict=True):
+        assert (got - want).abs().max() < LOGPROB_TOL
     recomputed = recompute_log_probs(
         chunks,
         batch,

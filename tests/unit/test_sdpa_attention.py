@@ -2,7 +2,8 @@
 
 One single-rank spawn (megatron needs its parallel state and the CPU shim) runs every case:
 causal GQA forward and backward, padding masks (left and right), sliding window, packed
-sequences (with and without padded boundaries), single-query decoding, bf16, and a whole
+sequences (with and without padded boundaries), single-query decoding (GQA with a padding
+mask: query heads folded, no K/V copy), bf16, and a whole
 GPTModel built with the stock local spec vs with `local_sdpa_layer_spec`.
 
 Tolerances: fp32 results may differ only by summation order (SDPA's kernel vs
@@ -146,6 +147,43 @@ def _decode_and_bf16():
     _close(out16, ref32, BF16_TOL, "sdpa bf16 vs fp32")
 
 
+def _gqa_decode_with_mask():
+    """KV-cache decoding with a padding mask (the engine's path): query heads folded into
+    the query dim must equal an explicit K/V expansion (the previous implementation), and
+    the stock module where it takes the mask (it drops a given mask under a window), for a
+    mask shared by all heads and a per-head one, with and without a sliding window."""
+    import torch.nn.functional as F
+
+    q, k, v = _qkv()
+    q1 = q[-1:]  # one query per row against S cached keys
+    keys = torch.ones(B, S, dtype=torch.bool)
+    keys[0, :4] = False  # left padding
+    keys[2, 7] = False
+    shared = ~keys[:, None, None, :]  # [b, 1, 1, sk], True = masked out
+    per_head = shared.expand(B, NQ, 1, S).clone()
+    for h in range(NQ):
+        per_head[:, h, 0, S - 2 - h] = True  # each head hides a different key
+    rep = NQ // NG
+    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q1, k, v))
+    for window in (None, (5, 0)):
+        stock, sdpa = _pair(window_size=window)
+        in_window = torch.ones(S, dtype=torch.bool)
+        if window is not None:
+            in_window[: S - 1 - window[0]] = False
+        for name, mask in (("shared", shared), ("per-head", per_head)):
+            expanded = F.scaled_dot_product_attention(
+                qb,
+                kb.repeat_interleave(rep, 1),
+                vb.repeat_interleave(rep, 1),
+                attn_mask=~mask & in_window,
+            ).permute(2, 0, 1, 3)
+            out = sdpa(q1, k, v, mask)
+            what = f"gqa decode, {name} mask, window {window}"
+            _close(out, expanded.reshape(1, B, NQ * D), FP32_TOL, what + " vs expanded K/V")
+            if window is None:
+                _close(out, stock(q1, k, v, mask), FP32_TOL, what + " vs stock")
+
+
 def _whole_model():
     """GPTModel with the stock local spec and with the SDPA spec: same weights, same logits."""
     from megatron.core.models.gpt import GPTModel
@@ -185,6 +223,7 @@ def _body(rank: int, world_size: int) -> None:
     _window()
     _packed()
     _decode_and_bf16()
+    _gqa_decode_with_mask()
     _whole_model()
 
 
