@@ -46,8 +46,8 @@ class TrainingData:
 def build_data(config: Config, logger: logging.Logger) -> TrainingData:
     """Tokenizer, training and validation prompts after the length policy (counts logged)."""
     d, r = config.data, config.rollout
-    # `filter` happens once here; the engines only ever see prompts that fit.
-    overflow = "filter" if r.prompt_overflow == "filter" else r.prompt_overflow
+    # The length policy is applied once, here; the engines only ever see prompts that fit.
+    overflow = r.prompt_overflow
     if d.synthetic_task is not None:
         tokenizer = CharTokenizer()
         train_set = synthetic_dataset(d.synthetic_task, d.synthetic_size, config.trainer.seed)

@@ -17,6 +17,7 @@ import contextlib
 import math
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -170,7 +171,9 @@ class PPOTrainer:
         with self.phases.time("update_actor"), self._on_device(roles.actor):
             actor_metrics = self._update(roles.actor, batch, self._actor_loss, "actor")
         if cfg.algorithm.use_kl_in_reward:
-            self.kl_ctrl.update(kl_metrics["actor/reward_kl_penalty"], len(indices) * cfg.rollout.n)
+            # The batch's KL over all replicas, so every rank's controller stays the same.
+            kl = ex.dp_mean({"kl": kl_metrics["actor/reward_kl_penalty"]}, self.dp_group)["kl"]
+            self.kl_ctrl.update(kl, cfg.data.train_batch_size * cfg.rollout.n)
 
         # 5. Metrics (DP-averaged where they are per-replica statistics).
         local = {
@@ -532,8 +535,6 @@ class PPOTrainer:
         c = self.config.checkpoint
         path = None
         if c.resume_from is not None:
-            from pathlib import Path
-
             path = Path(c.resume_from)
         elif c.resume == "auto":
             path = self.checkpoints.latest()
