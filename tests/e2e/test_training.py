@@ -176,6 +176,32 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
         assert a == b, f"{name}: final actor state differs after the resume"
 
 
+@pytest.mark.slow
+def test_sigterm_saves_and_stops(tmp_path):
+    """SIGTERM (what Slurm sends before a job's time runs out) to torchrun: the ranks
+    finish the step they are in, save it, and stop; a rerun resumes from there."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    cmd += ["launch/ppo.py", "--config", TINY, f"trainer.output_dir={tmp_path}"]
+    cmd += ["trainer.total_steps=1000", "trainer.val_interval=0", "checkpoint.save_interval=0"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
+    for line in proc.stdout:
+        if line.startswith("step 2/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    proc.stdout.read()
+    proc.wait(timeout=120)
+    steps = [r["step"] for r in _metrics(tmp_path / "tiny_cpu")]
+    assert 2 <= steps[-1] < 1000 and steps == list(range(1, steps[-1] + 1))
+    saved = sorted(p.name for p in (tmp_path / "tiny_cpu" / "checkpoints").iterdir())
+    assert saved == [f"step_{steps[-1]:08d}"], saved  # the step it stopped after, complete
+    assert (tmp_path / "tiny_cpu" / "checkpoints" / saved[0] / "trainer_state.json").is_file()
+
+
 # ------------------------------------------------------------------- bad input
 
 ONE_RANK = ["parallel.tp=1", "rollout.tp=1", "trainer.total_steps=2", "trainer.val_interval=0"]
