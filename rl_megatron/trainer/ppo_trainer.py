@@ -520,15 +520,12 @@ class PPOTrainer:
     # -------------------------------------------------------------- checkpoints
 
     def save(self) -> None:
-        # The manager reloads an offloaded role for its part of the save, one at a time.
+        # The manager reloads an offloaded role for its part of the save, one at a time,
+        # and logs where the checkpoint went.
         with self.phases.time("checkpoint"):
-            path = self.checkpoints.save(
-                self.step,
-                self.roles.trainable(),
-                self._trainer_state(),
-                sidecar=self._sidecars(),
+            self.checkpoints.save(
+                self.step, self.roles.trainable(), self._trainer_state(), sidecar=self._sidecars()
             )
-        self.log.info("checkpoint: step %d saved to %s", self.step, path)
 
     def resume(self) -> None:
         """Continue from `checkpoint.resume_from`, or the run's newest checkpoint (auto)."""
