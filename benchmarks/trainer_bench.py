@@ -57,6 +57,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from rl_megatron.utils.flops import device_peak_tflops
+
 # The tiny_cpu model and a batch small enough for a 2-core smoke test.
 TINY_OVERRIDES = [
     "model.num_layers=4",
@@ -104,15 +106,6 @@ def _free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _peak_tflops() -> float | None:
-    from rl_megatron.utils.flops import PEAK_TFLOPS_BF16
-
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_TFLOPS_BF16.items() if k in name), None)
 
 
 def _shape(info):
@@ -245,7 +238,7 @@ def plain_loop(config, info, args, masked: bool = False) -> dict:
     peak_gb = _gib(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0
     tokens_total = args.plain_iters * num_micro * micro_batch * seq
     tok_s = tokens_total / seconds / dist.get_world_size()
-    peak = _peak_tflops()
+    peak = device_peak_tflops()
     mfu = tok_s * flops_per_token(_shape(info), seq) / (peak * 1e12) if peak else None
     out = {
         "attention_mask": "explicit causal [b,1,s,s]" if masked else "None (is_causal)",
@@ -302,7 +295,7 @@ def _summarise(steps: list[dict], flops_tok: float | None, plain_tok_s: float | 
     update_s = out.get("timing_s/update_actor")
     if update_s:
         out["actor_update_tokens_per_s_per_gpu"] = out["bench/actor_update_tokens"] / update_s
-        peak = _peak_tflops()
+        peak = device_peak_tflops()
         if peak and flops_tok:
             out["actor_update_mfu"] = (
                 out["actor_update_tokens_per_s_per_gpu"] * flops_tok / (peak * 1e12)
@@ -447,7 +440,7 @@ def environment() -> dict:
             device=torch.cuda.get_device_name(),
             device_memory_gb=_gib(props.total_memory),
             cuda=torch.version.cuda,
-            peak_tflops_bf16=_peak_tflops(),
+            peak_tflops_bf16=device_peak_tflops(),
         )
     else:
         env.update(device="cpu", cpu_threads=torch.get_num_threads())

@@ -25,6 +25,8 @@ from rl_megatron.config_io import ConfigError, from_dict, load_yaml, to_dict
 __all__ = ["Config", "ConfigError", "load_config", "validate", "to_dict"]
 
 Dtype = Literal["bf16", "fp16", "fp32"]
+# The config's short dtype names → torch's (what vLLM and the checkpoint sidecars take).
+DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAggMode = Literal[

@@ -26,6 +26,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 
 
 def inner_optimizers(optimizer: Any) -> list:
+    """The `MegatronOptimizer`s inside a `ChainedOptimizer` (or the one given)."""
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 

@@ -81,13 +81,13 @@ from rl_megatron.checkpoint.mcore_compat import (
     tolerate_missing_adam_step,
 )
 from rl_megatron.checkpoint.rng_state import read_rng, restore_rng, save_rng
+from rl_megatron.config import DTYPE_NAMES
 
 FORMAT_VERSION = 1
 STATE_FILE = "trainer_state.json"  # the completion marker: written last
 SIDECAR_FILE = "rl_megatron.json"  # checkpoints_tools/_common.py META_FILE
 HF_SUBDIR = "hf"  # checkpoints_tools/_common.py HF_SUBDIR
 RNG_DIR = "rng"
-_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 OptimizerSharding = Literal["dp_reshardable", "fully_reshardable"]
 _FINAL = re.compile(r"^step_(\d{8})(\.old-[0-9a-f]+)?$")
 _PARTIAL = re.compile(r"^step_\d{8}\.(tmp|old|del)-[0-9a-f]+$")
@@ -390,7 +390,7 @@ def _write_sidecar(role_dir: Path, sidecar: dict) -> None:
     """
     meta = dict(sidecar)
     if "dtype" in meta:  # torch's name, as the tools write (megatron_to_hf: getattr(torch, ...))
-        meta["dtype"] = _DTYPE_NAMES.get(meta["dtype"], meta["dtype"])
+        meta["dtype"] = DTYPE_NAMES.get(meta["dtype"], meta["dtype"])
     _write_json(role_dir / SIDECAR_FILE, meta)
     if not sidecar.get("source"):
         return

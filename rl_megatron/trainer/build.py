@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from rl_megatron.config import Config, ConfigError, OffloadConfig
+from rl_megatron.config import DTYPE_NAMES, Config, ConfigError, OffloadConfig
 from rl_megatron.data.datasets import DataError
 from rl_megatron.data.synthetic import CharTokenizer, synthetic_dataset
 from rl_megatron.data.tokenize import PromptTokenizer, TokenizedPrompts, tokenize_prompts
@@ -30,7 +30,7 @@ from rl_megatron.models.hf_config import HFModelInfo, load_hf_config, parse_hf_c
 from rl_megatron.rollout.engine import RolloutEngine
 from rl_megatron.trainer.roles import MegatronRole
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPES = {short: getattr(torch, name) for short, name in DTYPE_NAMES.items()}
 
 
 # ---------------------------------------------------------------------------- data
@@ -264,7 +264,7 @@ def build_engine(
         tp=r.tp,
         # The trainer's dtype, not vLLM's "auto" (which runs fp32 checkpoints in bf16 on
         # CPU): the rollout policy must be the policy being trained.
-        dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[config.model.dtype],
+        dtype=DTYPE_NAMES[config.model.dtype],
         max_model_len=r.max_prompt_length + r.max_response_length,
         gpu_memory_utilization=r.gpu_memory_utilization,
         seed=config.trainer.seed,

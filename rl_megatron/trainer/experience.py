@@ -15,7 +15,6 @@ from rl_megatron.rollout.batch import RolloutBatch
 
 __all__ = [
     "dp_mean",
-    "logprob_mismatch",
     "mini_batch_rows",
     "sequence_scores_at_last_token",
     "token_level_scores",
@@ -71,25 +70,6 @@ def mini_batch_rows(num_rows: int, rows_per_mini_batch: int, generator: torch.Ge
         order[start : start + rows_per_mini_batch]
         for start in range(0, num_rows, rows_per_mini_batch)
     ]
-
-
-@torch.no_grad()
-def logprob_mismatch(
-    engine_log_prob: torch.Tensor, trainer_log_prob: torch.Tensor, response_mask: torch.Tensor
-) -> dict[str, float]:
-    """How far the engine's sampling log-probs are from the trainer's recomputation.
-
-    A large gap means the rollout policy is not the policy being trained (precision,
-    kernels, a stale weight sync): PPO's ratio then starts away from 1.
-    """
-    valid = response_mask.bool()
-    if not valid.any():
-        return {"rollout/logprob_diff_mean": 0.0, "rollout/logprob_diff_max": 0.0}
-    diff = (engine_log_prob.float() - trainer_log_prob.float()).abs()[valid]
-    return {
-        "rollout/logprob_diff_mean": diff.mean().item(),
-        "rollout/logprob_diff_max": diff.max().item(),
-    }
 
 
 def dp_mean(

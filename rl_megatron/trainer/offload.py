@@ -28,6 +28,7 @@ from collections.abc import Iterable
 import torch
 from megatron.core.distributed import DistributedDataParallel
 
+from rl_megatron.checkpoint.mcore_compat import inner_optimizers
 from rl_megatron.config import OffloadConfig
 
 
@@ -44,11 +45,6 @@ def _unique_storages(tensors: Iterable[torch.Tensor]) -> list[torch.UntypedStora
         if s.nbytes() > 0:
             seen.setdefault(_storage_key(s), s)
     return list(seen.values())
-
-
-def _inner_optimizers(optimizer) -> list:
-    """The `MegatronOptimizer`s inside a `ChainedOptimizer` (or the one given)."""
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
 def param_tensors(model: list[torch.nn.Module]) -> list[torch.Tensor]:
@@ -74,7 +70,7 @@ def grad_tensors(model: list[torch.nn.Module]) -> list[torch.Tensor]:
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
     """Adam state and master weights of the (possibly chained) megatron optimizer."""
     out: list[torch.Tensor] = []
-    for opt in _inner_optimizers(optimizer):
+    for opt in inner_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue

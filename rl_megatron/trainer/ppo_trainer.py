@@ -33,11 +33,12 @@ from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.rewards.registry import RewardError, reward_fn_from_config
 from rl_megatron.rewards.scoring import score_batch
 from rl_megatron.rollout.batch import RolloutBatch
+from rl_megatron.rollout.logprob_parity import log_prob_mismatch
 from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.trainer import experience as ex
-from rl_megatron.trainer.build import DTYPES, Roles, TrainingData
+from rl_megatron.trainer.build import Roles, TrainingData
 from rl_megatron.trainer.roles import MegatronRole
-from rl_megatron.utils.flops import PEAK_TFLOPS_BF16, TransformerShape, flops_per_token
+from rl_megatron.utils.flops import TransformerShape, device_peak_tflops, flops_per_token
 from rl_megatron.utils.metrics import MetricsTracker
 from rl_megatron.utils.timers import PhaseTimer
 
@@ -178,7 +179,7 @@ class PPOTrainer:
         # 5. Metrics (DP-averaged where they are per-replica statistics).
         local = {
             **rollout.metrics(),
-            **ex.logprob_mismatch(batch["rollout_log_prob"], batch["old_log_prob"], mask),
+            **log_prob_mismatch(batch["rollout_log_prob"], batch["old_log_prob"], mask),
             **self._batch_stats(batch, old["entropy"]),
             **reward_metrics,
             **kl_metrics,
@@ -308,14 +309,24 @@ class PPOTrainer:
         shared = torch.cat([scores, errors]).to(self.device)
         dist.broadcast(shared, src=self.replica_src, group=self.replica_group)
         scores, errors = shared[:n].cpu(), shared[n:].cpu()
-        self._raise_together(message, errors.item() < 0)
-        # Counted once per rank of each replica on both sides, so the ratio is exact.
-        total = torch.tensor([errors.item(), float(n)], device=self.device)
+        # One collective for both checks. Failures and counts are summed over every rank
+        # of every replica (each replica's counted once per rank on both sides, so the
+        # ratio is exact).
+        failed = errors.item() < 0
+        total = torch.tensor(
+            [float(failed), 0.0 if failed else errors.item(), float(n)], device=self.device
+        )
         dist.all_reduce(total)
-        if total[0] > 0 and total[0] == total[1]:
+        if total[0] > 0:
+            # Every rank raises the first failing rank's message, so rank 0 can print it
+            # and none is left waiting in a collective.
+            messages: list[str] = [""] * dist.get_world_size()
+            dist.all_gather_object(messages, message)
+            raise RewardError(next(m for m in messages if m))
+        if total[1] > 0 and total[1] == total[2]:
             raise RewardError(
                 f"reward.function: {rcfg.function!r} failed on every sample of step "
-                f"{self.step} ({int(total[1]) // max(self._replica_size(), 1)} samples); "
+                f"{self.step} ({int(total[2]) // max(self._replica_size(), 1)} samples); "
                 "the first error is logged above"
             )
         if not n:
@@ -328,16 +339,6 @@ class PPOTrainer:
 
     def _replica_size(self) -> int:
         return dist.get_world_size(self.replica_group)
-
-    def _raise_together(self, message: str, failed: bool) -> None:
-        """Raise on every rank when any rank failed, so none is left in a collective."""
-        flag = torch.tensor([1.0 if failed else 0.0], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if flag.item() > 0:
-            # Every rank raises the first failing rank's message, so rank 0 can print it.
-            messages: list[str] = [""] * dist.get_world_size()
-            dist.all_gather_object(messages, message)
-            raise RewardError(next(m for m in messages if m))
 
     # ------------------------------------------------------------------- update
 
@@ -433,7 +434,7 @@ class PPOTrainer:
         )
         step_s = sum(v for k, v in metrics.items() if k.startswith("timing_s/"))
         out = {"perf/tokens_per_s_per_device": tokens / max(step_s, 1e-9) / dist.get_world_size()}
-        peak = _peak_tflops()
+        peak = device_peak_tflops()
         update_s = metrics.get("timing_s/update_actor", 0.0)
         if peak and update_s > 0:
             m = self.info
@@ -558,7 +559,7 @@ class PPOTrainer:
         p, m = self.config.parallel, self.config.model
         common = {
             "format_version": 1,
-            "dtype": str(DTYPES[m.dtype]).removeprefix("torch."),  # as checkpoints_tools write
+            "dtype": m.dtype,  # the manager writes torch's name, as checkpoints_tools do
             "padded_vocab_size": padded_vocab_size(
                 self.info.vocab_size, m.make_vocab_size_divisible_by, p.tp
             ),
@@ -592,13 +593,6 @@ class PPOTrainer:
         flag = torch.tensor([1.0 if self.run.stop_requested else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
-
-
-def _peak_tflops() -> float | None:
-    if not torch.cuda.is_available():
-        return None
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_TFLOPS_BF16.items() if k in name), None)
 
 
 def build_trainer(config: Config, run: DistributedRun, logger) -> PPOTrainer:

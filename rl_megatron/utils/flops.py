@@ -54,3 +54,13 @@ def mfu(
 ) -> float:
     """Model FLOPs utilisation in [0, 1] for `tokens_per_s` on one device."""
     return tokens_per_s * flops_per_token(shape, seq_len, training) / (peak_tflops * 1e12)
+
+
+def device_peak_tflops() -> float | None:
+    """Dense bf16 peak of this process's GPU, if it is one we know (None on CPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_TFLOPS_BF16.items() if k in name), None)

@@ -40,6 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.multirank.test_roles import _value_loss
 from tests.spawn import run_on_ranks
 
 V, B, P, R = 100, 4, 4, 3
@@ -99,20 +100,7 @@ def _actor_loss(outputs, mbatch, totals):
     )
 
 
-def _critic_loss(outputs, mbatch, totals):
-    from rl_megatron.algorithms.losses import value_loss
-
-    return value_loss(
-        outputs["values"],
-        mbatch["old_values"],
-        mbatch["returns"],
-        mbatch["response_mask"],
-        0.5,
-        totals=totals,
-    )
-
-
-LOSSES = {"actor": _actor_loss, "critic": _critic_loss}
+LOSSES = {"actor": _actor_loss, "critic": _value_loss}
 
 
 def _roles(hf: Path, seed: int) -> dict:

@@ -39,7 +39,9 @@ def test_mini_batch_rows_partition_and_determinism():
 def test_logprob_mismatch_counts_valid_tokens_only():
     engine = torch.tensor([[-1.0, -2.0, -50.0]])
     trainer = torch.tensor([[-1.5, -2.0, 0.0]])
-    out = ex.logprob_mismatch(engine, trainer, torch.tensor([[1, 1, 0]]))
+    from rl_megatron.rollout.logprob_parity import log_prob_mismatch
+
+    out = log_prob_mismatch(engine, trainer, torch.tensor([[1, 1, 0]]))
     assert out == {"rollout/logprob_diff_mean": 0.25, "rollout/logprob_diff_max": 0.5}
 
 
