@@ -58,7 +58,6 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from rl_megatron.algorithms.aggregation import BatchTotals, batch_totals
 from rl_megatron.config import OffloadConfig, OptimConfig
 from rl_megatron.models.builders import ValueHead
-from rl_megatron.models.sdpa_attention import causal_padding_mask
 from rl_megatron.models.vocab_parallel import (
     vocab_parallel_log_probs,
     vocab_parallel_log_probs_and_entropy,
@@ -281,11 +280,19 @@ class MegatronRole:
                 for m in rows
             ]
         if not self.interleaved:
-            return [self._micro_batch(batch, rows) for rows in split]
+            return [
+                mb.left_align(
+                    {k: v.to(self.device) for k, v in mb.select_rows(batch, rows).items()},
+                    multiple_of=self.pack_multiple,
+                )
+                for rows in split
+            ]
         # One shape for all: the batch's full width, and every micro-batch filled up to the
         # largest with copies of its first row that count nowhere (response_mask 0;
         # forward_only drops their outputs).
         num_rows = max(len(rows) for rows in split)
+        width = -(-batch["attention_mask"].shape[1] // self.pack_multiple)
+        width *= self.pack_multiple
         out = []
         for rows in split:
             extra = num_rows - len(rows)
@@ -294,24 +301,7 @@ class MegatronRole:
             if extra:
                 sub["response_mask"] = sub["response_mask"].clone()
                 sub["response_mask"][len(rows) :] = 0
-            out.append(sub)
-        return out
-
-    def _micro_batch(self, batch: Batch, rows: list[int]) -> dict[str, torch.Tensor]:
-        """Rows of `batch` on the device, without the padding columns none of them uses."""
-        sub = {k: v.to(self.device) for k, v in mb.select_rows(batch, rows).items()}
-        p, r = sub["prompts"].shape[1], sub["responses"].shape[1]
-        start, r_mb = mb.trim_padding(sub["prompts"], sub["responses"], sub["attention_mask"])
-        out = {}
-        for key, value in sub.items():
-            if key in ("attention_mask", "position_ids"):
-                out[key] = torch.cat([value[:, start:p], value[:, p : p + r_mb]], dim=1)
-            elif key == "prompts":
-                out[key] = value[:, start:]
-            elif value.dim() >= 2 and value.shape[1] == r:
-                out[key] = value[:, :r_mb]
-            else:
-                out[key] = value
+            out.append(mb.left_align(sub, width=width))
         return out
 
     def _forward_step(self, data_iterator: Iterator, model: torch.nn.Module, loss_func):
@@ -331,29 +321,25 @@ class MegatronRole:
                 batch["packed_ids"], batch["packed_position_ids"], None, packed_seq_params=params
             )
             return output, partial(loss_func, batch)
-        input_ids = torch.cat([batch["prompts"], batch["responses"]], dim=1).to(self.device)
-        mask2d = batch["attention_mask"].to(self.device)
-        # No padding in this micro-batch: the causal fast path.
-        attn = None if bool(mask2d.bool().all()) else causal_padding_mask(mask2d)
-        output = model(input_ids, batch["position_ids"].to(self.device), attn)
+        # Left-aligned rows (`micro_batches.left_align`): padding only at the ends of rows,
+        # so plain causal attention (no mask) is exact for every real token.
+        output = model(batch["input_ids"], batch["position_ids"], None)
         return output, partial(loss_func, batch)
 
     def _per_token(
         self, output: torch.Tensor, batch: Mapping[str, torch.Tensor], with_entropy: bool
     ) -> dict[str, torch.Tensor]:
         """`[b, s, V/tp]` logits or `[b, s, 1]` values → `[b, r]` response-token outputs."""
-        if "gather_index" in batch:
-            # Packed: [1, T, ...] → the rows' [b, r, ...] by position.
-            index = batch["gather_index"] + (1 - self.output_shift) * self.value_head
-            cols = output[0][index.clamp(max=output.shape[1] - 1)]
-            if self.value_head:
-                return {"values": cols[..., 0].float()}
+        # The column predicting response token k (`gather_index`); a value head read at
+        # the token itself (output_at="token") is one column further on.
+        index = batch["gather_index"] + (1 - self.output_shift) * self.value_head
+        index = index.clamp(max=output.shape[1] - 1)
+        if "cu_seqlens" in batch:  # packed: one [1, T, ...] row holds every sequence
+            cols = output[0][index]
         else:
-            p, r = batch["prompts"].shape[1], batch["responses"].shape[1]
-            cols = output[:, p - 1 : p - 1 + r]
-            if self.value_head:
-                start = p - self.output_shift
-                return {"values": output[:, start : start + r, 0].float()}
+            cols = output[torch.arange(len(index), device=index.device)[:, None], index]
+        if self.value_head:
+            return {"values": cols[..., 0].float()}
         labels = batch["responses"].to(self.device)
         if not with_entropy:
             # The entropy costs another pass over the vocabulary (and its backward).
@@ -375,8 +361,8 @@ class MegatronRole:
         if self.pack:
             seq, mbs = max(m["packed_ids"].shape[1] for m in micro), 1
         else:
-            seq = max(m["attention_mask"].shape[1] for m in micro)
-            mbs = max(m["prompts"].shape[0] for m in micro)
+            seq = max(m["input_ids"].shape[1] for m in micro)
+            mbs = max(m["input_ids"].shape[0] for m in micro)
         iters = [iter(micro) for _ in self.model]
         return get_forward_backward_func()(
             forward_step_func=forward_step,

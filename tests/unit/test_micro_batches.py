@@ -1,4 +1,4 @@
-"""Micro-batch splitting: token budget, coverage, order, balance, padding trims."""
+"""Micro-batch splitting: token budget, coverage, order, balance, padding trims, layout."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 from rl_megatron.trainer.micro_batches import (
     dynamic_micro_batches,
     fixed_micro_batches,
+    left_align,
     pad_responses,
     restore_order,
     trim_padding,
@@ -87,3 +88,61 @@ def test_trim_padding_and_pad_responses():
     x = torch.ones(2, r)
     padded = pad_responses(x, 4)
     assert padded.shape == (2, 4) and padded[:, r:].abs().sum() == 0
+
+
+def test_left_align_moves_padding_to_the_end_of_rows():
+    # The batch of the test above, with a per-token loss input and a per-row one.
+    prompts = torch.tensor([[0, 0, 5, 6], [0, 7, 8, 9]])
+    responses = torch.tensor([[3, 0, 0, 0], [4, 5, 0, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 1, 1, 0, 0]])
+    batch = {
+        "prompts": prompts,
+        "responses": responses,
+        "attention_mask": mask,
+        "position_ids": mask.cumsum(1) - 1,
+        "advantages": torch.tensor([[0.5, 0, 0, 0], [1.0, 2.0, 0, 0]]),
+        "score": torch.tensor([1.0, 2.0]),
+    }
+    out = left_align(batch)
+    # Widest row: 3 prompt + 2 response tokens.
+    assert out["input_ids"].tolist() == [[5, 6, 3, 0, 0], [7, 8, 9, 4, 5]]
+    assert out["attention_mask"].tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]]
+    assert out["position_ids"].tolist() == [[0, 1, 2, 3, 4]] * 2
+    # Response token k is predicted at column prompt_len - 1 + k.
+    assert out["gather_index"].tolist() == [[1, 2], [2, 3]]
+    for row, index in enumerate(out["gather_index"].tolist()):
+        for k, col in enumerate(index):
+            if batch["advantages"][row, k] != 0:
+                assert out["input_ids"][row, col + 1] == responses[row, k]
+    assert out["responses"].tolist() == [[3, 0], [4, 5]]
+    assert out["advantages"].tolist() == [[0.5, 0.0], [1.0, 2.0]]
+    assert out["score"].tolist() == [1.0, 2.0] and "prompts" not in out
+
+    # Sequence parallelism: the width rounds up; a fixed width keeps every column.
+    assert left_align(batch, multiple_of=4)["input_ids"].shape == (2, 8)
+    fixed = left_align(batch, width=9)
+    assert fixed["input_ids"].shape == (2, 9) and fixed["responses"].shape == (2, 4)
+    assert fixed["attention_mask"].sum(1).tolist() == [3, 5]
+    assert fixed["input_ids"][1, :5].tolist() == [7, 8, 9, 4, 5]
+
+
+def test_left_aligned_causal_attention_equals_the_padding_mask():
+    """What the role relies on: no mask on left-aligned rows = the padding mask on the old layout."""
+    from rl_megatron.models.sdpa_attention import causal_padding_mask
+
+    torch.manual_seed(0)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0, 0, 0], [0, 1, 1, 1, 1, 1, 0, 0]])
+    prompts = torch.randint(1, 9, (2, 4)) * mask[:, :4]
+    responses = torch.randint(1, 9, (2, 4)) * mask[:, 4:]
+    out = left_align({"prompts": prompts, "responses": responses, "attention_mask": mask})
+    table = torch.randn(10, 8)
+    q_old = table[torch.cat([prompts, responses], 1)][:, None]  # [b, 1, s, d]
+    q_new = table[out["input_ids"]][:, None]
+    old = torch.nn.functional.scaled_dot_product_attention(
+        q_old, q_old, q_old, attn_mask=~causal_padding_mask(mask)
+    )
+    new = torch.nn.functional.scaled_dot_product_attention(q_new, q_new, q_new, is_causal=True)
+    for row in range(2):
+        real_old = old[row, 0][mask[row].bool()]
+        real_new = new[row, 0][out["attention_mask"][row].bool()]
+        torch.testing.assert_close(real_new, real_old)
