@@ -21,7 +21,9 @@ sequence length defaults to `max_prompt_length + max_response_length` (a few tok
 than the trainer's mean sequence, which is prompt mean + response mean).
 
 `--save` also times the checkpoint `fit` writes at the last step (first algorithm only),
-and with `--profile-dir` one extra step under torch.profiler (top ops to a text file).
+and with `--profile-dir` one extra step under torch.profiler (top ops to a text file);
+`--profile-update` profiles one actor optimizer step and one plain-loop iteration (the
+same work), to compare op by op.
 The first H200 run (RESULTS.md, 2026-11-29) patched two device-placement bugs of the
 trainer in-process; they are fixed in the trainer since, and the bench patches nothing.
 
@@ -236,6 +238,10 @@ def plain_loop(config, info, args, masked: bool = False) -> dict:
     _sync()
     seconds = time.perf_counter() - start
     peak_gb = _gib(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0
+    profile_path = None
+    if args.profile_update and args.profile_dir is not None:
+        profile_path = args.profile_dir / f"profile_{'plain_masked' if masked else 'plain'}.txt"
+        _profiled(iteration, profile_path, dist.get_rank() == 0)
     tokens_total = args.plain_iters * num_micro * micro_batch * seq
     tok_s = tokens_total / seconds / dist.get_world_size()
     peak = device_peak_tflops()
@@ -256,6 +262,7 @@ def plain_loop(config, info, args, masked: bool = False) -> dict:
         "allocated_before_gb": before_gb,
         "loss_first": first_loss,
         "loss_last": last_loss,
+        "profile": str(profile_path) if profile_path else None,
     }
     model_config.finalize_model_grads_func = None
     return out  # the model and optimizer go with this frame (the caller measures that)
@@ -367,6 +374,14 @@ def run_trainer(config, run, log, args, plain_tok_s: float | None, save: bool) -
         result["warmup_steps"] = steps[: args.warmup_steps]
         result["timed_steps"] = steps[args.warmup_steps :]
         result["summary"] = _summarise(result["timed_steps"] or steps, flops_tok, plain_tok_s)
+        if args.profile_update and args.profile_dir is not None:
+            # One more step; its first actor optimizer step (one mini-batch) is profiled,
+            # the same work as one plain-loop iteration.
+            path = args.profile_dir / f"profile_actor_update_{config.algorithm.adv_estimator}.txt"
+            _profile_next_call(trainer.roles.actor, "train_step", path, run.env.rank == 0)
+            trainer.train_step()
+            trainer.step += 1
+            result["profile_actor_update"] = str(path)
         if args.profile_dir is not None and save:
             result["profile"] = _profile_step(trainer, run, args.profile_dir)
         if save:
@@ -376,19 +391,18 @@ def run_trainer(config, run, log, args, plain_tok_s: float | None, save: bool) -
     return result  # the trainer goes with this frame (the caller measures that)
 
 
-def _profile_step(trainer, run, out_dir: Path) -> str:
-    """One more step under torch.profiler; the top ops by device and host time, to a file."""
+def _profiled(fn, path: Path, write: bool):
+    """`fn()` under torch.profiler; the top ops by device and by host time go to `path`."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
+    _sync()
     with profile(activities=activities) as prof:
-        trainer.train_step()
+        out = fn()
         _sync()
-    trainer.step += 1
-    path = out_dir / f"trainer_profile_{trainer.config.algorithm.adv_estimator}.txt"
-    if run.env.rank == 0:
+    if write:
         events = prof.key_averages()
         device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -396,6 +410,25 @@ def _profile_step(trainer, run, out_dir: Path) -> str:
             f"by {device_key}:\n{events.table(sort_by=device_key, row_limit=40)}\n\n"
             f"by self_cpu_time_total:\n{events.table(sort_by='self_cpu_time_total', row_limit=40)}\n"
         )
+    return out
+
+
+def _profile_next_call(owner, attr: str, path: Path, write: bool) -> None:
+    """Profile the next call of `owner.attr` (to `path`), then put the method back."""
+    original = getattr(owner, attr)
+
+    def once(*args, **kwargs):
+        setattr(owner, attr, original)
+        return _profiled(lambda: original(*args, **kwargs), path, write)
+
+    setattr(owner, attr, once)
+
+
+def _profile_step(trainer, run, out_dir: Path) -> str:
+    """One more step under torch.profiler; the top ops by device and host time, to a file."""
+    path = out_dir / f"trainer_profile_{trainer.config.algorithm.adv_estimator}.txt"
+    _profiled(trainer.train_step, path, run.env.rank == 0)
+    trainer.step += 1
     return str(path)
 
 
@@ -502,6 +535,11 @@ def main(argv: list[str] | None = None) -> int:
         help="profile (--profile-dir) and save a checkpoint after the first algorithm's steps",
     )
     parser.add_argument("--profile-dir", type=Path, default=None, help="profile one extra step")
+    parser.add_argument(
+        "--profile-update",
+        action="store_true",
+        help="with --profile-dir: profile one actor optimizer step and one plain-loop iteration",
+    )
     parser.add_argument("--run-dir", default="runs/trainer_bench")
     parser.add_argument("--tiny", action="store_true", help="tiny_cpu model: CPU smoke test")
     parser.add_argument("--out-json", type=Path, default=None)
