@@ -195,3 +195,14 @@ def test_training_data_is_required():
 def test_greedy_rollouts_need_one_sample():
     message = _error(TINY, ["rollout.temperature=0"])
     assert message.startswith("rollout.n: greedy sampling (rollout.temperature=0) gives 4")
+
+
+# The GPU benchmark configs (random init, no hf_path) and the GPUs each is written for.
+BENCH = {"bench_h200_1b.yaml": 1, "bench_h200x2_7b.yaml": 2, "bench_h200x2_7b_pp2.yaml": 2}
+
+
+@pytest.mark.parametrize("name", sorted(BENCH))
+def test_bench_configs_validate(name):
+    config = load_config(TINY.parent / name, [])
+    validate(config, world_size=BENCH[name])
+    assert config.parallel.tp * config.parallel.pp == BENCH[name]
