@@ -90,7 +90,7 @@ class RolloutConfig:
     prompt_overflow: Literal["truncate_left", "filter", "reject"] = "truncate_left"
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory vLLM may use (weights + KV)
     enable_sleep_mode: bool = True  # free vLLM's KV cache and weights while training runs
-    enforce_eager: bool = False  # disable CUDA graphs in vLLM
+    enforce_eager: bool = False  # no CUDA graphs in generation (vLLM's, Megatron engine's)
     weight_sync_bucket_mb: int = 512  # transfer bucket for 3D resharding, MiB
     val_temperature: float = 0.0  # 0 = greedy evaluation
 

@@ -11,6 +11,17 @@ to the cached keys of real tokens only. megatron-core's `StaticInferenceContext`
 RoPE by column, so a left-padded row's positions are shifted by its padding; RoPE depends
 only on the distance between query and key, so attention scores are unchanged.
 
+Decode state and CUDA graphs. The KV cache and the decode step's input buffers live in a
+`_DecodeSession` kept from one call to the next while the shape (rows, prompt width P,
+new tokens) stays the same; P is rounded up to a multiple of `PROMPT_WIDTH_STEP` so that
+prompts of slightly different lengths share it. On a GPU, each decode position gets a
+CUDA graph of the whole model forward the first time it is decoded (that call runs
+eagerly, which is the warm-up capture needs); later calls replay it, one launch per token
+instead of a few hundred kernels issued from Python, which is what bounds batch decoding
+of a small model. A graph bakes in the addresses of the parameters, the cache and the
+buffers: the session drops its graphs when any parameter's storage moved (offload and
+reload), and `use_cuda_graphs=False` (`rollout.enforce_eager`) turns them off.
+
 Weights. The engine generates with the modules it was given, so when they are the actor's
 own (same layout) a weight update is only a version stamp: `update_weights({}, step)`.
 HF-named tensors are accepted too (for tests and for a separate rollout copy); they are
@@ -27,6 +38,7 @@ tokens therefore do not depend on which rows share its decode batch.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -41,6 +53,88 @@ from rl_megatron.rollout.engine import NamedTensors, OutputLayout, RolloutEngine
 from rl_megatron.rollout.sampling import SamplingParams, fit_prompts, sample_tokens, seed_tensor
 
 Sample = tuple[list[int], list[float], FinishReason]
+
+# Prompt widths are rounded up to this, so one decode session (and its graphs) serves
+# batches whose longest prompt differs by a few tokens.
+PROMPT_WIDTH_STEP = 16
+
+
+class _DecodeSession:
+    """The KV cache, static decode inputs and per-position CUDA graphs of one shape.
+
+    Decode step k (absolute position `prompt_width + k`) reads `tokens`, `positions` and
+    `keep` and writes `logits` in place, so a graph captured once replays for any batch
+    of this shape. The cache is megatron-core's `StaticInferenceContext` (one
+    `[P + R, rows, ...]` key and value buffer per layer, allocated by the first prefill).
+    """
+
+    def __init__(self, forward, rows: int, prompt_width: int, max_new: int, vocab: int,
+                 device: torch.device, use_graphs: bool) -> None:  # fmt: skip
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.forward = forward
+        self.shape = (rows, prompt_width, max_new)
+        self.prompt_width = prompt_width
+        self.ctx = StaticInferenceContext(rows, prompt_width + max_new)
+        self.tokens = torch.zeros(rows, 1, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(rows, 1, dtype=torch.int64, device=device)
+        self.keep = torch.zeros(rows, prompt_width + max_new, dtype=torch.bool, device=device)
+        self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.param_ptrs: list[int] = []
+
+    def check_parameters(self, model: torch.nn.Module) -> None:
+        """Drop the graphs if a parameter's storage moved since they were captured."""
+        ptrs = [param.data_ptr() for param in model.parameters()]
+        if ptrs != self.param_ptrs:
+            self.graphs.clear()
+            self.param_ptrs = ptrs
+
+    def prefill(self, tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """Forward the left-padded prompt block `[rows, P]`; last-position logits."""
+        p = self.prompt_width
+        self.ctx.sequence_len_offset = 0
+        self.ctx.enable_prefill_mode()
+        self.keep.zero_()
+        self.keep[:, :p] = keep
+        position_ids = (keep.long().cumsum(1) - 1).clamp(min=0)
+        logits = self.forward(tokens, position_ids, causal_padding_mask(keep), self.ctx)
+        self.ctx.enable_decode_mode()
+        return logits
+
+    def decode(self, step: int) -> torch.Tensor:
+        """Logits after feeding `tokens` at position P + step (inputs already in place)."""
+        graph = self.graphs.get(step)
+        if graph is not None:
+            graph.replay()
+            return self.logits
+        self._step(step)
+        if self.use_graphs:
+            self._capture(step)
+        return self.logits
+
+    def _step(self, step: int) -> None:
+        end = self.prompt_width + step + 1
+        self.ctx.sequence_len_offset = end - 1
+        mask = ~self.keep[:, None, None, :end]
+        self.logits.copy_(self.forward(self.tokens, self.positions, mask, self.ctx))
+
+    def _capture(self, step: int) -> None:
+        # The eager step just run was the warm-up (kernels chosen, workspaces allocated).
+        # Capturing records kernels without running them, so the cache is untouched.
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                self._step(step)
+        except RuntimeError as exc:
+            self.use_graphs = False
+            self.graphs.clear()
+            warnings.warn(f"megatron rollout engine: CUDA graph capture failed ({exc}); "
+                          f"decoding eagerly", stacklevel=2)  # fmt: skip
+            return
+        self.graphs[step] = graph
 
 
 class MegatronEngine(RolloutEngine):
@@ -57,6 +151,7 @@ class MegatronEngine(RolloutEngine):
         seed: int = 0,
         max_batch_size: int = 64,
         pad_token_id: int = 0,
+        use_cuda_graphs: bool = True,
     ) -> None:
         """Wrap this rank's model chunk.
 
@@ -69,6 +164,7 @@ class MegatronEngine(RolloutEngine):
         seed: sampling seed; must be equal on the TP ranks of a replica (give DP replicas
             different seeds).
         max_batch_size: rows decoded together (sizes the KV cache: rows × context).
+        use_cuda_graphs: on a GPU, replay one CUDA graph per decode position (see above).
         """
         super().__init__(weight_version=0)
         if len(model_chunks) != 1:
@@ -89,6 +185,8 @@ class MegatronEngine(RolloutEngine):
         self._check_same_seed(tp_group)
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._buffer: dict[str, torch.Tensor] = {}
+        self.use_cuda_graphs = use_cuda_graphs
+        self._session: _DecodeSession | None = None
 
     def _check_same_seed(self, tp_group: dist.ProcessGroup | None) -> None:
         """TP ranks sampling with different seeds would desynchronise; refuse early."""
@@ -204,28 +302,25 @@ class MegatronEngine(RolloutEngine):
         The loop issues no host sync except one `done.all()` per step when there are stop
         tokens; results come back to the host once, at the end.
         """
-        from megatron.core.inference.contexts import StaticInferenceContext
-
         device = self._device
-        b, p, r = len(prompts), max(map(len, prompts)), sampling.max_new_tokens
+        b, r = len(prompts), sampling.max_new_tokens
+        longest = max(map(len, prompts))
+        p = max(longest, min(-(-longest // PROMPT_WIDTH_STEP) * PROMPT_WIDTH_STEP,
+                             self.max_model_len - r))  # fmt: skip
         stop_ids = sampling.resolved_stop_token_ids(self.eos_token_ids)
         stop = torch.tensor(stop_ids, dtype=torch.int64, device=device)
         # Built on the host, copied once (not one small copy per row).
         tokens = torch.full((b, p), self.pad_token_id, dtype=torch.int64)
-        keep = torch.zeros((b, p + r), dtype=torch.bool)  # real keys
+        keep = torch.zeros((b, p), dtype=torch.bool)  # real prompt tokens
         for k, prompt in enumerate(prompts):
             tokens[k, p - len(prompt) :] = torch.as_tensor(prompt)
-            keep[k, p - len(prompt) : p] = True
+            keep[k, p - len(prompt) :] = True
         tokens, keep = tokens.to(device), keep.to(device)
-        prompt_len = keep[:, :p].sum(1)
+        prompt_len = keep.sum(1)
         row_seeds = seed_tensor(seeds, device) if seeds is not None else None
-        ctx = StaticInferenceContext(b, p + r)
+        session = self._decode_session(b, p, r)
         self.model.eval()
-        # Prefill: causal + padding mask over the prompt block.
-        position_ids = (keep[:, :p].long().cumsum(1) - 1).clamp(min=0)
-        logits = self._forward(tokens, position_ids, causal_padding_mask(keep[:, :p]), ctx)
-        ctx.sequence_len_offset += p
-        ctx.enable_decode_mode()
+        logits = session.prefill(tokens, keep)
 
         out_tokens, out_lps = [], []
         done = torch.zeros(b, dtype=torch.bool, device=device)
@@ -243,14 +338,10 @@ class MegatronEngine(RolloutEngine):
                     break
             elif step == r - 1:
                 break
-            keep[:, p + step] = True
-            logits = self._forward(
-                tok[:, None],
-                (prompt_len + step)[:, None],
-                ~keep[:, None, None, : p + step + 1],
-                ctx,
-            )
-            ctx.sequence_len_offset += 1
+            session.keep[:, p + step] = True
+            session.tokens.copy_(tok[:, None])
+            torch.add(prompt_len, step, out=session.positions[:, 0])
+            logits = session.decode(step)
         # A row stopped iff it hit a stop token before the cap (its last kept token is one).
         tok_t = torch.stack(out_tokens, 1)
         last = tok_t.gather(1, (length - 1)[:, None])[:, 0]
@@ -265,6 +356,18 @@ class MegatronEngine(RolloutEngine):
             )
             for k, n in enumerate(length_l)
         ]
+
+    def _decode_session(self, rows: int, prompt_width: int, max_new: int) -> _DecodeSession:
+        """The session of this shape: the last one if it matches, else a new one."""
+        shape = (rows, prompt_width, max_new)
+        if self._session is None or self._session.shape != shape:
+            self._session = None  # free the old cache and graphs before allocating
+            self._session = _DecodeSession(
+                self._forward, rows, prompt_width, max_new, self.vocab_size, self._device,
+                self.use_cuda_graphs,
+            )  # fmt: skip
+        self._session.check_parameters(self.model)
+        return self._session
 
     def _forward(self, tokens, position_ids, mask, ctx) -> torch.Tensor:
         """Last-position logits `[b, vocab]` (fp32, padding ids cut), gathered over TP."""

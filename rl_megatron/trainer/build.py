@@ -252,6 +252,7 @@ def build_engine(
             seed=config.trainer.seed + 7919 * run.coordinates["dp"],
             max_batch_size=max(1, config.data.train_batch_size // run.layout.dp * r.n),
             pad_token_id=pad,
+            use_cuda_graphs=not r.enforce_eager,
         )
     if config.model.hf_path is None:
         raise ConfigError("rollout.engine: vllm loads model.hf_path; set it or use megatron")
