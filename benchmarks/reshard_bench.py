@@ -1,7 +1,8 @@
 """Weight sync, training layout → generation layout: resharding vs the name-based full gather.
 
 For every training layout (t, p, d) that fits the world and every rollout TP t_g dividing
-t·p, one run of both paths on the same random actor (built by the trainer's builder):
+t·p, one run of both paths on the same random actor (built by the trainer's builder:
+parameters only, no DDP grad buffers, no optimizer):
 
 * `reshard`: `sync_weights` into vLLM's layout (a `TensorStoreTarget`: the engine's
   parameters without the engine, so the number is the transfer itself);
@@ -9,23 +10,73 @@ t·p, one run of both paths on the same random actor (built by the trainer's bui
   layout through `SpecNameLoader` (each rank slices its rows, as vLLM's loaders do).
 
 Both results are checked equal bit for bit. Per rank and per path it records bytes sent
-and received, peak extra memory (the executor's transfer buffers; on GPUs also the CUDA
-allocator's peak above the start), wall time (median of `--repeats`), and next to them the
-plan's minimum bytes for this rank, HybridFlow's (d_g − 1)/(t·p)·M, and what the plan would
-move under HybridFlow's strided generation groups (not realisable with vLLM's consecutive
-TP groups; see DESIGN.md §3).
+and received, peak extra memory, wall time, and next to them the plan's minimum bytes for
+this rank, HybridFlow's (d_g − 1)/(t·p)·M, and what the plan would move under HybridFlow's
+strided generation groups (not realisable with vLLM's consecutive TP groups; DESIGN.md §3).
 
+Times. `e2e_wall_s`: median over `--repeats` (after `--warmup` untimed calls) of the whole
+call, from a device synchronize + one-element all-reduce across ranks to a device
+synchronize after it; the ratios use it. `wall_s` is the path's own host timer (kept for
+RESULTS.md; on GPUs it does not wait for the last kernels).
+
+Peak extra memory (GPU). The target tensors and the actor exist before each call and are
+not counted. `device_peak_extra_bytes` is the path's own figure (CUDA allocator peak above
+its start, after its plan checks); `device_peak_extra_bytes_call` is the bench's, around the
+whole call (`reset_peak_memory_stats` before, `max_memory_allocated() − memory_allocated()`
+at the start). NCCL's internal buffers are outside the allocator and not counted.
+`peak_staging_bytes` is the executor's transfer arena (reshard) or the buffered HF tensors
+(full gather), measured on CPU too.
+
+Floors, measured in the same run on the same devices (`floor` in each row, bytes are the
+max over ranks, times this rank's median):
+
+* `copy_*`: one device copy `dst.copy_(src)` of a flat buffer of the rank's generation
+  bytes (`copy_s`), and the same bytes as the target's tensors copied one by one
+  (`copy_per_tensor_s`) and with one `torch._foreach_copy_` (`copy_foreach_s`);
+* `allgather_*` (world > 1): `all_gather_into_tensor` over the world in which each rank
+  receives the bytes the reshard path receives (the plan's minimum); `allgather_full_gather_*`
+  the same for the bytes the full gather receives.
+
+The row's floor `floor.s` is the all-gather of the reshard bytes when any rank receives
+data, else the flat copy (one GPU; or t_g = t, p = 1). Each path reports `ratio_to_floor`
+(its e2e time over that floor: the same floor for both paths) and `ratio_to_own_floor` (over
+the floor of the bytes that path itself moves), and GB/s (`recv_GBps`: bytes received,
+`write_GBps`: generation bytes written, per second).
+
+CPU (gloo; tests, CI-sized checks):
+
+    .venv/bin/torchrun --standalone --nproc_per_node 2 benchmarks/reshard_bench.py \
+        --model tiny --out-json /tmp/reshard_tiny.json
     .venv/bin/torchrun --standalone --nproc_per_node 4 benchmarks/reshard_bench.py \
         --model small --out-json benchmarks/results/reshard_cpu_small.json
 
-Prints one JSON object (rank 0).
+One GPU (layout 1,1,1 → t_g 1; floor: the device copy):
+
+    torchrun --standalone --nproc_per_node 1 benchmarks/reshard_bench.py --model llama2-7b \
+        --dtype bfloat16 --bucket-mb 512 --repeats 10 --out-json reshard_h200_7b.json
+
+Two GPUs (NCCL; t=2 with t_g ∈ {2, 1}, p=2 with t_g ∈ {1, 2}, and pure DP):
+
+    torchrun --standalone --nproc_per_node 2 benchmarks/reshard_bench.py --model llama2-7b \
+        --dtype bfloat16 --bucket-mb 512 --repeats 10 --layouts "1,1,2 1,2,1 2,1,1" \
+        --rollout-tp 1,2 --out-json reshard_h200x2_7b.json
+
+(`--model llama-1b` likewise; where `torchrun` is not on PATH, `python3 -m
+torch.distributed.run`. Each of these takes 20–35 s on H200s, start-up included.)
+
+Prints one JSON object (rank 0, stdout) and then a table (stderr).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,7 +92,12 @@ MODELS = {
     # Llama-3.2-1B's shape (1.24 B parameters).
     "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, intermediate_size=8192, vocab_size=128256),
+    # Llama-2-7B's shape (6.74 B parameters, 13.5 GB in bf16).
+    "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=32, intermediate_size=11008, vocab_size=32000),
 }  # fmt: skip
+
+GB = 1e9
 
 
 def parse_layouts(text: str, world: int) -> list[tuple[int, int, int]]:
@@ -66,11 +122,121 @@ SUMMARY_KEYS = (
 )
 
 
-def summary(stats: list) -> dict:
-    """The last repeat's counters (identical every time), the median wall time."""
+# ---------------------------------------------------------------------- timing
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _line_up(device: torch.device) -> None:
+    """All ranks here, nothing in flight (a one-element all-reduce: no NCCL barrier warning)."""
+    _synchronize(device)
+    dist.all_reduce(torch.zeros(1, device=device))
+    _synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> dict:
+    """Run `fn` (collective) `warmup` + `repeats` times; synchronised wall times and peaks.
+
+    Returns `times` (s, the timed repeats), `results` (fn's returns, timed repeats) and
+    `peak_extra` (CUDA allocator bytes above the start, max over repeats; None on CPU).
+    """
+    cuda = device.type == "cuda"
+    times, results, peak = [], [], 0
+    for i in range(warmup + repeats):
+        _line_up(device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            start = torch.cuda.memory_allocated(device)
+        t0 = time.perf_counter()
+        out = fn()
+        _synchronize(device)
+        elapsed = time.perf_counter() - t0
+        if i < warmup:
+            continue
+        times.append(elapsed)
+        results.append(out)
+        if cuda:
+            peak = max(peak, torch.cuda.max_memory_allocated(device) - start)
+    return {"times": times, "results": results, "peak_extra": peak if cuda else None}
+
+
+def _max_over_ranks(values: list[int], device: torch.device) -> list[int]:
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.cpu().tolist()
+
+
+def _rate(nbytes: int, seconds: float) -> float | None:
+    return nbytes / seconds / GB if nbytes and seconds > 0 else None
+
+
+# ---------------------------------------------------------------------- floors
+
+
+def copy_floors(tensors: dict, target_bytes: int, dtype, device, args) -> dict:
+    """Device copies of the generation bytes: one flat copy, per tensor, one foreach.
+
+    `tensors`: name → (src, dst) pairs of this rank's target shapes (written over).
+    `target_bytes`: the flat copy's size (the max over ranks, so every rank copies alike).
+    """
+    elem = torch.tensor([], dtype=dtype).element_size()
+    src, dst = zip(*tensors.values(), strict=True) if tensors else ((), ())
+    out = {
+        "tensors": len(tensors),
+        "copy_per_tensor_s": _median(
+            timed(lambda: [d.copy_(s) for d, s in zip(dst, src, strict=True)], device, *_rw(args))
+        ),
+        "copy_foreach_s": _median(
+            timed(lambda: torch._foreach_copy_(list(dst), list(src)), device, *_rw(args))
+        ),
+    }
+    flat_src = torch.empty(target_bytes // elem, dtype=dtype, device=device)
+    flat_dst = torch.empty_like(flat_src)
+    out["copy_s"] = _median(timed(partial(flat_dst.copy_, flat_src), device, *_rw(args)))
+    out["copy_GBps"] = _rate(target_bytes, out["copy_s"])
+    del flat_src, flat_dst
+    return out
+
+
+def allgather_floor(nbytes: int, dtype, device, args) -> dict:
+    """An all-gather over the world in which each rank receives about `nbytes`."""
+    world = dist.get_world_size()
+    elem = torch.tensor([], dtype=dtype).element_size()
+    chunk = math.ceil(nbytes / elem / (world - 1))
+    inp = torch.zeros(chunk, dtype=dtype, device=device)
+    out = torch.empty(chunk * world, dtype=dtype, device=device)
+    # torch ≥ 2.13 renames all_gather_into_tensor (same call); the GPU machine has 2.11.
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    seconds = _median(timed(partial(gather, out, inp), device, *_rw(args)))
+    received = chunk * elem * (world - 1)
+    del inp, out
+    return {"bytes": received, "s": seconds, "GBps": _rate(received, seconds)}
+
+
+def _rw(args) -> tuple[int, int]:
+    return args.repeats, args.warmup
+
+
+def _median(result: dict) -> float:
+    return statistics.median(result["times"])
+
+
+# ---------------------------------------------------------------------- layouts
+
+
+def summary(run: dict) -> dict:
+    """The last repeat's counters (identical every time), the median wall times."""
+    stats = run["results"]
     last = stats[-1].as_dict()
     last["wall_s"] = statistics.median(s.wall_s for s in stats)
-    return {k: last[k] for k in SUMMARY_KEYS}
+    out = {k: last[k] for k in SUMMARY_KEYS}
+    out["e2e_wall_s"] = statistics.median(run["times"])
+    out["e2e_wall_s_min"] = min(run["times"])
+    out["device_peak_extra_bytes_call"] = run["peak_extra"]
+    return out
 
 
 def run_layout(t: int, p: int, d: int, args, info, rank: int) -> list[dict]:
@@ -93,13 +259,14 @@ def run_layout(t: int, p: int, d: int, args, info, rank: int) -> list[dict]:
     from rl_megatron.resharding.targets import TensorStoreTarget
 
     dtype = getattr(torch, args.dtype)
-    device = (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    )
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     ps.initialize_model_parallel(t, p, order=MEGATRON_RANK_ORDER)
     model_parallel_cuda_manual_seed(0)
     training = TrainingLayout(t, p, d)
+    # Parameters only (no DDP wrapper, grad buffers or optimizer), initialised on the device.
     chunks = build_gpt_chunks(info, tp=t, pp=p, dtype=dtype)
+    world = dist.get_world_size()
     rows = []
     for t_g in args.rollout_tp:
         if (t * p) % t_g:
@@ -107,29 +274,36 @@ def run_layout(t: int, p: int, d: int, args, info, rank: int) -> list[dict]:
         gen = generation_layout_for(training, t_g)
         padded = shards.vllm_padded_vocab(info.vocab_size, t_g)
         store = TensorStoreTarget("vllm", info, gen, rank, padded, dtype, device)
-        ours = []
-        for i in range(args.repeats):
-            ours.append(
-                sync_weights(
-                    chunks, store, info=info, training=training, version=i, bucket_mb=args.bucket_mb
-                )
-            )
+        # The tensor store and the loader ignore versions: every call is version 0.
+        ours = timed(
+            partial(
+                sync_weights,
+                chunks,
+                store,
+                info=info,
+                training=training,
+                version=0,
+                bucket_mb=args.bucket_mb,
+            ),
+            device,
+            *_rw(args),
+        )
         baseline_store = TensorStoreTarget("vllm", info, gen, rank, padded, dtype, device)
-        loader = SpecNameLoader(baseline_store)
-        theirs = []
-        for i in range(args.repeats):
-            theirs.append(
-                full_gather_sync(
-                    chunks,
-                    loader,
-                    info=info,
-                    training=training,
-                    version=i,
-                    bucket_mb=args.bucket_mb,
-                    tp_group=ps.get_tensor_model_parallel_group(),
-                    pp_group=ps.get_pipeline_model_parallel_group(),
-                )
-            )
+        theirs = timed(
+            partial(
+                full_gather_sync,
+                chunks,
+                SpecNameLoader(baseline_store),
+                info=info,
+                training=training,
+                version=0,
+                bucket_mb=args.bucket_mb,
+                tp_group=ps.get_tensor_model_parallel_group(),
+                pp_group=ps.get_pipeline_model_parallel_group(),
+            ),
+            device,
+            *_rw(args),
+        )
         same = all(torch.equal(store.tensors[n], baseline_store.tensors[n]) for n in store.tensors)
         elem = torch.tensor([], dtype=dtype).element_size()
         bucket = int(args.bucket_mb * MIB)
@@ -139,29 +313,92 @@ def run_layout(t: int, p: int, d: int, args, info, rank: int) -> list[dict]:
             for g in (gen, hybridflow_generation_layout(training, t_g))
         )
         local = plan.local_rank(rank)
+        row = {
+            "rank": rank,
+            "t": t,
+            "p": p,
+            "d": d,
+            "t_g": t_g,
+            "d_g": t * p // t_g,
+            "bit_exact_vs_full_gather": same,
+            "reshard": summary(ours),
+            "full_gather": summary(theirs),
+            "plan_min_bytes_received": plan.traffic[local].received * elem,
+            "hybridflow_formula_bytes": plan.hybridflow_bytes(),
+            "hybridflow_layout_bytes_received": strided.traffic[local].received * elem,
+            "target_bytes": sum(x.nbytes for x in store.tensors.values()),
+        }
 
-        rows.append(
-            {
-                "rank": rank,
-                "t": t,
-                "p": p,
-                "d": d,
-                "t_g": t_g,
-                "d_g": t * p // t_g,
-                "bit_exact_vs_full_gather": same,
-                "reshard": summary(ours),
-                "full_gather": summary(theirs),
-                "plan_min_bytes_received": plan.traffic[local].received * elem,
-                "hybridflow_formula_bytes": plan.hybridflow_bytes(),
-                "hybridflow_layout_bytes_received": strided.traffic[local].received * elem,
-            }
-        )
-        del store, baseline_store, loader
+        # Floors. The target's own tensors serve as the per-tensor copy's source and
+        # destination (the comparison above is done), then the baseline is freed before
+        # the flat buffers are allocated.
+        target_max, ours_recv, theirs_recv = _max_over_ranks(
+            [row["target_bytes"], row["reshard"]["bytes_received"],
+             row["full_gather"]["bytes_received"]],
+            device,
+        )  # fmt: skip
+        pairs = {n: (store.tensors[n], baseline_store.tensors[n]) for n in store.tensors}
+        del baseline_store
+        floor = {"target_bytes": target_max, **copy_floors(pairs, target_max, dtype, device, args)}
+        del pairs
+        for key, nbytes in (("allgather", ours_recv), ("allgather_full_gather", theirs_recv)):
+            measured = allgather_floor(nbytes, dtype, device, args) if world > 1 and nbytes else {}
+            for field in ("bytes", "s", "GBps"):
+                floor[f"{key}_{field}"] = measured.get(field)
+        floor["kind"] = "allgather" if floor["allgather_s"] else "copy"
+        floor["s"] = floor["allgather_s"] or floor["copy_s"]
+        for path, key in (("reshard", "allgather"), ("full_gather", "allgather_full_gather")):
+            res = row[path]
+            res["recv_GBps"] = _rate(res["bytes_received"], res["e2e_wall_s"])
+            res["write_GBps"] = _rate(row["target_bytes"], res["e2e_wall_s"])
+            res["ratio_to_floor"] = res["e2e_wall_s"] / floor["s"]
+            res["ratio_to_own_floor"] = res["e2e_wall_s"] / (floor[f"{key}_s"] or floor["copy_s"])
+        row["floor"] = floor
+        rows.append(row)
+        del store
+        if cuda:
+            torch.cuda.empty_cache()
     ps.destroy_model_parallel()
     del chunks
-    if torch.cuda.is_available():
+    if cuda:
         torch.cuda.empty_cache()
     return rows
+
+
+# ---------------------------------------------------------------------- report
+
+
+def table(rows: list[dict]) -> str:
+    """One line per (layout, t_g): bytes and peaks are the max over ranks, times the slowest."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["t"], r["p"], r["d"], r["t_g"]), []).append(r)
+
+    def top(rs, path, key):
+        values = [r[path][key] for r in rs if r[path][key] is not None]
+        return max(values) if values else None
+
+    def peak(rs, path):
+        cuda = top(rs, path, "device_peak_extra_bytes_call")
+        return cuda if cuda is not None else top(rs, path, "peak_staging_bytes")
+
+    head = (
+        "t,p,d  t_g | recv MB  ours / fg | peak MB  ours / fg | ms  ours / fg | floor ms "
+        "(kind) | ×floor ours / fg | exact"
+    )
+    lines = [head, "-" * len(head)]
+    for (t, p, d, t_g), rs in groups.items():
+        ours_s, fg_s = top(rs, "reshard", "e2e_wall_s"), top(rs, "full_gather", "e2e_wall_s")
+        floor_s = max(r["floor"]["s"] for r in rs)
+        lines.append(
+            f"{t},{p},{d}  {t_g:>3} | {top(rs, 'reshard', 'bytes_received') / 1e6:8.1f} / "
+            f"{top(rs, 'full_gather', 'bytes_received') / 1e6:8.1f} | "
+            f"{peak(rs, 'reshard') / 1e6:7.1f} / {peak(rs, 'full_gather') / 1e6:7.1f} | "
+            f"{ours_s * 1e3:7.2f} / {fg_s * 1e3:7.2f} | {floor_s * 1e3:7.2f} "
+            f"({rs[0]['floor']['kind']}) | {ours_s / floor_s:5.2f} / {fg_s / floor_s:5.2f} | "
+            f"{all(r['bit_exact_vs_full_gather'] for r in rs)}"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -171,7 +408,8 @@ def main() -> None:
     parser.add_argument("--rollout-tp", default="1,2,4,8")
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls (median reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed calls before them")
     parser.add_argument("--out-json", default=None)
     args = parser.parse_args()
     args.rollout_tp = [int(x) for x in args.rollout_tp.split(",")]
@@ -182,7 +420,7 @@ def main() -> None:
     from rl_megatron.resharding.plan import model_numel
 
     env = launch_env()
-    init_process_group(env, timeout_s=600)
+    device = init_process_group(env, timeout_s=600)  # NCCL on cuda:LOCAL_RANK, else gloo
     rank, world = dist.get_rank(), dist.get_world_size()
     info = parse_hf_config(dict(MODELS[args.model], model_type="llama", tie_word_embeddings=False))
     rows = []
@@ -201,16 +439,23 @@ def main() -> None:
             "world_size": world,
             "bucket_mb": args.bucket_mb,
             "repeats": args.repeats,
+            "warmup": args.warmup,
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "torch": torch.__version__,
             "rows": rows,
         }
         text = json.dumps(out, indent=1)
-        print(text)
+        print(text, flush=True)
         if args.out_json:
             Path(args.out_json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out_json).write_text(text + "\n")
-    dist.barrier()
+        print(
+            f"\n{args.model}, {args.dtype}, world {world}, bucket {args.bucket_mb:g} MiB, "
+            f"M = {out['model_bytes'] / 1e9:.2f} GB, median of {args.repeats}\n{table(rows)}",
+            file=sys.stderr,
+            flush=True,
+        )
+    _line_up(device)
     dist.destroy_process_group()
 
 
