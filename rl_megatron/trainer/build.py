@@ -7,11 +7,14 @@ on every rank, before any collective that could leave other ranks waiting.
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rl_megatron.config import DTYPE_NAMES, Config, ConfigError, OffloadConfig
 from rl_megatron.data.datasets import DataError
@@ -84,24 +87,29 @@ def build_data(config: Config, logger: logging.Logger) -> TrainingData:
 
 def model_info(config: Config) -> HFModelInfo:
     """The model's architecture: the HF checkpoint's, or the config's for a random init."""
+    if config.model.hf_path is not None:
+        return load_hf_config(config.model.hf_path)
+    return parse_hf_config(random_init_hf_config(config))
+
+
+def random_init_hf_config(config: Config) -> dict[str, Any]:
+    """The HF `config.json` of a randomly initialised model (`model.hf_path` unset)."""
     m = config.model
-    if m.hf_path is not None:
-        return load_hf_config(m.hf_path)
-    return parse_hf_config(
-        {
-            "model_type": "llama",
-            "vocab_size": m.vocab_size,
-            "hidden_size": m.hidden_size,
-            "num_hidden_layers": m.num_layers,
-            "num_attention_heads": m.num_attention_heads,
-            "num_key_value_heads": m.num_query_groups,
-            "intermediate_size": m.ffn_hidden_size,
-            "max_position_embeddings": m.max_position_embeddings,
-            "rope_theta": m.rope_theta,
-            "rms_norm_eps": m.norm_epsilon,
-            "tie_word_embeddings": m.tie_word_embeddings,
-        }
-    )
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_query_groups,
+        "intermediate_size": m.ffn_hidden_size,
+        "max_position_embeddings": m.max_position_embeddings,
+        "rope_theta": m.rope_theta,
+        "rms_norm_eps": m.norm_epsilon,
+        "tie_word_embeddings": m.tie_word_embeddings,
+        "torch_dtype": DTYPE_NAMES[m.dtype],
+    }
 
 
 @dataclass
@@ -254,14 +262,24 @@ def build_engine(
             pad_token_id=pad,
             use_cuda_graphs=not r.enforce_eager,
         )
-    if config.model.hf_path is None:
-        raise ConfigError("rollout.engine: vllm loads model.hf_path; set it or use megatron")
     from rl_megatron.rollout.vllm_engine import VllmEngine, VllmEngineArgs
+
+    model_dir, load_format = config.model.hf_path, "auto"
+    if model_dir is None:
+        # A random init: vLLM builds the architecture from a config.json with random
+        # weights, and the first sync (step 0) puts the actor's weights in.
+        model_dir, load_format = str(config.run_dir / "rollout_model"), "dummy"
+        if run.env.local_rank == 0:
+            Path(model_dir).mkdir(parents=True, exist_ok=True)
+            text = json.dumps(random_init_hf_config(config), indent=2)
+            (Path(model_dir) / "config.json").write_text(text + "\n")
+        dist.barrier()
 
     replica = run.layout.tp * run.layout.pp * run.layout.cp
     groups = [list(range(k * replica, (k + 1) * replica)) for k in range(run.layout.dp)]
     args = VllmEngineArgs(
-        model=config.model.hf_path,
+        model=model_dir,
+        load_format=load_format,
         tp=r.tp,
         # The trainer's dtype, not vLLM's "auto" (which runs fp32 checkpoints in bf16 on
         # CPU): the rollout policy must be the policy being trained.

@@ -112,3 +112,20 @@ def test_pack_micro_batch_layout():
     short["attention_mask"] = batch["attention_mask"][:, :4]
     short["advantages"] = batch["advantages"][:, :2]
     assert pack_micro_batch(short)["gather_index"].shape == (2, 2)
+
+
+def test_random_init_config_json_describes_the_model():
+    """vLLM builds a random-init actor from this config.json (then the first sync fills it)."""
+    from pathlib import Path
+
+    from rl_megatron.config import load_config
+    from rl_megatron.models.hf_config import parse_hf_config
+    from rl_megatron.trainer.build import model_info, random_init_hf_config
+
+    tiny = Path(__file__).resolve().parents[2] / "yaml_configs" / "tiny_cpu.yaml"
+    config = load_config(tiny, ["model.dtype=bf16"])
+    cfg = random_init_hf_config(config)
+    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["torch_dtype"] == "bfloat16"
+    info = parse_hf_config(cfg)
+    assert info == model_info(config)
+    assert (info.num_layers, info.hidden_size, info.vocab_size) == (4, 64, 100)
