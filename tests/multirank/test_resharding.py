@@ -18,6 +18,12 @@ Megatron and transformers is ~1e-6).
 
 Each rank writes its bytes sent / received, staging peak and wall time per case to JSON;
 the tests below check traffic, memory and safety on those numbers.
+
+In cuda mode (tests/spawn.py) the actors and engines live on the ranks' GPUs, still in
+fp32 (TF32 off), with the same tolerances: copies are bit-exact in any dtype. The world is
+min(4, GPUs): on 2 GPUs every 2-rank layout — (1,1,2), (2,1,1), (1,2,1), and (1,2,1) with
+two virtual stages — against t_g ∈ {1, 2}. The memory case's peak is then the CUDA
+allocator's (`device_peak_extra_bytes`) instead of the CPU profiler's.
 """
 
 from __future__ import annotations
@@ -29,24 +35,28 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.reshard_refs import LAYOUTS, MODELS, ROLLOUT_TPS
-from tests.spawn import run_on_ranks
+from tests.reshard_refs import MODELS, ROLLOUT_TPS, layouts_for
+from tests.spawn import ON_GPU, max_ranks, run_on_ranks, test_device
 
 pytestmark = pytest.mark.slow
 
-WORLD = 4
+WORLD = min(4, max_ranks())
+LAYOUTS = layouts_for(WORLD)
+GEN_TPS = tuple(t_g for t_g in ROLLOUT_TPS if t_g <= WORLD)
 BUCKET_MB = 1 / 64  # 16 KiB: the tiny models then need many rounds
 MEMORY_BUCKET_MB = 1 / 256  # 4 KiB for the profiled case
 # Allocations besides the transfer arena that may be live during a sync (the agreement
-# all-reduces' few int64 tensors, the profiler's own): measured 0–16 B; allowed 1 KiB.
+# all-reduces' few int64 tensors, the profiler's own): measured 0–16 B; allowed 1 KiB, which
+# on a GPU is two of the CUDA caching allocator's 512-byte blocks.
 MEMORY_SLACK_BYTES = 1024
 PROMPTS = [[5, 17, 33, 2, 9], [70, 7]]
 MAX_NEW, MIN_GAP = 6, 1e-4
-VPP_LAYOUT = (1, 2, 2, 2)
+VPP_LAYOUT = (1, 2, WORLD // 2, 2)
+MEMORY_LAYOUT = (2, 2, 1) if WORLD == 4 else (1, 2, 1)  # the profiled sync's layout
 
 
 def _pairs(t: int, p: int):
-    return [t_g for t_g in ROLLOUT_TPS if (t * p) % t_g == 0]
+    return [t_g for t_g in GEN_TPS if (t * p) % t_g == 0]
 
 
 def _mismatches(got: dict, want: dict) -> list[str]:
@@ -59,7 +69,13 @@ def _mismatches(got: dict, want: dict) -> list[str]:
 
 
 def _profiled_peak(fn) -> tuple[object, int]:
-    """Run `fn` under torch.profiler; peak bytes of CPU tensors allocated inside it."""
+    """Run `fn` (a sync) under torch.profiler; peak bytes of CPU tensors allocated inside it.
+
+    On a GPU the sync's buffers are CUDA tensors, which the sync measures itself with the
+    CUDA allocator's peak (`device_peak_extra_bytes`): that is returned instead."""
+    if ON_GPU:
+        stats = fn()
+        return stats, stats.device_peak_extra_bytes
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
@@ -137,19 +153,19 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
             info = infos[m]
             gen = gen_for(training, t_g)
             padded = shards.vllm_padded_vocab(info.vocab_size, t_g)
-            store = TensorStoreTarget("vllm", info, gen, rank, padded)
+            store = TensorStoreTarget("vllm", info, gen, rank, padded, device=test_device())
             stats = sync(actors[training][m], store, info, training)
             want = vllm_reference(states[m], info, t_g, gen.coordinates(rank)["gen_tp"], padded)
             bad = _mismatches(store.tensors, want)
             assert not bad, f"{m} {(t, p, d, vpp)} t_g={t_g} vllm layout: {bad[:4]}"
             plan = build_plan(_plan_key(info, training, gen, "vllm", padded))
             record(m, training, t_g, "vllm_store", stats, plan)
-        if (t, p, d) == (2, 2, 1):
+        if (t, p, d) == MEMORY_LAYOUT:
             cases.append(_profiled_sync(rank, actors[training]["llama_gqa"], infos, training))
 
     # Phase 2, per t_g: one Megatron engine per model at TP t_g, synced from every
     # training layout (NaN-filled before each sync, so every row must be written).
-    for t_g in ROLLOUT_TPS:
+    for t_g in GEN_TPS:
         init(t_g, 1)
         for m in MODELS:
             info = infos[m]
@@ -188,7 +204,7 @@ def _plan_key(info, training, gen, target, gen_padded):
 
 
 def _profiled_sync(rank, actor, infos, training) -> dict:
-    """A sync to t_g = 1 with a 4 KiB bucket under torch.profiler's memory tracking; and,
+    """A sync to t_g = 1 with a 4 KiB bucket under a memory measurement; and,
     as the measurement's control, the name-based full gather with the same bucket (it
     holds whole HF tensors, so it must read above the bucket), which must agree bit for
     bit."""
@@ -203,13 +219,13 @@ def _profiled_sync(rank, actor, infos, training) -> dict:
     info = infos["llama_gqa"]
     gen = generation_layout_for(training, 1)
     padded = shards.vllm_padded_vocab(info.vocab_size, 1)
-    store = TensorStoreTarget("vllm", info, gen, rank, padded)
+    store = TensorStoreTarget("vllm", info, gen, rank, padded, device=test_device())
     stats, peak = _profiled_peak(
         lambda: sync_weights(
             actor, store, info=info, training=training, version=1, bucket_mb=MEMORY_BUCKET_MB
         )
     )
-    baseline = TensorStoreTarget("vllm", info, gen, rank, padded)
+    baseline = TensorStoreTarget("vllm", info, gen, rank, padded, device=test_device())
     loader = SpecNameLoader(baseline)
     baseline_stats, baseline_peak = _profiled_peak(
         lambda: full_gather_sync(
@@ -371,7 +387,7 @@ def test_traffic_matches_hybridflow_where_it_applies(results):
                     # lacks the final norm.
                     assert received - formula in (layers * h * 4, (layers + 1) * h * 4), case
                 checked += 1
-    assert checked >= 16
+    assert checked >= 4 * WORLD
 
 
 def test_peak_extra_memory_within_one_bucket(results):
@@ -379,7 +395,8 @@ def test_peak_extra_memory_within_one_bucket(results):
     for rank, mem in _cases(results, kind="memory"):
         assert mem["bytes_received"] > 10 * bucket, "the case must need many buckets"
         assert 0 < mem["peak_staging_bytes"] <= bucket, (rank, mem)
-        # Independent of our counter: every CPU tensor allocated during the sync.
+        # Independent of our counter: every CPU (or, on a GPU, CUDA) tensor allocated
+        # during the sync.
         assert mem["profiled_peak_bytes"] <= bucket + MEMORY_SLACK_BYTES, (rank, mem)
         # Control: the same measurement sees the full gather's whole tensors.
         assert mem["full_gather_profiled_peak_bytes"] > 4 * bucket, (rank, mem)

@@ -1,4 +1,4 @@
-"""Vocab-parallel log-probs/entropy on TP=2 and TP=4 gloo ranks.
+"""Vocab-parallel log-probs/entropy on TP=2 and TP=4 ranks (gloo, or NCCL on GPUs).
 
 Vocab-parallel: every rank builds the same full logits from one seed, keeps its vocabulary
 slice, and compares log-probs, entropy and the gradient of its slice with a single-rank
@@ -6,6 +6,12 @@ slice, and compares log-probs, entropy and the gradient of its slice with a sing
 tolerance 1e-5 absolute on values and gradients (fp32 sums of exp over shards in a
 different order). Upstream gradients are N(0, 1), so some exceed 1: enough to expose an
 overflow to inf * 0 = NaN at padded entries.
+
+bf16 logits (what a bf16 model emits) are checked too, against the reference on the same
+values upcast to fp32 (exact): log-probs and entropy are computed in fp32, so they keep
+ATOL; only the gradient is rounded once to bf16 on the way out, so it gets ATOL plus
+bf16's relative rounding error, 2^-8 (round-to-nearest is within 2^-9; 2x margin).
+In cuda mode the tensors live on the rank's GPU; TP=4 needs 4 GPUs and is skipped on 2.
 """
 
 from __future__ import annotations
@@ -13,9 +19,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tests.spawn import run_on_ranks
+from tests.spawn import run_on_ranks, test_device
 
 ATOL = 1e-5
+BF16_GRAD_RTOL = 2.0**-8
 
 
 def _reference(full_logits, labels, temperature, vocab_size):
@@ -25,7 +32,7 @@ def _reference(full_logits, labels, temperature, vocab_size):
     return log_prob, entropy
 
 
-def _check_vocab_parallel(rank, world_size, padded_vocab, vocab_size, temperature, seed):
+def _check_vocab_parallel(rank, world_size, padded_vocab, vocab_size, temperature, seed, dtype):
     from rl_megatron.models.vocab_parallel import (
         vocab_parallel_entropy,
         vocab_parallel_log_probs,
@@ -41,8 +48,13 @@ def _check_vocab_parallel(rank, world_size, padded_vocab, vocab_size, temperatur
     labels = torch.randint(0, vocab_size, (5, 3), generator=gen)
     labels[0, 0], labels[0, 1] = 0, vocab_size - 1  # first and last real ids
     g_lp, g_ent = torch.randn(2, 5, 3, generator=gen).unbind()  # upstream gradients
+    device = test_device()
+    # The reference sees the very values the shards hold (bf16 → fp32 is exact).
+    full = full.to(dtype).to(device)
+    labels, g_lp, g_ent = labels.to(device), g_lp.to(device), g_ent.to(device)
+    grad_rtol = 0 if dtype == torch.float32 else BF16_GRAD_RTOL
 
-    ref_logits = full.clone().requires_grad_(True)
+    ref_logits = full.detach().float().clone().requires_grad_(True)
     ref_lp, ref_ent = _reference(ref_logits, labels, temperature, vocab_size)
     ((ref_lp * g_lp).sum() + (ref_ent * g_ent).sum()).backward()
 
@@ -53,7 +65,9 @@ def _check_vocab_parallel(rank, world_size, padded_vocab, vocab_size, temperatur
     torch.testing.assert_close(lp, ref_lp.detach(), atol=ATOL, rtol=0)
     torch.testing.assert_close(ent, ref_ent.detach(), atol=ATOL, rtol=0)
     ((lp * g_lp).sum() + (ent * g_ent).sum()).backward()
-    torch.testing.assert_close(shard.grad, ref_logits.grad[..., cols], atol=ATOL, rtol=0)
+    assert shard.grad.dtype == dtype
+    grad = shard.grad.float()
+    torch.testing.assert_close(grad, ref_logits.grad[..., cols], atol=ATOL, rtol=grad_rtol)
     if (rank + 1) * part > vocab_size:
         assert (shard.grad[..., max(vocab_size - rank * part, 0) :] == 0).all()
 
@@ -65,7 +79,8 @@ def _check_vocab_parallel(rank, world_size, padded_vocab, vocab_size, temperatur
     ref_lp, _ = _reference(ref_logits, labels, temperature, vocab_size)
     (ref_lp * g_lp).sum().backward()
     torch.testing.assert_close(lp_only, ref_lp.detach(), atol=ATOL, rtol=0)
-    torch.testing.assert_close(shard_a.grad, ref_logits.grad[..., cols], atol=ATOL, rtol=0)
+    want = ref_logits.grad[..., cols]
+    torch.testing.assert_close(shard_a.grad.float(), want, atol=ATOL, rtol=grad_rtol)
 
     shard_b = full[..., cols].clone().requires_grad_(True)
     ent_only = vocab_parallel_entropy(shard_b, group, temperature, vocab_size)
@@ -74,17 +89,22 @@ def _check_vocab_parallel(rank, world_size, padded_vocab, vocab_size, temperatur
     _, ref_ent = _reference(ref_logits, labels, temperature, vocab_size)
     (ref_ent * g_ent).sum().backward()
     torch.testing.assert_close(ent_only, ref_ent.detach(), atol=ATOL, rtol=0)
-    torch.testing.assert_close(shard_b.grad, ref_logits.grad[..., cols], atol=ATOL, rtol=0)
+    want = ref_logits.grad[..., cols]
+    torch.testing.assert_close(shard_b.grad.float(), want, atol=ATOL, rtol=grad_rtol)
 
 
 def _vocab_parallel_body(rank, world_size, cases):
     for padded_vocab, vocab_size, temperature in cases:
-        _check_vocab_parallel(rank, world_size, padded_vocab, vocab_size, temperature, seed=0)
+        for dtype in (torch.float32, torch.bfloat16):
+            _check_vocab_parallel(
+                rank, world_size, padded_vocab, vocab_size, temperature, seed=0, dtype=dtype
+            )
 
 
 def test_vocab_parallel_tp2():
-    # (padded vocab, true vocab, temperature): no padding at T = 1; 3 padded ids at T = 0.7
-    cases = [(16, 16, 1.0), (16, 13, 0.7), (16, 13, 1.3)]
+    # (padded vocab, true vocab, temperature): no padding at T = 1; 3 padded ids at T = 0.7;
+    # rank 1 wholly padding (the TP=4 test's case, for machines with 2 GPUs).
+    cases = [(16, 16, 1.0), (16, 13, 0.7), (16, 13, 1.3), (16, 7, 1.0)]
     run_on_ranks(_vocab_parallel_body, world_size=2, cases=cases)
 
 
