@@ -1,0 +1,28 @@
+# Sourced by the suite scripts: where results go, and how each benchmark is launched.
+# RES collects logs and JSON; the suite tars it into $OUT (the device tool returns at most
+# 8 files). Every step runs under its own `timeout`, so one that hangs or fails costs its
+# own slot only and the suite still ends (and tars) inside the call's limit.
+set -u
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
+RES=${RES:-/tmp/res}
+mkdir -p "$RES"
+TR1="python3 -m torch.distributed.run --standalone --nproc_per_node 1"
+TR2="python3 -m torch.distributed.run --standalone --nproc_per_node 2"
+SHAPE_085B="--layers 16 --hidden 2048 --heads 32 --kv-heads 8 --ffn 5632 --vocab 32000"
+# Llama-2-7B's layer shape at half its depth: 3.4B parameters, whose weights, fp32 grads,
+# master copy and Adam state (61 GB) fit one H200 without offload.
+HALF_7B=(model.num_layers=16 model.hidden_size=4096 model.num_attention_heads=32
+         model.num_query_groups=32 model.ffn_hidden_size=11008)
+
+step() {  # step NAME SECONDS COMMAND...: run with a deadline, log to $RES/NAME.log
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$RES/$name.log" 2>&1
+  echo "$name: rc=$? ${limit}s limit, $((SECONDS - start))s" | tee -a "$RES/steps.txt"
+}
+
+finish() {  # pack $RES into $OUT
+  nvidia-smi >"$RES/nvidia-smi.txt" 2>&1
+  tar czf "$OUT/${1}.tgz" -C "$RES" .
+}
