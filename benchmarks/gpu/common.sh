@@ -14,15 +14,19 @@ SHAPE_085B="--layers 16 --hidden 2048 --heads 32 --kv-heads 8 --ffn 5632 --vocab
 HALF_7B=(model.num_layers=16 model.hidden_size=4096 model.num_attention_heads=32
          model.num_query_groups=32 model.ffn_hidden_size=11008)
 
+SUITE=${SUITE:-results}
+
+finish() {  # pack $RES into $OUT/$SUITE.tgz (after every step: a call cut short keeps it)
+  nvidia-smi >"$RES/nvidia-smi.txt" 2>&1
+  # Per-process temporary name: both chains of a suite pack concurrently.
+  tar czf "$OUT/.$SUITE.$BASHPID" -C "$RES" . && mv "$OUT/.$SUITE.$BASHPID" "$OUT/$SUITE.tgz"
+}
+
 step() {  # step NAME SECONDS COMMAND...: run with a deadline, log to $RES/NAME.log
   local name=$1 limit=$2
   shift 2
   local start=$SECONDS
   timeout "$limit" "$@" >"$RES/$name.log" 2>&1
   echo "$name: rc=$? ${limit}s limit, $((SECONDS - start))s" | tee -a "$RES/steps.txt"
-}
-
-finish() {  # pack $RES into $OUT
-  nvidia-smi >"$RES/nvidia-smi.txt" 2>&1
-  tar czf "$OUT/${1}.tgz" -C "$RES" .
+  finish
 }

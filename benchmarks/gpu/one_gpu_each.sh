@@ -2,6 +2,7 @@
 # Issue 8's one-GPU benchmarks on a two-GPU machine: two chains, one per GPU, at once.
 # Needs megatron-core (and vLLM for the vLLM rollout) importable by python3.
 #   bash benchmarks/gpu/one_gpu_each.sh    # ~9 min; results in $OUT/one_gpu.tgz
+SUITE=one_gpu
 source "$(dirname "$0")/common.sh"
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
@@ -29,9 +30,10 @@ gpu1() {
   # ~7B layer shape at 16 layers: actor update vs the plain loop, GRPO.
   step trainer_7b_half 150 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_1b.yaml \
     --algorithms grpo --steps 1 --plain-iters 4 --plain-warmup 2 --no-plain-masked \
-    --out-json "$RES/trainer_h200_7b_half.json" "${HALF_7B[@]}"
+    --run-dir runs/trainer_bench_7b_half --out-json "$RES/trainer_h200_7b_half.json" \
+    "${HALF_7B[@]}"
 }
 gpu0 &
 gpu1 &
 wait
-finish one_gpu
+finish
