@@ -20,7 +20,8 @@ eagerly, which is the warm-up capture needs); later calls replay it, one launch 
 instead of a few hundred kernels issued from Python, which is what bounds batch decoding
 of a small model. A graph bakes in the addresses of the parameters, the cache and the
 buffers: the session drops its graphs when any parameter's storage moved (offload and
-reload), and `use_cuda_graphs=False` (`rollout.enforce_eager`) turns them off.
+reload), and `use_cuda_graphs=False` (`rollout.enforce_eager`) turns them off. Graphs are
+used at TP = 1 only, and within a memory budget (`GRAPH_MEMORY_FRACTION`).
 
 Weights. The engine generates with the modules it was given, so when they are the actor's
 own (same layout) a weight update is only a version stamp: `update_weights({}, step)`.
@@ -57,6 +58,12 @@ Sample = tuple[list[int], list[float], FinishReason]
 # Prompt widths are rounded up to this, so one decode session (and its graphs) serves
 # batches whose longest prompt differs by a few tokens.
 PROMPT_WIDTH_STEP = 16
+# Device memory the decode graphs of a session may hold, as a fraction of the GPU's. Each
+# position's graph keeps its attention temporaries, which grow with the position, so a
+# graph pool cannot reuse one position's blocks for the next: on the H200, 16 layers of
+# 32 full (non-GQA) heads at 128 rows held 54 GB after ~250 positions. Past the budget
+# the remaining positions decode eagerly.
+GRAPH_MEMORY_FRACTION = 0.08
 
 
 class _DecodeSession:
@@ -83,6 +90,12 @@ class _DecodeSession:
         self.use_graphs = use_graphs and device.type == "cuda"
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.graph_bytes = 0  # reserved by the captures so far
+        self.graph_budget = (
+            int(GRAPH_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory)
+            if self.use_graphs
+            else 0
+        )
         self.param_ptrs: list[int] = []
 
     def check_parameters(self, model: torch.nn.Module) -> None:
@@ -122,6 +135,9 @@ class _DecodeSession:
         self.logits.copy_(self.forward(self.tokens, self.positions, mask, self.ctx))
 
     def _capture(self, step: int) -> None:
+        if self.graph_bytes > self.graph_budget:
+            return  # this position decodes eagerly (see GRAPH_MEMORY_FRACTION)
+        reserved = torch.cuda.memory_reserved()
         # The eager step just run was the warm-up (kernels chosen, workspaces allocated).
         # Capturing records kernels without running them, so the cache is untouched.
         graph = torch.cuda.CUDAGraph()
@@ -135,6 +151,7 @@ class _DecodeSession:
                           f"decoding eagerly", stacklevel=2)  # fmt: skip
             return
         self.graphs[step] = graph
+        self.graph_bytes += max(0, torch.cuda.memory_reserved() - reserved)
 
 
 class MegatronEngine(RolloutEngine):
@@ -185,8 +202,18 @@ class MegatronEngine(RolloutEngine):
         self._check_same_seed(tp_group)
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._buffer: dict[str, torch.Tensor] = {}
-        self.use_cuda_graphs = use_cuda_graphs
+        # Graphs hold the TP all-gather of the logits too; that capture is not validated
+        # (the two-GPU engine test did not finish with it), so TP > 1 decodes eagerly.
+        self.use_cuda_graphs = use_cuda_graphs and self._tp_size(tp_group) == 1
         self._session: _DecodeSession | None = None
+
+    @staticmethod
+    def _tp_size(tp_group: dist.ProcessGroup | None) -> int:
+        if tp_group is None:
+            from megatron.core import parallel_state
+
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+        return dist.get_world_size(tp_group)
 
     def _check_same_seed(self, tp_group: dist.ProcessGroup | None) -> None:
         """TP ranks sampling with different seeds would desynchronise; refuse early."""
