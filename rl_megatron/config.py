@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from rl_megatron.config_io import ConfigError, from_dict, load_yaml, to_dict
 
@@ -27,6 +27,14 @@ __all__ = ["Config", "ConfigError", "load_config", "validate", "to_dict"]
 Dtype = Literal["bf16", "fp16", "fp32"]
 # The config's short dtype names → torch's (what vLLM and the checkpoint sidecars take).
 DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# vllm.LLM arguments the in-process engine sets from the config (rollout/vllm_engine.py);
+# rollout.engine_kwargs must not override them.
+TRAINER_SET_LLM_ARGS = (
+    "model", "tensor_parallel_size", "distributed_executor_backend", "load_format", "dtype",
+    "gpu_memory_utilization", "seed", "enforce_eager", "enable_prefix_caching",
+    "skip_tokenizer_init", "logprobs_mode", "enable_sleep_mode", "max_model_len",
+    "block_size",
+)  # fmt: skip
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAggMode = Literal[
@@ -92,6 +100,9 @@ class RolloutConfig:
     enable_sleep_mode: bool = True  # free vLLM's KV cache and weights while training runs
     enforce_eager: bool = False  # no CUDA graphs in generation (vLLM's, Megatron engine's)
     weight_sync_bucket_mb: int = 512  # transfer bucket for 3D resharding, MiB
+    # Further vllm.LLM arguments, passed as given (e.g. disable_custom_all_reduce: true,
+    # compilation_config: {...}); the ones the trainer sets itself are refused here.
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
     val_temperature: float = 0.0  # 0 = greedy evaluation
 
 
@@ -426,6 +437,12 @@ def validate(config: Config, world_size: int) -> None:
         f"must be in (0, 1], got {r.gpu_memory_utilization}",
     )
     _require(r.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb", "must be > 0")
+    managed = sorted(set(r.engine_kwargs) & set(TRAINER_SET_LLM_ARGS))
+    _require(
+        not managed,
+        f"rollout.engine_kwargs.{managed[0] if managed else ''}",
+        "is set by the trainer (from rollout.*, model.*, trainer.seed); set it there",
+    )
 
     _require(0 <= a.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {a.gamma}")
     _require(0 <= a.lam <= 1, "algorithm.lam", f"must be in [0, 1], got {a.lam}")

@@ -110,6 +110,11 @@ def _coerce(hint: Any, value: Any, key: str) -> Any:
                 f"{key}: {value!r} is not one of {', '.join(map(str, choices))}{hint_text}"
             )
         return value
+    if origin is dict:
+        # A pass-through mapping (e.g. rollout.engine_kwargs): string keys, values as given.
+        if not isinstance(value, dict) or not all(isinstance(k, str) for k in value):
+            raise ConfigError(f"{key}: expected a mapping with string keys, got {_describe(value)}")
+        return dict(value)
     if origin is list:
         (item,) = typing.get_args(hint)
         if isinstance(value, str):

@@ -55,6 +55,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 
+from rl_megatron.config import TRAINER_SET_LLM_ARGS
 from rl_megatron.rollout.batch import FinishReason, RolloutBatch
 from rl_megatron.rollout.engine import (
     NamedTensors,
@@ -114,6 +115,9 @@ class VllmEngineArgs:
                 f"rollout.gpu_memory_utilization must be in (0, 1], "
                 f"got {self.gpu_memory_utilization}"
             )
+        overridden = sorted(set(self.extra) & set(TRAINER_SET_LLM_ARGS))
+        if overridden:
+            raise ValueError(f"rollout.engine_kwargs: {overridden[0]} is set by the engine itself")
         if self.weight_reload not in ("auto", "direct", "layerwise"):
             raise ValueError(
                 f"rollout.weight_reload must be auto, direct or layerwise, "

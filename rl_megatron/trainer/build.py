@@ -290,5 +290,6 @@ def build_engine(
         enable_sleep_mode=r.enable_sleep_mode if torch.cuda.is_available() else False,
         enforce_eager=r.enforce_eager if torch.cuda.is_available() else None,
         pad_token_id=pad,
+        extra=dict(r.engine_kwargs),
     )
     return VllmEngine(args, prompt_groups=groups)

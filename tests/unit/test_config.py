@@ -206,3 +206,13 @@ def test_bench_configs_validate(name):
     config = load_config(TINY.parent / name, [])
     validate(config, world_size=BENCH[name])
     assert config.parallel.tp * config.parallel.pp == BENCH[name]
+
+
+def test_engine_kwargs_pass_through_but_cannot_override_the_trainer():
+    config = load_config(TINY, ["rollout.engine_kwargs={disable_custom_all_reduce: true}"])
+    assert config.rollout.engine_kwargs == {"disable_custom_all_reduce": True}
+    validate(config, world_size=4)
+    message = _error(TINY, ["rollout.engine_kwargs={seed: 3}"], world_size=4)
+    assert message.startswith("rollout.engine_kwargs.seed: is set by the trainer")
+    message = _error(TINY, ["rollout.engine_kwargs=[1]"], world_size=4)
+    assert message == "rollout.engine_kwargs: expected a mapping with string keys, got list [1]"
