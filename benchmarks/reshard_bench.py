@@ -89,6 +89,10 @@ MODELS = {
     # Big enough that bytes, not per-message latency, dominate on CPU.
     "small": dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8,
                   num_key_value_heads=4, intermediate_size=1536, vocab_size=32000),
+    # Few bytes, Llama-2-7B's block count (32 layers x 32 query groups): the executor's
+    # host time, measurable on a CPU.
+    "many-blocks": dict(hidden_size=256, num_hidden_layers=32, num_attention_heads=32,
+                        num_key_value_heads=32, intermediate_size=512, vocab_size=1024),
     # Llama-3.2-1B's shape (1.24 B parameters).
     "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, intermediate_size=8192, vocab_size=128256),

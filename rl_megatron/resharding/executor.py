@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from rl_megatron.checkpoint.hf_loader import iter_rule_params, unwrap
 from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.resharding.copy_program import CopyProgram, Tensors, compile_program, run_ops
 from rl_megatron.resharding.layouts import GenerationLayout, TrainingLayout
 from rl_megatron.resharding.plan import Fill, PlanKey, ReshardPlan, build_plan
 from rl_megatron.resharding.shards import ShardSpec
@@ -136,98 +137,79 @@ def _rows(t: torch.Tensor, dim: int, offset: int, rows: int) -> torch.Tensor:
 
 
 class _Copies:
-    """A round's row-block copies and zero fills, coalesced, then issued together.
-
-    A round moves many row blocks: a 7B sync has ~3k, mostly the q, k and v rows of every
-    query group of every layer, which Megatron interleaves per group and vLLM keeps in
-    three runs. One copy per block made the sync host-bound (6x the device copy on an
-    H200). Blocks along dim 0 of contiguous tensors are flat element ranges; those
-    between the same two tensors, of one size, whose offsets step evenly on both sides
-    (every group's q rows of a layer, say) become one strided copy. Anything else goes
-    out as one multi-tensor copy. Destinations within a round are disjoint, so the
-    copies may run in any order.
-    """
+    """Row-block copies and zero fills, issued together as multi-tensor kernels."""
 
     def __init__(self) -> None:
         self.dst: list[torch.Tensor] = []
         self.src: list[torch.Tensor] = []
         self.zeros: list[torch.Tensor] = []
-        # (dst storage, src storage, numel) -> flat tensors and [(dst_start, src_start)]
-        self.ranges: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor, list]] = {}
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         self.dst.append(dst)
         self.src.append(src)
 
-    def copy_rows(
-        self, dst: torch.Tensor, dst_offset: int, src: torch.Tensor, src_offset: int, rows: int,
-        dim: int,
-    ) -> None:  # fmt: skip
-        """Rows `[src_offset, +rows)` of `src` into `[dst_offset, +rows)` of `dst`, along dim."""
-        d, s = _flat_rows(dst, dim, dst_offset, rows), _flat_rows(src, dim, src_offset, rows)
-        if d is None or s is None:
-            self.copy(_rows(dst, dim, dst_offset, rows), _rows(src, dim, src_offset, rows))
-        else:
-            self.copy_flat(d[0], d[1], s[0], s[1], d[2])
-
-    def copy_flat(
-        self, dst: torch.Tensor, dst_start: int, src: torch.Tensor, src_start: int, numel: int
-    ) -> None:
-        """Elements `[src_start, +numel)` of 1-D `src` into `[dst_start, +numel)` of `dst`."""
-        key = (dst.data_ptr(), src.data_ptr(), numel)
-        self.ranges.setdefault(key, (dst, src, []))[2].append((dst_start, src_start))
-
     def zero(self, dst: torch.Tensor) -> None:
         self.zeros.append(dst)
 
     def flush(self) -> None:
-        for (_, _, numel), (d_flat, s_flat, starts) in self.ranges.items():
-            for (d0, s0), count, d_step, s_step in _even_runs(sorted(starts), numel):
-                if count == 1:
-                    self.copy(d_flat[d0 : d0 + numel], s_flat[s0 : s0 + numel])
-                    continue
-                dst = d_flat.as_strided((count, numel), (d_step, 1), d_flat.storage_offset() + d0)
-                src = s_flat.as_strided((count, numel), (s_step, 1), s_flat.storage_offset() + s0)
-                dst.copy_(src)
         if self.dst:
             torch._foreach_copy_(self.dst, self.src)
         if self.zeros:
             torch._foreach_zero_(self.zeros)
-        self.dst, self.src, self.zeros, self.ranges = [], [], [], {}
+        self.dst, self.src, self.zeros = [], [], []
 
 
-def _flat_rows(t: torch.Tensor, dim: int, offset: int, rows: int):
-    """`(t flattened, first element, elements)` when the rows are one flat range, else None."""
-    if dim != 0 or not t.is_contiguous() or t.dim() == 0 or t.shape[0] == 0:
-        return None
-    row = t.numel() // t.shape[0]
-    return t.view(-1), offset * row, rows * row
+# (id(plan), local rank) -> (plan, its program): plans are cached by `build_plan`, so the
+# same object comes back on every sync; holding it keeps its id from being reused.
+_PROGRAMS: dict[tuple[int, int], tuple[ReshardPlan, CopyProgram]] = {}
 
 
-def _even_runs(starts: list[tuple[int, int]], numel: int):
-    """Split sorted `(dst, src)` starts into runs whose offsets step evenly on both sides.
+def _program(plan: ReshardPlan, local: int) -> CopyProgram:
+    cached = _PROGRAMS.get((id(plan), local))
+    if cached is None or cached[0] is not plan:
+        if len(_PROGRAMS) >= 64:
+            _PROGRAMS.clear()
+        cached = (plan, compile_program(plan, local))
+        _PROGRAMS[(id(plan), local)] = cached
+    return cached[1]
 
-    Yields `((dst0, src0), count, dst_step, src_step)`; a run's destinations never
-    overlap (dst_step >= numel) and its steps are positive, as `as_strided` needs.
-    """
-    i = 0
-    while i < len(starts):
-        j = i + 1
-        if j < len(starts):
-            d_step = starts[j][0] - starts[i][0]
-            s_step = starts[j][1] - starts[i][1]
-            if d_step >= numel and s_step > 0:
-                while (
-                    j + 1 < len(starts)
-                    and starts[j + 1][0] - starts[j][0] == d_step
-                    and starts[j + 1][1] - starts[j][1] == s_step
-                ):
-                    j += 1
-                yield starts[i], j - i + 1, d_step, s_step
-                i = j + 1
-                continue
-        yield starts[i], 1, numel, numel
-        i += 1
+
+def _copy_local_by_block(rnd, sources, target, arena, remaining: dict[str, int]) -> None:
+    """A round's local writes and send packing, each parameter reported when complete."""
+    copies = _Copies()
+    for w in rnd.writes:
+        dst = _rows(target.writable(w.dst_param), w.dim, w.dst_offset, w.rows)
+        if isinstance(w, Fill):
+            copies.zero(dst)
+        else:
+            copies.copy(dst, _rows(sources[w.src_param], w.dim, w.src_offset, w.rows))
+        _wrote(w.dst_param, copies, target, remaining)
+    pos = 0
+    for moves in rnd.sends.values():
+        for m in moves:
+            src = _rows(sources[m.src_param], m.dim, m.src_offset, m.rows)
+            copies.copy(arena[pos : pos + m.numel].view(src.shape), src)
+            pos += m.numel
+    copies.flush()  # send buffers must be packed before they are posted
+
+
+def _unpack_by_block(rnd, prog, target, arena, remaining: dict[str, int]) -> None:
+    copies = _Copies()
+    for (_, start, _), moves in zip(prog.recvs, rnd.recvs.values()):
+        pos = start
+        for m in moves:
+            dst = _rows(target.writable(m.dst_param), m.dim, m.dst_offset, m.rows)
+            copies.copy(dst, arena[pos : pos + m.numel].view(dst.shape))
+            pos += m.numel
+            _wrote(m.dst_param, copies, target, remaining)
+    copies.flush()  # the arena is reused by the next round
+
+
+def _wrote(name: str, copies: _Copies, target, remaining: dict[str, int]) -> None:
+    remaining[name] -= 1
+    if not remaining[name]:
+        copies.flush()
+        target.param_done(name)
 
 
 @torch.no_grad()
@@ -264,80 +246,42 @@ def execute_plan(
     # one allocation, whatever the number of rounds.
     arena_numel = max((r.staging_numel() for r in plan.rounds[local]), default=0)
     arena = tracker.alloc(arena_numel, dtype, device) if arena_numel else None
-    remaining = dict(plan.writes[local])
+    program = _program(plan, local)
     # Targets that buffer each parameter until it is complete (vLLM's CPU build) hear of
-    # a parameter as soon as its last rows land, so few buffers are alive at once; for
-    # in-place targets completions wait for the round's batched copies.
-    eager = getattr(target, "buffers_params", False)
-    copies = _Copies()
-    finished: list[str] = []
-
-    def wrote(name: str) -> None:
-        remaining[name] -= 1
-        if remaining[name]:
-            return
-        if eager:
-            copies.flush()
-            target.param_done(name)
-        else:
-            finished.append(name)
-
-    for rnd in plan.rounds[local]:
+    # a parameter as soon as its last rows land, so few buffers are alive at once: they
+    # take the block-by-block path. In-place targets run the compiled program.
+    by_block = getattr(target, "buffers_params", False)
+    remaining = dict(plan.writes[local])
+    tensors = Tensors(sources, target.writable, arena)
+    for rnd, prog in zip(plan.rounds[local], program.rounds):
         stats.rounds += 1
-        for w in rnd.writes:
-            dst = target.writable(w.dst_param)
-            if isinstance(w, Fill):
-                copies.zero(_rows(dst, w.dim, w.dst_offset, w.rows))
-                stats.bytes_filled += w.numel * elem
-            else:
-                src = sources[w.src_param]
-                copies.copy_rows(dst, w.dst_offset, src, w.src_offset, w.rows, w.dim)
-                stats.bytes_local += w.numel * elem
-            wrote(w.dst_param)
-        ops, incoming, used = [], [], 0
-        for peer, moves in rnd.sends.items():
-            n = sum(m.numel for m in moves)
-            buf, used = arena[used : used + n], used + n
-            pos = 0
-            for m in moves:
-                src = sources[m.src_param]
-                flat = _flat_rows(src, m.dim, m.src_offset, m.rows)
-                if flat is not None:  # the buffer holds the moves' elements back to back
-                    copies.copy_flat(buf, pos, flat[0], flat[1], m.numel)
-                else:
-                    src = _rows(src, m.dim, m.src_offset, m.rows)
-                    copies.copy(buf[pos : pos + m.numel].view(src.shape), src)
-                pos += m.numel
-            ops.append(dist.P2POp(dist.isend, buf, plan.global_rank(peer, rank), group))
-            stats.bytes_sent += buf.nbytes
+        stats.bytes_local += prog.local_numel * elem
+        stats.bytes_filled += prog.filled_numel * elem
+        if by_block:
+            _copy_local_by_block(rnd, sources, target, arena, remaining)
+        else:
+            run_ops(prog.local, tensors)  # send buffers are packed before they are posted
+        ops = []
+        for peer, start, n in prog.sends:
+            ops.append(dist.P2POp(dist.isend, arena[start : start + n],
+                                  plan.global_rank(peer, rank), group))  # fmt: skip
+            stats.bytes_sent += n * arena.element_size()
             stats.messages_sent += 1
-        copies.flush()  # send buffers must be packed before they are posted
-        for peer, moves in rnd.recvs.items():
-            n = sum(m.numel for m in moves)
-            buf, used = arena[used : used + n], used + n
-            incoming.append((buf, moves))
-            ops.append(dist.P2POp(dist.irecv, buf, plan.global_rank(peer, rank), group))
-            stats.bytes_received += buf.nbytes
+        for peer, start, n in prog.recvs:
+            ops.append(dist.P2POp(dist.irecv, arena[start : start + n],
+                                  plan.global_rank(peer, rank), group))  # fmt: skip
+            stats.bytes_received += n * arena.element_size()
             stats.messages_received += 1
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
-        for buf, moves in incoming:
-            pos = 0
-            for m in moves:
-                dst = target.writable(m.dst_param)
-                flat = _flat_rows(dst, m.dim, m.dst_offset, m.rows)
-                if flat is not None:
-                    copies.copy_flat(flat[0], flat[1], buf, pos, m.numel)
-                else:
-                    dst = _rows(dst, m.dim, m.dst_offset, m.rows)
-                    copies.copy(dst, buf[pos : pos + m.numel].view(dst.shape))
-                pos += m.numel
-                wrote(m.dst_param)
-        copies.flush()  # the arena is reused by the next round
-        for name in finished:
-            target.param_done(name)
-        finished.clear()
+        if by_block:
+            _unpack_by_block(rnd, prog, target, arena, remaining)
+        else:
+            run_ops(prog.unpack, tensors)  # the arena is reused by the next round
+            for name in prog.completed:
+                target.param_done(name)
+                remaining[name] = 0
     if any(remaining.values()):
         raise AssertionError(f"rank {rank}: plan left parameters unfinished")
     if arena is not None:

@@ -332,38 +332,54 @@ def test_generation_layouts():
 
 
 def test_coalesced_copies_equal_one_copy_per_block():
-    """The executor's strided coalescing writes exactly what block-by-block copies would."""
-    from rl_megatron.resharding.executor import _Copies, _even_runs
+    """The copy program's strided runs write exactly what block-by-block copies would."""
+    from rl_megatron.resharding.copy_program import (
+        ARENA,
+        DST,
+        SRC,
+        Block,
+        Tensors,
+        Zero,
+        coalesce,
+        even_runs,
+        run_ops,
+    )
 
-    assert list(_even_runs([(0, 0), (10, 4), (20, 8), (25, 30)], 3)) == [
+    assert list(even_runs([(0, 0), (10, 4), (20, 8), (25, 30)], 3)) == [
         ((0, 0), 3, 10, 4),
         ((25, 30), 1, 3, 3),
     ]
     # Overlapping destinations (step < numel) are never merged.
-    assert [n for _, n, _, _ in _even_runs([(0, 0), (2, 5), (4, 10)], 3)] == [1, 1, 1]
+    assert [n for _, n, _, _ in even_runs([(0, 0), (2, 5), (4, 10)], 3)] == [1, 1, 1]
 
     gen = torch.Generator().manual_seed(0)
     # Megatron-style interleaved QKV (per group: 4 q rows, 2 k, 2 v) → [Q | K | V].
     groups, q, kv, hidden = 3, 4, 2, 5
     src = torch.randn(groups * (q + 2 * kv), hidden, generator=gen)
-    expected, got = torch.zeros(groups * (q + 2 * kv), hidden), torch.zeros_like(src)
-    expected_buf, got_buf = torch.zeros(40), torch.zeros(40)
-    copies = _Copies()
+    expected, got = torch.zeros_like(src), torch.zeros_like(src)
     blocks = []
     for g in range(groups):
         base = g * (q + 2 * kv)
-        blocks += [(g * q, base, q), (groups * q + g * kv, base + q, kv)]
-        blocks += [(groups * (q + kv) + g * kv, base + q + kv, kv)]
-    for dst_row, src_row, rows in blocks:
-        expected[dst_row : dst_row + rows] = src[src_row : src_row + rows]
-        copies.copy_rows(got, dst_row, src, src_row, rows, dim=0)
-    # Flat ranges (a transfer buffer) and a block along dim 1 (the fallback path).
-    for start in (0, 12, 24):
-        expected_buf[start : start + 5] = src.view(-1)[start * 2 : start * 2 + 5]
-        copies.copy_flat(got_buf, start, src.view(-1), start * 2, 5)
-    col = torch.zeros(6, 4)
-    copies.copy_rows(col, 1, torch.ones(6, 4), 0, 2, dim=1)
-    copies.flush()
-    assert torch.equal(got, expected) and torch.equal(got_buf, expected_buf)
+        for dst_row, src_row, rows in [
+            (g * q, base, q),
+            (groups * q + g * kv, base + q, kv),
+            (groups * (q + kv) + g * kv, base + q + kv, kv),
+        ]:
+            expected[dst_row : dst_row + rows] = src[src_row : src_row + rows]
+            blocks.append(
+                ((DST, "w"), dst_row * hidden, (SRC, "w"), src_row * hidden, rows * hidden)
+            )
+    runs = coalesce(blocks)
+    assert sorted(r.count for r in runs) == [3, 3, 3]  # one strided copy each for q, k, v
+    # A flat range into the arena, a block along dim 1 and a zero fill beside them.
+    arena = torch.zeros(40)
+    col, ones = torch.zeros(6, 4), torch.ones(6, 4)
+    ops = runs + coalesce([((ARENA, ""), 7, (SRC, "w"), 11, 5)])
+    ops += [Block((DST, "col"), 1, (SRC, "ones"), 0, dim=1, rows=2), Zero((DST, "w2"), 0, 1, 2)]
+    w2 = torch.ones(4, 3)
+    dsts = {"w": got, "col": col, "w2": w2}
+    run_ops(ops, Tensors({"w": src, "ones": ones}, dsts.__getitem__, arena))
+    assert torch.equal(got, expected)
+    assert torch.equal(arena[7:12], src.view(-1)[11:16]) and arena[:7].eq(0).all()
     assert col[:, 1:3].eq(1).all() and col[:, [0, 3]].eq(0).all()
-    assert not copies.ranges and not copies.dst
+    assert w2[1:3].eq(0).all() and w2[[0, 3]].eq(1).all()
