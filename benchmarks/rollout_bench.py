@@ -10,7 +10,9 @@ others' numbers; a failed section records `"error"` and no number):
 * `vllm-standalone`: a plain `vllm.LLM(model=ckpt)` with vLLM's defaults (CUDA graphs on,
   its own engine-core process), built first and shut down before the in-trainer engine.
   Besides the shared settings below it only gets `skip_tokenizer_init` (the random
-  checkpoint has no tokenizer).
+  checkpoint has no tokenizer), and `VLLM_HOST_IP=127.0.0.1` for its one-rank group.
+  (It cannot come after the in-trainer engine: building that one turns vLLM's
+  multiprocessing off for the process.)
 * `vllm`: the trainer's in-process engine (`VllmEngine`, `external_launcher`, sleep mode on
   GPUs), loaded with `--vllm-load-format dummy` weights and then synced from a Megatron
   actor built from the same checkpoint through the trainer's path (`sync_weights` +
@@ -268,6 +270,10 @@ def bench_vllm_standalone(ckpt: Path, prompts: list[list[int]], args, result):
     )
     if not torch.cuda.is_available():
         kwargs["enforce_eager"] = True  # as VllmEngine on CPU
+    # Its engine-core process sets up a one-rank group at the host's address; on the
+    # offline GPU machine that address (found by routing towards the internet) hung for
+    # 5 minutes (RESULTS.md, third run). The loopback is right for a one-rank engine.
+    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     free_before = free_gib()
     start = time.perf_counter()
     llm = vllm.LLM(**kwargs)
