@@ -152,7 +152,14 @@ def pad_responses(x: torch.Tensor, response_len: int, value: float = 0.0) -> tor
 def select_rows(batch: Mapping[str, torch.Tensor], rows: Sequence[int]) -> dict[str, torch.Tensor]:
     """The given rows of every `[batch, ...]` tensor of a dict batch."""
     index = torch.tensor(list(rows), dtype=torch.long)
-    return {k: v[index.to(v.device)] for k, v in batch.items()}
+    # One copy of the index per device, not one per tensor (each is a host sync on a GPU).
+    on: dict[torch.device, torch.Tensor] = {}
+    out = {}
+    for key, value in batch.items():
+        if value.device not in on:
+            on[value.device] = index.to(value.device)
+        out[key] = value[on[value.device]]
+    return out
 
 
 def left_align(

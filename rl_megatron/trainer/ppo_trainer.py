@@ -37,6 +37,7 @@ from rl_megatron.rollout.logprob_parity import log_prob_mismatch
 from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.trainer import experience as ex
 from rl_megatron.trainer.build import Roles, TrainingData
+from rl_megatron.trainer.micro_batches import select_rows
 from rl_megatron.trainer.roles import MegatronRole
 from rl_megatron.utils.flops import TransformerShape, device_peak_tflops, flops_per_token
 from rl_megatron.utils.metrics import MetricsTracker
@@ -395,8 +396,7 @@ class PPOTrainer:
         count = 0
         for _ in range(section.ppo_epochs):
             for mini in ex.mini_batch_rows(rows, per_rank, generator):
-                index = torch.tensor(mini)
-                mini_batch = {k: v[index] for k, v in batch.items()}
+                mini_batch = select_rows(batch, mini)
                 out = role.train_step(mini_batch, loss_fn, with_entropy=with_entropy)
                 for key, value in out.items():
                     sums[key] = sums.get(key, 0.0) + value
