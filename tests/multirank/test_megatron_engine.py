@@ -55,7 +55,6 @@ def _bf16_logprob_parity(ref: dict) -> None:
 
     from rl_megatron.models.builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.rollout.logprob_parity import log_prob_mismatch, recompute_log_probs
     from rl_megatron.rollout.megatron_engine import MegatronEngine
     from rl_megatron.rollout.sampling import SamplingParams
 
@@ -77,27 +76,34 @@ def _bf16_logprob_parity(ref: dict) -> None:
         dtype=torch.float32,
     )
     for name, chunks in (("bf16", bf16), ("fp32", fp32)):
-        recomputed = recompute_log_probs(
-            chunks,
-            batch,
-            tp_group=parallel_state.get_tensor_model_parallel_group(),
-            temperature=TEMPERATURE,
-            vocab_size=info.vocab_size,
-        )
-        mismatch = log_prob_mismatch(batch.rollout_log_probs, recomputed, batch.response_mask)
+        mismatch = _logprob_gap(chunks, batch, info)
         assert mismatch["rollout/logprob_diff_max"] < LOGPROB_TOL_BF16, (name, mismatch)
+
+
+def _logprob_gap(chunks, batch, info) -> dict:
+    """The engine's sampled log-probs against a forward of `chunks` on the same tokens."""
+    from megatron.core import parallel_state
+
+    from rl_megatron.rollout.logprob_parity import log_prob_mismatch, recompute_log_probs
+
+    recomputed = recompute_log_probs(
+        chunks,
+        batch,
+        tp_group=parallel_state.get_tensor_model_parallel_group(),
+        temperature=TEMPERATURE,
+        vocab_size=info.vocab_size,
+    )
+    return log_prob_mismatch(batch.rollout_log_probs, recomputed, batch.response_mask)
 
 
 def _cases(tp: int, ref: dict) -> None:
     from dataclasses import replace
 
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from safetensors.torch import load_file
 
     from rl_megatron.models.builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.rollout.logprob_parity import log_prob_mismatch, recompute_log_probs
     from rl_megatron.rollout.megatron_engine import MegatronEngine
     from rl_megatron.rollout.sampling import SamplingParams
 
@@ -152,14 +158,7 @@ def _cases(tp: int, ref: dict) -> None:
     split_lps = [lp for piece in pieces for lp in row_log_probs(piece)]
     for got, want in zip(split_lps, row_log_probs(batch), strict=True):
         assert (got - want).abs().max() < LOGPROB_TOL
-    recomputed = recompute_log_probs(
-        chunks,
-        batch,
-        tp_group=parallel_state.get_tensor_model_parallel_group(),
-        temperature=TEMPERATURE,
-        vocab_size=info.vocab_size,
-    )
-    mismatch = log_prob_mismatch(batch.rollout_log_probs, recomputed, batch.response_mask)
+    mismatch = _logprob_gap(chunks, batch, info)
     assert mismatch["rollout/logprob_diff_max"] < LOGPROB_TOL, mismatch
 
     # Prompt longer than the context: rejected or truncated, counted.
