@@ -11,17 +11,9 @@ to the cached keys of real tokens only. megatron-core's `StaticInferenceContext`
 RoPE by column, so a left-padded row's positions are shifted by its padding; RoPE depends
 only on the distance between query and key, so attention scores are unchanged.
 
-Decode state and CUDA graphs. The KV cache and the decode step's input buffers live in a
-`_DecodeSession` kept from one call to the next while the shape (rows, prompt width P,
-new tokens) stays the same; P is rounded up to a multiple of `PROMPT_WIDTH_STEP` so that
-prompts of slightly different lengths share it. On a GPU, each decode position gets a
-CUDA graph of the whole model forward the first time it is decoded (that call runs
-eagerly, which is the warm-up capture needs); later calls replay it, one launch per token
-instead of a few hundred kernels issued from Python, which is what bounds batch decoding
-of a small model. A graph bakes in the addresses of the parameters, the cache and the
-buffers: the session drops its graphs when any parameter's storage moved (offload and
-reload), and `use_cuda_graphs=False` (`rollout.enforce_eager`) turns them off. Graphs are
-used at TP = 1 only, and within a memory budget (`GRAPH_MEMORY_FRACTION`).
+Decode state and CUDA graphs: the KV cache, the decode step's buffers and one CUDA graph
+per decode position live in a `DecodeSession` (`rollout/decode_session.py`), kept from one
+call to the next while the shape stays the same; TP = 1 only.
 
 Weights. The engine generates with the modules it was given, so when they are the actor's
 own (same layout) a weight update is only a version stamp: `update_weights({}, step)`.
@@ -39,7 +31,6 @@ tokens therefore do not depend on which rows share its decode batch.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 
 import torch
@@ -48,110 +39,12 @@ import torch.distributed as dist
 from rl_megatron.checkpoint import hf_mapping as hm
 from rl_megatron.checkpoint.hf_loader import iter_rule_params, unwrap
 from rl_megatron.models.hf_config import HFModelInfo
-from rl_megatron.models.sdpa_attention import causal_padding_mask
 from rl_megatron.rollout.batch import FinishReason, RolloutBatch
+from rl_megatron.rollout.decode_session import PROMPT_WIDTH_STEP, DecodeSession
 from rl_megatron.rollout.engine import NamedTensors, OutputLayout, RolloutEngine, iter_named_tensors
 from rl_megatron.rollout.sampling import SamplingParams, fit_prompts, sample_tokens, seed_tensor
 
 Sample = tuple[list[int], list[float], FinishReason]
-
-# Prompt widths are rounded up to this, so one decode session (and its graphs) serves
-# batches whose longest prompt differs by a few tokens.
-PROMPT_WIDTH_STEP = 16
-# Device memory the decode graphs of a session may hold, as a fraction of the GPU's. Each
-# position's graph keeps its attention temporaries, which grow with the position, so a
-# graph pool cannot reuse one position's blocks for the next: on the H200, 16 layers of
-# 32 full (non-GQA) heads at 128 rows held 54 GB after ~250 positions. Past the budget
-# the remaining positions decode eagerly.
-GRAPH_MEMORY_FRACTION = 0.08
-
-
-class _DecodeSession:
-    """The KV cache, static decode inputs and per-position CUDA graphs of one shape.
-
-    Decode step k (absolute position `prompt_width + k`) reads `tokens`, `positions` and
-    `keep` and writes `logits` in place, so a graph captured once replays for any batch
-    of this shape. The cache is megatron-core's `StaticInferenceContext` (one
-    `[P + R, rows, ...]` key and value buffer per layer, allocated by the first prefill).
-    """
-
-    def __init__(self, forward, rows: int, prompt_width: int, max_new: int, vocab: int,
-                 device: torch.device, use_graphs: bool) -> None:  # fmt: skip
-        from megatron.core.inference.contexts import StaticInferenceContext
-
-        self.forward = forward
-        self.shape = (rows, prompt_width, max_new)
-        self.prompt_width = prompt_width
-        self.ctx = StaticInferenceContext(rows, prompt_width + max_new)
-        self.tokens = torch.zeros(rows, 1, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(rows, 1, dtype=torch.int64, device=device)
-        self.keep = torch.zeros(rows, prompt_width + max_new, dtype=torch.bool, device=device)
-        self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device)
-        self.use_graphs = use_graphs and device.type == "cuda"
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self.graph_bytes = 0  # reserved by the captures so far
-        self.graph_budget = (
-            int(GRAPH_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory)
-            if self.use_graphs
-            else 0
-        )
-        self.param_ptrs: list[int] = []
-
-    def check_parameters(self, model: torch.nn.Module) -> None:
-        """Drop the graphs if a parameter's storage moved since they were captured."""
-        ptrs = [param.data_ptr() for param in model.parameters()]
-        if ptrs != self.param_ptrs:
-            self.graphs.clear()
-            self.param_ptrs = ptrs
-
-    def prefill(self, tokens: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        """Forward the left-padded prompt block `[rows, P]`; last-position logits."""
-        p = self.prompt_width
-        self.ctx.sequence_len_offset = 0
-        self.ctx.enable_prefill_mode()
-        self.keep.zero_()
-        self.keep[:, :p] = keep
-        position_ids = (keep.long().cumsum(1) - 1).clamp(min=0)
-        logits = self.forward(tokens, position_ids, causal_padding_mask(keep), self.ctx)
-        self.ctx.enable_decode_mode()
-        return logits
-
-    def decode(self, step: int) -> torch.Tensor:
-        """Logits after feeding `tokens` at position P + step (inputs already in place)."""
-        graph = self.graphs.get(step)
-        if graph is not None:
-            graph.replay()
-            return self.logits
-        self._step(step)
-        if self.use_graphs:
-            self._capture(step)
-        return self.logits
-
-    def _step(self, step: int) -> None:
-        end = self.prompt_width + step + 1
-        self.ctx.sequence_len_offset = end - 1
-        mask = ~self.keep[:, None, None, :end]
-        self.logits.copy_(self.forward(self.tokens, self.positions, mask, self.ctx))
-
-    def _capture(self, step: int) -> None:
-        if self.graph_bytes > self.graph_budget:
-            return  # this position decodes eagerly (see GRAPH_MEMORY_FRACTION)
-        reserved = torch.cuda.memory_reserved()
-        # The eager step just run was the warm-up (kernels chosen, workspaces allocated).
-        # Capturing records kernels without running them, so the cache is untouched.
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-                self._step(step)
-        except RuntimeError as exc:
-            self.use_graphs = False
-            self.graphs.clear()
-            warnings.warn(f"megatron rollout engine: CUDA graph capture failed ({exc}); "
-                          f"decoding eagerly", stacklevel=2)  # fmt: skip
-            return
-        self.graphs[step] = graph
-        self.graph_bytes += max(0, torch.cuda.memory_reserved() - reserved)
 
 
 class MegatronEngine(RolloutEngine):
@@ -205,7 +98,7 @@ class MegatronEngine(RolloutEngine):
         # Graphs hold the TP all-gather of the logits too; that capture is not validated
         # (the two-GPU engine test did not finish with it), so TP > 1 decodes eagerly.
         self.use_cuda_graphs = use_cuda_graphs and self._tp_size(tp_group) == 1
-        self._session: _DecodeSession | None = None
+        self._session: DecodeSession | None = None
 
     @staticmethod
     def _tp_size(tp_group: dist.ProcessGroup | None) -> int:
@@ -384,12 +277,12 @@ class MegatronEngine(RolloutEngine):
             for k, n in enumerate(length_l)
         ]
 
-    def _decode_session(self, rows: int, prompt_width: int, max_new: int) -> _DecodeSession:
+    def _decode_session(self, rows: int, prompt_width: int, max_new: int) -> DecodeSession:
         """The session of this shape: the last one if it matches, else a new one."""
         shape = (rows, prompt_width, max_new)
         if self._session is None or self._session.shape != shape:
             self._session = None  # free the old cache and graphs before allocating
-            self._session = _DecodeSession(
+            self._session = DecodeSession(
                 self._forward, rows, prompt_width, max_new, self.vocab_size, self._device,
                 self.use_cuda_graphs,
             )  # fmt: skip
