@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Issue 9 on two GPUs (NCCL): the multi-rank tests, resharding across GPUs, and the 7B
 # pipeline-parallel trainer step with vLLM rollout (GRPO, then PPO+GAE).
-#   bash benchmarks/gpu/two_gpus.sh    # ~9.5 min; results in $OUT/two_gpus.tgz
+#   bash benchmarks/gpu/two_gpus.sh [tests|bench]   # both: up to ~16 min, more than one
+#   call allows, so give each part its own call; results in $OUT/two_gpus.tgz
+PART=${1:-all}
 SUITE=two_gpus
 source "$(dirname "$0")/common.sh"
-# `make test-gpu` (its file list read from the Makefile where make is missing).
-if command -v make >/dev/null; then
-  step test_gpu 150 make test-gpu PYTHON=python3
-else
-  files=$(sed -n '/^test-gpu:/,/^$/p' Makefile | grep -o 'tests/[^ ]*\.py')
-  step test_gpu 150 env RL_MEGATRON_TEST_DEVICE=cuda python3 -m pytest -q -rs \
-    -p no:cacheprovider $files
+if [ "$PART" != bench ]; then
+# `make test-gpu`'s files, one step each: a file cut by its deadline then costs no other
+# file's report (pytest prints failures only at its end).
+for file in $(sed -n '/^test-gpu:/,/^$/p' Makefile | grep -o 'tests/[^ ]*\.py'); do
+  step "test_gpu_$(basename "$file" .py)" 120 env RL_MEGATRON_TEST_DEVICE=cuda python3 -m pytest \
+    -q -rA --tb=short -p no:cacheprovider "$file"
+done
 fi
+[ "$PART" = tests ] && exit 0
 for algo in grpo gae; do
   step "trainer_7b_pp2_$algo" 150 $TR2 benchmarks/trainer_bench.py \
     --config yaml_configs/bench_h200x2_7b_pp2.yaml --algorithms $algo --steps 1 --no-plain \
