@@ -14,7 +14,6 @@ is a statistic of the batch (whitening, loss normalisation, metrics) is reduced 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,8 +37,8 @@ from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.trainer import experience as ex
 from rl_megatron.trainer.build import Roles, TrainingData
 from rl_megatron.trainer.micro_batches import select_rows
+from rl_megatron.trainer.reporting import batch_stats, console_line, throughput
 from rl_megatron.trainer.roles import MegatronRole
-from rl_megatron.utils.flops import TransformerShape, device_peak_tflops, flops_per_token
 from rl_megatron.utils.metrics import MetricsTracker
 from rl_megatron.utils.timers import PhaseTimer
 
@@ -101,7 +100,9 @@ class PPOTrainer:
                 with self.phases.time("evaluate"):
                     metrics.update(self.evaluate())
             metrics["timing_s/step"] = time.perf_counter() - started
-            self._report(metrics)
+            self.metrics.log(self.step, metrics)
+            if self.run.env.rank == 0 and self.step % cfg.logging.log_interval == 0:
+                print(console_line(self.step, self.total_steps, metrics), flush=True)
             stop = self._stop_requested()
             due = cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0
             if due or self.step == self.total_steps or (stop and cfg.checkpoint.save_on_sigterm):
@@ -181,7 +182,7 @@ class PPOTrainer:
         local = {
             **rollout.metrics(),
             **log_prob_mismatch(batch["rollout_log_prob"], batch["old_log_prob"], mask),
-            **self._batch_stats(batch, old["entropy"]),
+            **batch_stats(batch, old["entropy"]),
             **reward_metrics,
             **kl_metrics,
         }
@@ -189,7 +190,7 @@ class PPOTrainer:
         metrics.update(actor_metrics, **critic_metrics, **sync, **self.sampler.metrics())
         metrics["actor/kl_coef"] = self.kl_ctrl.value
         metrics.update(self.phases.pop())
-        metrics.update(self._throughput(metrics))
+        metrics.update(throughput(metrics, self.info, self.config.actor.ppo_epochs))
         return metrics
 
     # ------------------------------------------------------------------ rollout
@@ -410,74 +411,6 @@ class PPOTrainer:
     # ------------------------------------------------------------------ metrics
 
     @torch.no_grad()
-    def _batch_stats(self, batch: Batch, entropy: torch.Tensor) -> dict[str, float]:
-        valid = batch["response_mask"].bool()
-        adv = batch["advantages"][valid]
-        stats = {
-            "advantages/mean": adv.mean().item() if adv.numel() else 0.0,
-            "advantages/std": adv.std(unbiased=False).item() if adv.numel() else 0.0,
-            "actor/entropy_rollout": entropy[valid].mean().item() if valid.any() else 0.0,
-        }
-        if "ref_log_prob" in batch:
-            kl = (batch["old_log_prob"] - batch["ref_log_prob"])[valid]
-            stats["actor/kl_to_ref"] = kl.mean().item() if kl.numel() else 0.0
-        if "values" in batch:
-            stats["critic/values_mean"] = batch["values"][valid].mean().item()
-            stats["critic/returns_mean"] = batch["returns"][valid].mean().item()
-        return stats
-
-    def _throughput(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Tokens per second per device over the step, and the actor update's MFU."""
-        # num_samples is summed over DP: the global count of sequences this step.
-        tokens = metrics["rollout/num_samples"] * (
-            metrics["rollout/prompt_length_mean"] + metrics["rollout/response_length_mean"]
-        )
-        step_s = sum(v for k, v in metrics.items() if k.startswith("timing_s/"))
-        out = {"perf/tokens_per_s_per_device": tokens / max(step_s, 1e-9) / dist.get_world_size()}
-        peak = device_peak_tflops()
-        update_s = metrics.get("timing_s/update_actor", 0.0)
-        if peak and update_s > 0:
-            m = self.info
-            shape = TransformerShape(
-                m.num_layers,
-                m.hidden_size,
-                m.ffn_hidden_size,
-                m.num_attention_heads,
-                m.num_key_value_heads,
-                m.vocab_size,
-            )
-            seq = int(
-                metrics["rollout/prompt_length_mean"] + metrics["rollout/response_length_mean"]
-            )
-            flops = tokens * self.config.actor.ppo_epochs * flops_per_token(shape, seq)
-            out["perf/mfu_update_actor"] = flops / update_s / dist.get_world_size() / (peak * 1e12)
-        return out
-
-    def _report(self, metrics: dict[str, float]) -> None:
-        self.metrics.log(self.step, metrics)
-        if self.run.env.rank != 0 or self.step % self.config.logging.log_interval:
-            return
-        m = metrics
-        line = (
-            f"step {self.step}/{self.total_steps} | reward {m['reward/mean']:.3f}"
-            f"±{m.get('reward/std', 0.0):.3f} | len {m['rollout/response_length_mean']:.1f}"
-            f" | entropy {m['actor/entropy_rollout']:.2f}"
-            f" | clip {m.get('actor/pg_clipfrac', 0.0):.3f}"
-            f" | gnorm {m.get('actor/grad_norm', math.nan):.2f}"
-        )
-        if "critic/loss" in m:
-            line += f" | vloss {m['critic/loss']:.4f} ev {m['critic/explained_variance']:.2f}"
-        if "actor/kl_to_ref" in m:
-            line += f" | kl {m['actor/kl_to_ref']:.4f}"
-        if "val/reward_mean" in m:
-            line += f" | val {m['val/reward_mean']:.3f}"
-        line += (
-            f" | {m['timing_s/step']:.1f}s (gen {m.get('timing_s/generate', 0):.1f}"
-            f", upd {m.get('timing_s/update_actor', 0):.1f})"
-            f" | {m['perf/tokens_per_s_per_device']:.0f} tok/s/dev"
-        )
-        print(line, flush=True)
-
     # --------------------------------------------------------------- evaluation
 
     def evaluate(self) -> dict[str, float]:

@@ -129,3 +129,27 @@ def test_random_init_config_json_describes_the_model():
     info = parse_hf_config(cfg)
     assert info == model_info(config)
     assert (info.num_layers, info.hidden_size, info.vocab_size) == (4, 64, 100)
+
+
+def test_console_line_shows_what_the_step_has():
+    from rl_megatron.trainer.reporting import console_line
+
+    m = {
+        "reward/mean": 0.25,
+        "reward/std": 0.1,
+        "rollout/response_length_mean": 7.5,
+        "actor/entropy_rollout": 3.21,
+        "actor/pg_clipfrac": 0.05,
+        "actor/grad_norm": 0.5,
+        "timing_s/step": 1.04,
+        "timing_s/generate": 0.4,
+        "timing_s/update_actor": 0.3,
+        "perf/tokens_per_s_per_device": 273.4,
+    }
+    line = console_line(12, 30, m)
+    assert line == (
+        "step 12/30 | reward 0.250±0.100 | len 7.5 | entropy 3.21 | clip 0.050 | gnorm 0.50"
+        " | 1.0s (gen 0.4, upd 0.3) | 273 tok/s/dev"
+    )
+    m.update({"critic/loss": 0.08, "critic/explained_variance": -0.4, "actor/kl_to_ref": 0.01})
+    assert " | vloss 0.0800 ev -0.40 | kl 0.0100 | " in console_line(12, 30, m)

@@ -1,0 +1,78 @@
+"""What a training step reports: batch statistics, throughput and MFU, the console line.
+
+Functions of the step's tensors and metrics only, so `ppo_trainer.py` keeps to the loop.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.utils.flops import TransformerShape, device_peak_tflops, flops_per_token
+
+
+def batch_stats(batch: dict[str, torch.Tensor], entropy: torch.Tensor) -> dict[str, float]:
+    """Advantage, entropy, KL-to-reference and value statistics over the valid tokens."""
+    valid = batch["response_mask"].bool()
+    adv = batch["advantages"][valid]
+    stats = {
+        "advantages/mean": adv.mean().item() if adv.numel() else 0.0,
+        "advantages/std": adv.std(unbiased=False).item() if adv.numel() else 0.0,
+        "actor/entropy_rollout": entropy[valid].mean().item() if valid.any() else 0.0,
+    }
+    if "ref_log_prob" in batch:
+        kl = (batch["old_log_prob"] - batch["ref_log_prob"])[valid]
+        stats["actor/kl_to_ref"] = kl.mean().item() if kl.numel() else 0.0
+    if "values" in batch:
+        stats["critic/values_mean"] = batch["values"][valid].mean().item()
+        stats["critic/returns_mean"] = batch["returns"][valid].mean().item()
+    return stats
+
+
+def throughput(metrics: dict[str, float], info: HFModelInfo, ppo_epochs: int) -> dict[str, float]:
+    """Tokens per second per device over the step, and the actor update's MFU."""
+    # num_samples is summed over DP: the global count of sequences this step.
+    seq = metrics["rollout/prompt_length_mean"] + metrics["rollout/response_length_mean"]
+    tokens = metrics["rollout/num_samples"] * seq
+    step_s = sum(v for k, v in metrics.items() if k.startswith("timing_s/"))
+    out = {"perf/tokens_per_s_per_device": tokens / max(step_s, 1e-9) / dist.get_world_size()}
+    peak = device_peak_tflops()
+    update_s = metrics.get("timing_s/update_actor", 0.0)
+    if peak and update_s > 0:
+        shape = TransformerShape(
+            info.num_layers,
+            info.hidden_size,
+            info.ffn_hidden_size,
+            info.num_attention_heads,
+            info.num_key_value_heads,
+            info.vocab_size,
+        )
+        flops = tokens * ppo_epochs * flops_per_token(shape, int(seq))
+        out["perf/mfu_update_actor"] = flops / update_s / dist.get_world_size() / (peak * 1e12)
+    return out
+
+
+def console_line(step: int, total_steps: int, m: dict[str, float]) -> str:
+    """The one line per step the launcher prints."""
+    line = (
+        f"step {step}/{total_steps} | reward {m['reward/mean']:.3f}"
+        f"±{m.get('reward/std', 0.0):.3f} | len {m['rollout/response_length_mean']:.1f}"
+        f" | entropy {m['actor/entropy_rollout']:.2f}"
+        f" | clip {m.get('actor/pg_clipfrac', 0.0):.3f}"
+        f" | gnorm {m.get('actor/grad_norm', math.nan):.2f}"
+    )
+    if "critic/loss" in m:
+        line += f" | vloss {m['critic/loss']:.4f} ev {m['critic/explained_variance']:.2f}"
+    if "actor/kl_to_ref" in m:
+        line += f" | kl {m['actor/kl_to_ref']:.4f}"
+    if "val/reward_mean" in m:
+        line += f" | val {m['val/reward_mean']:.3f}"
+    line += (
+        f" | {m['timing_s/step']:.1f}s (gen {m.get('timing_s/generate', 0):.1f}"
+        f", upd {m.get('timing_s/update_actor', 0):.1f})"
+        f" | {m['perf/tokens_per_s_per_device']:.0f} tok/s/dev"
+    )
+    return line
