@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from rl_megatron.utils.flops import device_peak_tflops
+from rl_megatron.utils.flops import TransformerShape, device_peak_tflops
 
 # The tiny_cpu model and a batch small enough for a 2-core smoke test.
 TINY_OVERRIDES = [
@@ -108,19 +108,6 @@ def _free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-
-
-def _shape(info):
-    from rl_megatron.utils.flops import TransformerShape
-
-    return TransformerShape(
-        info.num_layers,
-        info.hidden_size,
-        info.ffn_hidden_size,
-        info.num_attention_heads,
-        info.num_key_value_heads,
-        info.vocab_size,
-    )
 
 
 # ------------------------------------------------------------------------- plain loop
@@ -245,7 +232,7 @@ def plain_loop(config, info, args, masked: bool = False) -> dict:
     tokens_total = args.plain_iters * num_micro * micro_batch * seq
     tok_s = tokens_total / seconds / dist.get_world_size()
     peak = device_peak_tflops()
-    mfu = tok_s * flops_per_token(_shape(info), seq) / (peak * 1e12) if peak else None
+    mfu = tok_s * flops_per_token(TransformerShape.of(info), seq) / (peak * 1e12) if peak else None
     out = {
         "attention_mask": "explicit causal [b,1,s,s]" if masked else "None (is_causal)",
         "micro_batch_size": micro_batch,
@@ -257,7 +244,7 @@ def plain_loop(config, info, args, masked: bool = False) -> dict:
         "seconds_per_iter": seconds / args.plain_iters,
         "tokens_per_s_per_gpu": tok_s,
         "mfu": mfu,
-        "flops_per_token": flops_per_token(_shape(info), seq),
+        "flops_per_token": flops_per_token(TransformerShape.of(info), seq),
         "peak_memory_gb": peak_gb,
         "allocated_before_gb": before_gb,
         "loss_first": first_loss,
@@ -342,7 +329,7 @@ def run_trainer(config, run, log, args, plain_tok_s: float | None, save: bool) -
             phases = sum(v for k, v in metrics.items() if k.startswith("timing_s/"))
             seq = metrics["rollout/prompt_length_mean"] + metrics["rollout/response_length_mean"]
             tokens = metrics["rollout/num_samples"] * seq
-            flops_tok = flops_per_token(_shape(trainer.info), int(seq))
+            flops_tok = flops_per_token(TransformerShape.of(trainer.info), int(seq))
             row = {
                 k: float(v)
                 for k, v in metrics.items()

@@ -92,28 +92,20 @@ class MegatronEngine(RolloutEngine):
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.seed = seed
+        if tp_group is None:
+            from megatron.core import parallel_state
+
+            tp_group = parallel_state.get_tensor_model_parallel_group()
         self._check_same_seed(tp_group)
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._buffer: dict[str, torch.Tensor] = {}
         # Graphs hold the TP all-gather of the logits too; that capture is not validated
         # (the two-GPU engine test did not finish with it), so TP > 1 decodes eagerly.
-        self.use_cuda_graphs = use_cuda_graphs and self._tp_size(tp_group) == 1
+        self.use_cuda_graphs = use_cuda_graphs and dist.get_world_size(tp_group) == 1
         self._session: DecodeSession | None = None
 
-    @staticmethod
-    def _tp_size(tp_group: dist.ProcessGroup | None) -> int:
-        if tp_group is None:
-            from megatron.core import parallel_state
-
-            tp_group = parallel_state.get_tensor_model_parallel_group()
-        return dist.get_world_size(tp_group)
-
-    def _check_same_seed(self, tp_group: dist.ProcessGroup | None) -> None:
+    def _check_same_seed(self, tp_group: dist.ProcessGroup) -> None:
         """TP ranks sampling with different seeds would desynchronise; refuse early."""
-        if tp_group is None:
-            from megatron.core import parallel_state
-
-            tp_group = parallel_state.get_tensor_model_parallel_group()
         if dist.get_world_size(tp_group) == 1:
             return
         seeds = torch.tensor([self.seed], device=self._device)

@@ -42,15 +42,7 @@ def throughput(metrics: dict[str, float], info: HFModelInfo, ppo_epochs: int) ->
     peak = device_peak_tflops()
     update_s = metrics.get("timing_s/update_actor", 0.0)
     if peak and update_s > 0:
-        shape = TransformerShape(
-            info.num_layers,
-            info.hidden_size,
-            info.ffn_hidden_size,
-            info.num_attention_heads,
-            info.num_key_value_heads,
-            info.vocab_size,
-        )
-        flops = tokens * ppo_epochs * flops_per_token(shape, int(seq))
+        flops = tokens * ppo_epochs * flops_per_token(TransformerShape.of(info), int(seq))
         out["perf/mfu_update_actor"] = flops / update_s / dist.get_world_size() / (peak * 1e12)
     return out
 

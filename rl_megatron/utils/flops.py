@@ -25,6 +25,18 @@ class TransformerShape:
     vocab_size: int
     gated_mlp: bool = True  # SwiGLU: three FFN matrices instead of two
 
+    @classmethod
+    def of(cls, info) -> TransformerShape:
+        """The shape of a model's HF facts (`models.hf_config.HFModelInfo`)."""
+        return cls(
+            info.num_layers,
+            info.hidden_size,
+            info.ffn_hidden_size,
+            info.num_attention_heads,
+            info.num_key_value_heads,
+            info.vocab_size,
+        )
+
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token (embedding lookup excluded)."""
         head_dim = self.hidden_size // self.num_attention_heads

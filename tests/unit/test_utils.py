@@ -95,3 +95,13 @@ def test_layout_coordinates_follow_megatron_order():
     assert generation.replicas == 4 and micro_dp(layout, generation) == 2
     with pytest.raises(ValueError, match="does not divide"):
         generation_layout_for(layout, rollout_tp=3)
+
+
+def test_transformer_shape_of_model_facts():
+    from types import SimpleNamespace
+
+    from rl_megatron.utils.flops import TransformerShape
+
+    info = SimpleNamespace(num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
+                           num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
+    assert TransformerShape.of(info) == TransformerShape(32, 4096, 11008, 32, 8, 32000)
