@@ -18,8 +18,11 @@ SUITE=${SUITE:-results}
 
 finish() {  # pack $RES into $OUT/$SUITE.tgz (after every step: a call cut short keeps it)
   nvidia-smi >"$RES/nvidia-smi.txt" 2>&1
-  # Per-process temporary name: both chains of a suite pack concurrently.
-  tar czf "$OUT/.$SUITE.$BASHPID" -C "$RES" . && mv "$OUT/.$SUITE.$BASHPID" "$OUT/$SUITE.tgz"
+  # Per-process temporary name: both chains of a suite pack concurrently. Profiler traces
+  # travel as files of their own (each file back is limited to 16 MiB), the small ones only.
+  tar czf "$OUT/.$SUITE.$BASHPID" --exclude='trace_*' -C "$RES" . &&
+    mv "$OUT/.$SUITE.$BASHPID" "$OUT/$SUITE.tgz"
+  find "$RES" -maxdepth 1 -name 'trace_*.json.gz' -size -15M -exec cp {} "$OUT/" \;
 }
 
 step() {  # step NAME SECONDS COMMAND...: run with a deadline, log to $RES/NAME.log
