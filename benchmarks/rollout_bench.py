@@ -10,7 +10,8 @@ others' numbers; a failed section records `"error"` and no number):
 * `vllm-standalone`: a plain `vllm.LLM(model=ckpt)` with vLLM's defaults (CUDA graphs on,
   its own engine-core process), built first and shut down before the in-trainer engine.
   Besides the shared settings below it only gets `skip_tokenizer_init` (the random
-  checkpoint has no tokenizer), and `VLLM_HOST_IP=127.0.0.1` for its one-rank group.
+  checkpoint has no tokenizer), `VLLM_HOST_IP=127.0.0.1` for its one-rank group, and
+  without torchrun's `TORCHELASTIC_USE_AGENT_STORE` (its engine core must serve its store).
   (It cannot come after the in-trainer engine: building that one turns vLLM's
   multiprocessing off for the process.)
 * `vllm`: the trainer's in-process engine (`VllmEngine`, `external_launcher`, sleep mode on
@@ -270,13 +271,20 @@ def bench_vllm_standalone(ckpt: Path, prompts: list[list[int]], args, result):
     )
     if not torch.cuda.is_available():
         kwargs["enforce_eager"] = True  # as VllmEngine on CPU
-    # Its engine-core process sets up a one-rank group at the host's address; on the
-    # offline GPU machine that address (found by routing towards the internet) hung for
-    # 5 minutes (RESULTS.md, third run). The loopback is right for a one-rank engine.
+    # Its engine-core process sets up a one-rank group over a TCP store at the host's
+    # address; the loopback is right for a one-rank engine. That process inherits
+    # torchrun's environment, and TORCHELASTIC_USE_AGENT_STORE makes torch connect to the
+    # store as a client only, so no one serves it and the start hung (RESULTS.md: third
+    # and fourth runs) until the variable was left out of the child's environment.
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     free_before = free_gib()
     start = time.perf_counter()
-    llm = vllm.LLM(**kwargs)
+    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    try:
+        llm = vllm.LLM(**kwargs)
+    finally:
+        if agent_store is not None:
+            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
     info: dict[str, Any] = {"startup_s": time.perf_counter() - start, "vllm_kwargs": kwargs}
     params = standalone_sampling_params(args)
 

@@ -2,6 +2,7 @@
 # RES collects logs and JSON; the suite tars it into $OUT (the device tool returns at most
 # 8 files). Every step runs under its own `timeout`, so one that hangs or fails costs its
 # own slot only and the suite still ends (and tars) inside the call's limit.
+# STEPS="name glob ..." runs only the steps it names (a follow-up run of a few of them).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
 RES=${RES:-/tmp/res}
@@ -26,8 +27,14 @@ finish() {  # pack $RES into $OUT/$SUITE.tgz (after every step: a call cut short
 }
 
 step() {  # step NAME SECONDS COMMAND...: run with a deadline, log to $RES/NAME.log
-  local name=$1 limit=$2
+  local name=$1 limit=$2 pattern wanted=1
   shift 2
+  if [ -n "${STEPS:-}" ]; then  # STEPS="glob ...": run only the steps it names
+    wanted=0
+    read -ra patterns <<<"$STEPS"
+    for pattern in "${patterns[@]}"; do [[ $name == $pattern ]] && wanted=1; done
+  fi
+  [ $wanted = 1 ] || return 0
   local start=$SECONDS
   timeout "$limit" "$@" >"$RES/$name.log" 2>&1
   echo "$name: rc=$? ${limit}s limit, $((SECONDS - start))s" | tee -a "$RES/steps.txt"

@@ -370,6 +370,11 @@ class VllmEngine(RolloutEngine):
 
     def _wake(self, tags: list[str]) -> None:
         if self._sleep_mode:
+            # vLLM maps its memory through its own allocator, which cannot use what torch's
+            # caching allocator holds: memory freed by training (activations, offloaded
+            # optimizer state) stays cached there until it is given back. Without this,
+            # waking the KV cache after a PPO+GAE update ran out of memory on the H200s.
+            torch.cuda.empty_cache()
             self._llm.wake_up(tags=tags)
 
     # ---- generation ---------------------------------------------------------------

@@ -162,8 +162,29 @@ def select_rows(batch: Mapping[str, torch.Tensor], rows: Sequence[int]) -> dict[
     return out
 
 
+def aligned_shape(
+    attention_mask: torch.Tensor, prompt_width: int, multiple_of: int = 1
+) -> tuple[int, int]:
+    """`(width, response_len)` of these rows once left-aligned (`left_align`).
+
+    attention_mask: `[b, P + R]` of the rows; prompt_width: P.
+    width: the longest row's real tokens, rounded up to `multiple_of`; response_len: the
+    response columns up to the last real response token of any row (at least 1).
+    Each is a host sync on a GPU tensor: callers that align many micro-batches pass a
+    host copy of the mask (one transfer for all of them).
+    """
+    width = int(attention_mask.sum(dim=1).max().clamp(min=1))
+    used = attention_mask[:, prompt_width:].bool().any(dim=0).nonzero()
+    response_len = int(used[-1]) + 1 if len(used) else 1
+    return -(-width // multiple_of) * multiple_of, response_len
+
+
 def left_align(
-    batch: Mapping[str, torch.Tensor], *, width: int | None = None, multiple_of: int = 1
+    batch: Mapping[str, torch.Tensor],
+    *,
+    width: int | None = None,
+    multiple_of: int = 1,
+    response_len: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """A micro-batch as the model reads it: `[prompt | response | padding]` in every row.
 
@@ -178,6 +199,8 @@ def left_align(
     width: the sequence length; None: the longest row's real tokens, rounded up to
         `multiple_of` (sequence parallelism splits the sequence over TP). A fixed width
         keeps the response width at R as well (one shape for an interleaved pipeline).
+    response_len: with `width`, the response columns to keep (`aligned_shape` gives
+        both from a host copy of the mask, so that aligning costs no device sync).
     Returns the per-row entries without `prompts` (responses trimmed to r columns) plus
         `input_ids`, `position_ids` (0, 1, …), `attention_mask` `[b, width]` and
         `gather_index [b, r]`: the column whose output predicts response token k.
@@ -185,10 +208,8 @@ def left_align(
     prompts, responses, mask = batch["prompts"], batch["responses"], batch["attention_mask"]
     p, full_r = prompts.shape[1], responses.shape[1]
     if width is None:
-        response_len = trim_padding(prompts, responses, mask)[1]
-        width = int(mask.sum(dim=1).max().clamp(min=1))
-        width = -(-width // multiple_of) * multiple_of
-    else:
+        width, response_len = aligned_shape(mask, p, multiple_of)
+    elif response_len is None:
         response_len = full_r
     device = prompts.device
     prompt_len = mask[:, :p].sum(dim=1)

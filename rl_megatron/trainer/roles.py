@@ -280,13 +280,18 @@ class MegatronRole:
                 for m in rows
             ]
         if not self.interleaved:
-            return [
-                mb.left_align(
-                    {k: v.to(self.device) for k, v in mb.select_rows(batch, rows).items()},
-                    multiple_of=self.pack_multiple,
+            # Shapes from one host copy of the mask: computed on the device, each would be
+            # a sync, and the GPU would idle while the next step's micro-batches are made.
+            mask = batch["attention_mask"].cpu()
+            prompt_width = batch["prompts"].shape[1]
+            out = []
+            for rows in split:
+                sub = {k: v.to(self.device) for k, v in mb.select_rows(batch, rows).items()}
+                width, response_len = mb.aligned_shape(
+                    mask[list(rows)], prompt_width, self.pack_multiple
                 )
-                for rows in split
-            ]
+                out.append(mb.left_align(sub, width=width, response_len=response_len))
+            return out
         # One shape for all: the batch's full width, and every micro-batch filled up to the
         # largest with copies of its first row that count nowhere (response_mask 0;
         # forward_only drops their outputs).

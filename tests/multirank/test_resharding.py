@@ -63,7 +63,9 @@ def _mismatches(got: dict, want: dict) -> list[str]:
     bad = sorted(set(got) ^ set(want))
     for name, w in want.items():
         g = got.get(name)
-        if g is not None and (g.shape != w.shape or not torch.equal(g.detach().cpu(), w)):
+        if g is not None and (
+            g.shape != w.shape or not torch.equal(g.detach().cpu(), w.detach().cpu())
+        ):
             bad.append(name)
     return bad
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rl_megatron.trainer.micro_batches import (
+    aligned_shape,
     dynamic_micro_batches,
     fixed_micro_batches,
     left_align,
@@ -124,6 +125,13 @@ def test_left_align_moves_padding_to_the_end_of_rows():
     assert fixed["input_ids"].shape == (2, 9) and fixed["responses"].shape == (2, 4)
     assert fixed["attention_mask"].sum(1).tolist() == [3, 5]
     assert fixed["input_ids"][1, :5].tolist() == [7, 8, 9, 4, 5]
+
+    # The role's path: the shape from a host copy of the mask, then given explicitly.
+    assert aligned_shape(mask, 4) == (5, 2) and aligned_shape(mask, 4, multiple_of=4) == (8, 2)
+    assert aligned_shape(torch.zeros_like(mask), 4) == (1, 1)
+    given = left_align(batch, width=5, response_len=2)
+    assert given.keys() == out.keys()
+    assert all(torch.equal(given[k], out[k]) for k in out)
 
 
 def test_left_aligned_causal_attention_equals_the_padding_mask():
