@@ -243,6 +243,9 @@ def to_vllm_sampling_params(
         ignore_eos=True,
         seed=seed,
         logprobs=0,  # the sampled token's log-prob only
+        # Flat lists instead of a dict and a Logprob object per generated token: vLLM
+        # builds these in Python on every decode step.
+        flat_logprobs=True,
         detokenize=False,
     )
 
@@ -469,9 +472,19 @@ def _convert_sample(prompt_index: int, c: Any) -> tuple[list[int], list[float], 
         raise RuntimeError(
             f"vLLM returned no log-prob for every sampled token of prompt {prompt_index}"
         )
-    log_probs = [float(step[t].logprob) for step, t in zip(c.logprobs, tokens)]
+    log_probs = _sampled_log_probs(c.logprobs, tokens)
     reason = c.finish_reason or "abort"
     return tokens, log_probs, FinishReason.parse(reason)
+
+
+def _sampled_log_probs(logprobs: Any, tokens: list[int]) -> list[float]:
+    """Each sampled token's log-prob, from vLLM's per-position log-probs of the sample."""
+    starts = getattr(logprobs, "start_indices", None)
+    if starts is not None:  # FlatLogprobs: each position's entries begin with the sampled one
+        ids, values = logprobs.token_ids, logprobs.logprobs
+        if all(ids[start] == token for start, token in zip(starts, tokens)):
+            return [float(values[start]) for start in starts]
+    return [float(step[token].logprob) for step, token in zip(logprobs, tokens)]
 
 
 def _eos_ids(hf_config: Any, model_config: Any) -> tuple[int, ...]:

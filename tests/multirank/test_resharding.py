@@ -261,7 +261,7 @@ def _refusals(actors, infos, engine) -> dict:
     from rl_megatron.rollout.sampling import SamplingParams
 
     out: dict = {"kind": "refusals", "version_before": engine.weight_version}
-    training = TrainingLayout(2, 2, 1)
+    training = TrainingLayout(*MEMORY_LAYOUT)  # TP2·PP2 on 4 ranks, PP2 on 2 (GPUs)
     before = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
     try:
         sync_weights(

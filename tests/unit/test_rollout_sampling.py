@@ -359,3 +359,29 @@ def test_engine_sleep_and_wake():
         eng.wake(["gpu"])
     with pytest.raises(ValueError, match="sleep level must be 1 or 2"):
         eng.sleep(level=3)
+
+
+def test_sampled_log_probs_from_flat_and_per_position_logprobs():
+    """vLLM's flat log-probs (one list for all positions) and its dict per position give the
+    sampled tokens' log-probs; a flat layout not led by the sampled token is read per position."""
+    from types import SimpleNamespace
+
+    from rl_megatron.rollout.vllm_engine import _sampled_log_probs
+
+    tokens = [5, 7, 5]
+    per_position = [
+        {5: SimpleNamespace(logprob=-0.5)},
+        {7: SimpleNamespace(logprob=-1.25), 2: SimpleNamespace(logprob=-0.1)},
+        {5: SimpleNamespace(logprob=-2.0)},
+    ]
+    assert _sampled_log_probs(per_position, tokens) == [-0.5, -1.25, -2.0]
+
+    class Flat(list):  # FlatLogprobs' layout; indexing gives the dict of a position
+        start_indices = [0, 1, 3]
+        token_ids = [5, 7, 2, 5]
+        logprobs = [-0.5, -1.25, -0.1, -2.0]
+
+    assert _sampled_log_probs(Flat(per_position), tokens) == [-0.5, -1.25, -2.0]
+    Flat.token_ids = [5, 2, 7, 5]  # the second position led by another token
+    Flat.logprobs = [-0.5, -0.1, -1.25, -2.0]
+    assert _sampled_log_probs(Flat(per_position), tokens) == [-0.5, -1.25, -2.0]
