@@ -422,11 +422,11 @@ def _trace_actor_update(trainer, stem: Path) -> dict:
         if name != "actor" or not torch.cuda.is_available():
             return original(role, batch, loss_fn, name)
         _sync()
-        start = time.perf_counter()
+        # No wall time here: it would include the profiler's own start and stop. The
+        # phase's span is the first to the last kernel (`_device_idle`).
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             out = original(role, batch, loss_fn, name)
             _sync()
-        summary["wall_ms"] = (time.perf_counter() - start) * 1e3
         summary.update(_device_idle(prof.events()))
         if dist.get_rank() == 0:
             trace = stem.with_suffix(".json")
