@@ -261,7 +261,8 @@ def plain_loop(config, info, args, masked: bool = False) -> dict:
 
 
 def load_bench_config(args, algorithm: str):
-    from rl_megatron.config import load_config, validate
+    from rl_megatron.config import load_config
+    from rl_megatron.config_checks import validate
 
     overrides = list(TINY_OVERRIDES if args.tiny else [])
     overrides += ALGORITHMS[algorithm]

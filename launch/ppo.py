@@ -15,7 +15,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rl_megatron.config import ConfigError, load_config, save_resolved, to_dict, validate
+from rl_megatron.config import ConfigError, load_config, save_resolved, to_dict
+from rl_megatron.config_checks import validate
 from rl_megatron.distributed import distributed_run, gather_rank_table, launch_env
 from rl_megatron.resharding.layouts import generation_layout_for, micro_dp
 from rl_megatron.utils.logging import format_config, format_layout_table, get_logger

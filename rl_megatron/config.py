@@ -2,8 +2,8 @@
 
 Every field has a default that works at small scale and a comment with its meaning and
 unit. `load_config(path, overrides)` reads YAML + dotted overrides (see `config_io.py`);
-`validate(config, world_size)` holds every cross-field check, in one place, and names the
-dotted key in each error.
+`config_checks.validate(config, world_size)` holds every cross-field check, in one place,
+and names the dotted key in each error.
 
 Batch vocabulary (global counts, all ranks together):
     data.train_batch_size   prompts per training step
@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 from rl_megatron.config_io import ConfigError, from_dict, load_yaml, to_dict
 
-__all__ = ["Config", "ConfigError", "load_config", "validate", "to_dict"]
+__all__ = ["Config", "ConfigError", "load_config", "to_dict"]
 
 Dtype = Literal["bf16", "fp16", "fp32"]
 # The config's short dtype names → torch's (what vLLM and the checkpoint sidecars take).
@@ -264,7 +264,7 @@ class Config:
 def load_config(path: str | os.PathLike, overrides: list[str] | None = None) -> Config:
     """Read YAML `path`, apply dotted `overrides` (`actor.optim.lr=1e-6`), type-check.
 
-    Cross-field checks that need the world size live in `validate`.
+    Cross-field checks that need the world size live in `config_checks.validate`.
     Raises ConfigError with a one-line message naming the key or file.
     """
     raw = load_yaml(path, overrides or [])
@@ -319,230 +319,6 @@ def _resolve_defaults(config: Config) -> None:
         config.critic.enable = config.algorithm.adv_estimator == "gae"
     if config.reference.enable is None:
         config.reference.enable = config.algorithm.use_kl_in_reward or config.actor.use_kl_loss
-
-
-def _require(condition: bool, key: str, message: str) -> None:
-    if not condition:
-        raise ConfigError(f"{key}: {message}")
-
-
-def validate(config: Config, world_size: int) -> None:
-    """Every range and cross-field check; raises ConfigError naming the dotted key."""
-    m, p, r, a, act, cr = (
-        config.model,
-        config.parallel,
-        config.rollout,
-        config.algorithm,
-        config.actor,
-        config.critic,
-    )
-    for key in (
-        "num_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "ffn_hidden_size",
-        "vocab_size",
-    ):
-        _require(
-            getattr(m, key) is not None, f"model.{key}", "required when model.hf_path is not set"
-        )
-        _require(getattr(m, key) > 0, f"model.{key}", f"must be > 0, got {getattr(m, key)}")
-    _require(m.num_query_groups > 0, "model.num_query_groups", "must be > 0")
-    _require(
-        m.num_attention_heads % m.num_query_groups == 0,
-        "model.num_query_groups",
-        f"{m.num_query_groups} does not divide num_attention_heads={m.num_attention_heads}",
-    )
-    _require(
-        m.make_vocab_size_divisible_by > 0, "model.make_vocab_size_divisible_by", "must be > 0"
-    )
-
-    for key in ("tp", "pp", "cp", "ep"):
-        _require(getattr(p, key) >= 1, f"parallel.{key}", f"must be >= 1, got {getattr(p, key)}")
-    _require(
-        m.num_attention_heads % p.tp == 0,
-        "parallel.tp",
-        f"{p.tp} does not divide model.num_attention_heads={m.num_attention_heads}",
-    )
-    _require(
-        m.num_query_groups % p.tp == 0,
-        "parallel.tp",
-        f"{p.tp} does not divide model.num_query_groups={m.num_query_groups}",
-    )
-    _require(
-        m.ffn_hidden_size % p.tp == 0,
-        "parallel.tp",
-        f"{p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}",
-    )
-    _require(
-        m.num_layers % p.pp == 0,
-        "parallel.pp",
-        f"{p.pp} does not divide model.num_layers={m.num_layers}",
-    )
-    model_parallel = p.tp * p.pp * p.cp
-    _require(
-        world_size % model_parallel == 0,
-        "parallel",
-        f"world size {world_size} is not divisible by tp·pp·cp = {p.tp}·{p.pp}·{p.cp}",
-    )
-    dp = world_size // model_parallel
-    if p.vpp is not None:
-        _require(p.vpp >= 2, "parallel.vpp", f"must be >= 2 or null, got {p.vpp}")
-        _require(p.pp >= 2, "parallel.vpp", "interleaved pipelining needs parallel.pp >= 2")
-        _require(
-            m.num_layers % (p.pp * p.vpp) == 0,
-            "parallel.vpp",
-            f"pp·vpp = {p.pp * p.vpp} does not divide model.num_layers={m.num_layers}",
-        )
-    _require(
-        not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", "needs parallel.tp > 1"
-    )
-    _require(
-        p.ep == 1, "parallel.ep", "expert parallelism needs an MoE model; none is supported yet"
-    )
-    _require(p.timeout_s > 0, "parallel.timeout_s", "must be > 0")
-
-    _require(r.tp >= 1, "rollout.tp", f"must be >= 1, got {r.tp}")
-    _require(
-        (p.tp * p.pp) % r.tp == 0,
-        "rollout.tp",
-        f"{r.tp} does not divide parallel.tp·parallel.pp = {p.tp * p.pp}",
-    )
-    _require(
-        m.num_attention_heads % r.tp == 0 and m.num_query_groups % r.tp == 0,
-        "rollout.tp",
-        f"{r.tp} does not divide the attention heads / query groups of the model",
-    )
-    _require(r.n >= 1, "rollout.n", f"must be >= 1, got {r.n}")
-    _require(
-        r.temperature > 0 or r.n == 1,
-        "rollout.n",
-        f"greedy sampling (rollout.temperature=0) gives {r.n} identical responses; use n=1",
-    )
-    _require(r.temperature >= 0, "rollout.temperature", "must be >= 0")
-    _require(0 < r.top_p <= 1, "rollout.top_p", f"must be in (0, 1], got {r.top_p}")
-    _require(r.top_k == -1 or r.top_k > 0, "rollout.top_k", "must be -1 (off) or > 0")
-    _require(r.max_prompt_length > 0, "rollout.max_prompt_length", "must be > 0")
-    _require(r.max_response_length > 0, "rollout.max_response_length", "must be > 0")
-    _require(
-        r.max_prompt_length + r.max_response_length <= m.max_position_embeddings,
-        "rollout.max_response_length",
-        f"max_prompt_length + max_response_length = "
-        f"{r.max_prompt_length + r.max_response_length} exceeds "
-        f"model.max_position_embeddings={m.max_position_embeddings}",
-    )
-    _require(
-        0 < r.gpu_memory_utilization <= 1,
-        "rollout.gpu_memory_utilization",
-        f"must be in (0, 1], got {r.gpu_memory_utilization}",
-    )
-    _require(r.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb", "must be > 0")
-    managed = sorted(set(r.engine_kwargs) & set(TRAINER_SET_LLM_ARGS))
-    _require(
-        not managed,
-        f"rollout.engine_kwargs.{managed[0] if managed else ''}",
-        "is set by the trainer (from rollout.*, model.*, trainer.seed); set it there",
-    )
-
-    _require(0 <= a.gamma <= 1, "algorithm.gamma", f"must be in [0, 1], got {a.gamma}")
-    _require(0 <= a.lam <= 1, "algorithm.lam", f"must be in [0, 1], got {a.lam}")
-    _require(a.kl_ctrl.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", "must be >= 0")
-    _require(a.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl", "must be > 0")
-    _require(a.kl_ctrl.horizon > 0, "algorithm.kl_ctrl.horizon", "must be > 0")
-    if a.adv_estimator == "gae":
-        _require(bool(cr.enable), "critic.enable", "algorithm.adv_estimator=gae needs a critic")
-    if a.adv_estimator in ("grpo", "rloo", "reinforce_plus_plus_baseline"):
-        _require(
-            r.n >= 2, "rollout.n", f"algorithm.adv_estimator={a.adv_estimator} needs n >= 2 samples"
-        )
-    if a.use_kl_in_reward or act.use_kl_loss:
-        _require(bool(config.reference.enable), "reference.enable", "a KL term needs the reference")
-
-    d = config.data
-    if d.synthetic_task is None:
-        _require(
-            bool(d.train_files),
-            "data.train_files",
-            "no training data; give JSONL/Parquet files or set data.synthetic_task",
-        )
-    else:
-        _require(
-            not d.train_files,
-            "data.synthetic_task",
-            "is set together with data.train_files; choose one",
-        )
-        _require(d.synthetic_size > 0, "data.synthetic_size", "must be > 0")
-    _require(
-        config.trainer.val_interval == 0 or bool(d.val_files) or d.synthetic_task is not None,
-        "trainer.val_interval",
-        "evaluation needs data.val_files (or data.synthetic_task)",
-    )
-    if r.engine == "megatron":
-        # The Megatron engine generates with the actor's own modules (no copy, no sync).
-        _require(p.pp == 1, "rollout.engine", "megatron generates with pp=1 only; use vllm")
-        _require(
-            not p.sequence_parallel,
-            "rollout.engine",
-            "megatron decodes one token per step, which sequence_parallel cannot split; use vllm",
-        )
-        _require(
-            r.tp == p.tp,
-            "rollout.tp",
-            f"the megatron engine generates at the training tp={p.tp}; got rollout.tp={r.tp}",
-        )
-
-    sequences = config.data.train_batch_size * r.n
-    _require(config.data.train_batch_size > 0, "data.train_batch_size", "must be > 0")
-    _require(
-        config.data.train_batch_size % dp == 0,
-        "data.train_batch_size",
-        f"{config.data.train_batch_size} prompts do not split over {dp} data-parallel ranks",
-    )
-    for section, role in (("actor", act), ("critic", cr)):
-        if section == "critic" and not cr.enable:
-            continue
-        _validate_optim(role.optim, f"{section}.optim")
-        _require(role.ppo_epochs >= 1, f"{section}.ppo_epochs", "must be >= 1")
-        _require(role.micro_batch_size >= 1, f"{section}.micro_batch_size", "must be >= 1")
-        _require(
-            sequences % role.mini_batch_size == 0,
-            f"{section}.mini_batch_size",
-            f"{role.mini_batch_size} does not divide the {sequences} sequences of a step "
-            "(data.train_batch_size · rollout.n)",
-        )
-        _require(
-            role.mini_batch_size % (role.micro_batch_size * dp) == 0,
-            f"{section}.mini_batch_size",
-            f"{role.mini_batch_size} is not divisible by micro_batch_size·dp = "
-            f"{role.micro_batch_size}·{dp}",
-        )
-    _require(0 <= act.clip_ratio_low < 1, "actor.clip_ratio_low", "must be in [0, 1)")
-    _require(act.clip_ratio_high >= 0, "actor.clip_ratio_high", "must be >= 0")
-    _require(act.clip_ratio_c > 1, "actor.clip_ratio_c", f"must be > 1, got {act.clip_ratio_c}")
-    _require(act.max_tokens_per_micro_batch > 0, "actor.max_tokens_per_micro_batch", "must be > 0")
-    _require(cr.cliprange_value > 0, "critic.cliprange_value", "must be > 0")
-    if config.reward.type == "model":
-        _require(config.reward.model_path is not None, "reward.model_path", "needed by type=model")
-
-    t = config.trainer
-    _require(t.total_epochs >= 1, "trainer.total_epochs", "must be >= 1")
-    _require(t.total_steps is None or t.total_steps >= 1, "trainer.total_steps", "must be >= 1")
-    _require(t.val_interval >= 0, "trainer.val_interval", "must be >= 0")
-    c = config.checkpoint
-    _require(c.save_interval >= 0, "checkpoint.save_interval", "must be >= 0")
-    _require(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
-    _require(config.logging.log_interval >= 1, "logging.log_interval", "must be >= 1")
-
-
-def _validate_optim(optim: OptimConfig, key: str) -> None:
-    _require(optim.lr >= 0, f"{key}.lr", f"must be >= 0, got {optim.lr}")
-    _require(0 <= optim.min_lr <= optim.lr, f"{key}.min_lr", "must be in [0, lr]")
-    _require(optim.lr_warmup_steps >= 0, f"{key}.lr_warmup_steps", "must be >= 0")
-    _require(0 <= optim.adam_beta1 < 1, f"{key}.adam_beta1", "must be in [0, 1)")
-    _require(0 <= optim.adam_beta2 < 1, f"{key}.adam_beta2", "must be in [0, 1)")
-    _require(optim.adam_eps > 0, f"{key}.adam_eps", "must be > 0")
-    _require(optim.clip_grad >= 0, f"{key}.clip_grad", "must be >= 0 (0 = off)")
-    _require(optim.weight_decay >= 0, f"{key}.weight_decay", "must be >= 0")
 
 
 def save_resolved(config: Config, run_dir: Path) -> Path:

@@ -49,7 +49,8 @@ Frozen roles (no optimizer) store and load weights only.
 
 megatron-core 0.16.1 needs a few workarounds (`mcore_compat.py`): with torch's Adam it
 cannot save or load a fresh optimizer and loses or aliases Adam's `step` on load; its
-checkpoint writer forks helper processes. RNG streams: `rng_state.py`.
+checkpoint writer forks helper processes. RNG streams: `rng_state.py`; the step-directory
+protocol (tmp / old / del names, commit, fsync order): `step_dirs.py`.
 """
 
 from __future__ import annotations
@@ -57,8 +58,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
-import re
 import shutil
 import time
 import uuid
@@ -71,7 +70,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from megatron.core import parallel_state as ps
 
-from rl_megatron.checkpoint import hf_loader
+from rl_megatron.checkpoint import hf_loader, step_dirs
 from rl_megatron.checkpoint.hf_export import HF_AUX_FILES
 from rl_megatron.checkpoint.hf_loader import unwrap
 from rl_megatron.checkpoint.mcore_compat import (
@@ -81,16 +80,14 @@ from rl_megatron.checkpoint.mcore_compat import (
     tolerate_missing_adam_step,
 )
 from rl_megatron.checkpoint.rng_state import read_rng, restore_rng, save_rng
+from rl_megatron.checkpoint.step_dirs import STATE_FILE
 from rl_megatron.config import DTYPE_NAMES
 
 FORMAT_VERSION = 1
-STATE_FILE = "trainer_state.json"  # the completion marker: written last
 SIDECAR_FILE = "rl_megatron.json"  # checkpoints_tools/_common.py META_FILE
 HF_SUBDIR = "hf"  # checkpoints_tools/_common.py HF_SUBDIR
 RNG_DIR = "rng"
 OptimizerSharding = Literal["dp_reshardable", "fully_reshardable"]
-_FINAL = re.compile(r"^step_(\d{8})(\.old-[0-9a-f]+)?$")
-_PARTIAL = re.compile(r"^step_\d{8}\.(tmp|old|del)-[0-9a-f]+$")
 log = logging.getLogger(__name__)
 
 
@@ -180,8 +177,8 @@ class CheckpointManager:
                 },
                 "trainer_state": json.loads(state_text),
             }
-            _write_json(tmp / STATE_FILE, meta)
-            _commit(tmp, final)
+            step_dirs.write_json(tmp / STATE_FILE, meta)
+            step_dirs.commit(tmp, final)
             self._cleanup(keep=final)
             log.info("checkpoint step %d: %s (%.1f s)", step, final, time.perf_counter() - started)
         dist.barrier(group=self.group)
@@ -192,7 +189,7 @@ class CheckpointManager:
         box: list = [None]
         if self._is_leader():
             self.root.mkdir(parents=True, exist_ok=True)
-            _recover_replaced(self.root)
+            step_dirs.recover_replaced(self.root)
             box[0] = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:12]}")
             (box[0] / RNG_DIR).mkdir(parents=True)
         dist.broadcast_object_list(box, src=self._leader_rank(), group=self.group)
@@ -211,12 +208,12 @@ class CheckpointManager:
     def _cleanup(self, keep: Path) -> None:
         """Delete leftovers of interrupted saves and complete checkpoints past `keep_last`."""
         for path in self.root.iterdir():
-            if _PARTIAL.match(path.name) and path.is_dir():
-                _delete(path)
-        kept = [p for _, p in _complete(self.root)][: self.keep_last]
-        for _, path in _complete(self.root):
+            if step_dirs.PARTIAL.match(path.name) and path.is_dir():
+                step_dirs.delete(path)
+        kept = [p for _, p in step_dirs.complete(self.root)][: self.keep_last]
+        for _, path in step_dirs.complete(self.root):
             if path not in kept and path != keep:
-                _delete(path)
+                step_dirs.delete(path)
 
     # ---- latest ---------------------------------------------------------------------------
 
@@ -229,8 +226,8 @@ class CheckpointManager:
         rank resumes from the same directory even on a lagging shared filesystem.
         """
         if not dist.is_initialized():
-            return _latest(self.root)
-        box = [_latest(self.root) if self._is_leader() else None]
+            return step_dirs.latest(self.root)
+        box = [step_dirs.latest(self.root) if self._is_leader() else None]
         dist.broadcast_object_list(box, src=self._leader_rank(), group=self.group)
         return box[0]
 
@@ -391,7 +388,7 @@ def _write_sidecar(role_dir: Path, sidecar: dict) -> None:
     meta = dict(sidecar)
     if "dtype" in meta:  # torch's name, as the tools write (megatron_to_hf: getattr(torch, ...))
         meta["dtype"] = DTYPE_NAMES.get(meta["dtype"], meta["dtype"])
-    _write_json(role_dir / SIDECAR_FILE, meta)
+    step_dirs.write_json(role_dir / SIDECAR_FILE, meta)
     if not sidecar.get("source"):
         return
     for source in (Path(sidecar["source"]), Path(sidecar["source"]) / HF_SUBDIR):
@@ -453,58 +450,7 @@ def _describe(layout: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in layout.items())
 
 
-# ---- directories -----------------------------------------------------------------------------
-
-
-def _complete(root: Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, newest first; a step's `.old-` copy only where it has no other."""
-    if not root.is_dir():
-        return []
-    found: dict[int, Path] = {}
-    for path in root.iterdir():
-        match = _FINAL.match(path.name)
-        if not match or not (path / STATE_FILE).is_file():
-            continue
-        step = int(match.group(1))
-        if match.group(2) is None or step not in found:
-            found[step] = path
-    return sorted(found.items(), reverse=True)
-
-
-def _latest(root: Path) -> Path | None:
-    complete = _complete(root)
-    return complete[0][1] if complete else None
-
-
-def _recover_replaced(root: Path) -> None:
-    """Put back a step's old copy if a kill came between re-save's two renames."""
-    for step, path in _complete(root):
-        if path.name != f"step_{step:08d}":
-            os.rename(path, root / f"step_{step:08d}")
-
-
-def _commit(tmp: Path, final: Path) -> None:
-    """Make `tmp` visible as `final`; an existing `final` is replaced, never lost."""
-    _fsync_tree(tmp)
-    old = None
-    if final.exists():
-        old = final.with_name(f"{final.name}.old-{tmp.name.rsplit('-', 1)[1]}")
-        os.rename(final, old)
-    os.rename(tmp, final)
-    _fsync_dir(final.parent)
-    if old is not None:
-        _delete(old)
-
-
-def _delete(path: Path) -> None:
-    """Remove a checkpoint directory: first out of sight (one rename), then its files.
-
-    A kill during the removal then leaves a `.del-` directory that nothing reads, never a
-    complete-looking checkpoint with files missing.
-    """
-    doomed = path.with_name(f"{path.name.split('.')[0]}.del-{uuid.uuid4().hex[:12]}")
-    os.rename(path, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+# ---- checking a checkpoint -------------------------------------------------------------------
 
 
 def _check_checkpoint(path: Path, names: list[str]) -> dict:
@@ -560,27 +506,3 @@ def _check_dist_checkpoint(role_dir: Path) -> None:
             raise CheckpointError(f"{file}: missing")
         if file.stat().st_size < size:
             raise CheckpointError(f"{file}: truncated ({file.stat().st_size} of {size} bytes)")
-
-
-def _write_json(path: Path, content: Any) -> None:
-    """Write JSON durably: a temporary file, fsync, rename."""
-    tmp = path.with_name(f".{path.name}.partial")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(content, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(root: Path) -> None:
-    """fsync the directories of a checkpoint so the rename never exposes missing entries."""
-    for dirpath, _, _ in os.walk(root):
-        _fsync_dir(Path(dirpath))

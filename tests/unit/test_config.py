@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rl_megatron.config import ConfigError, load_config, save_resolved, validate
+from rl_megatron.config import ConfigError, load_config, save_resolved
+from rl_megatron.config_checks import validate
 
 TINY = Path(__file__).resolve().parents[2] / "yaml_configs" / "tiny_cpu.yaml"
 

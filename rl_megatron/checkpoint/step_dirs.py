@@ -1,0 +1,113 @@
+"""The on-disk protocol of `step_XXXXXXXX/` checkpoint directories: commit, list, recover, delete.
+
+Names a directory may have under the checkpoint root:
+
+    step_00000042               a checkpoint; complete once it holds `trainer_state.json`,
+                                which is written last.
+    step_00000042.tmp-<token>   a save in progress. It is renamed into place only once
+                                complete, so a kill at any moment leaves the previous
+                                checkpoint untouched; never returned, and the next
+                                successful save deletes it.
+    step_00000042.old-<token>   a re-saved step's previous copy, moved aside before the new one
+                                is renamed into place, then deleted. `latest` falls back to
+                                it, and `recover_replaced` puts it back, only if a kill came
+                                between the two renames.
+    step_00000042.del-<token>   a directory being deleted: first out of sight (one rename),
+                                then its files, so a kill during the removal never leaves a
+                                complete-looking checkpoint with files missing.
+
+Ordering: JSON files are written durably (a temporary file, fsync, rename); before the commit
+rename every directory of the `.tmp-` tree is fsynced, so the rename never exposes missing
+entries; after it, the parent directory is. CheckpointManager calls these on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any
+
+STATE_FILE = "trainer_state.json"  # the completion marker: written last
+FINAL = re.compile(r"^step_(\d{8})(\.old-[0-9a-f]+)?$")
+PARTIAL = re.compile(r"^step_\d{8}\.(tmp|old|del)-[0-9a-f]+$")
+
+
+def complete(root: Path) -> list[tuple[int, Path]]:
+    """Complete checkpoints, newest first; a step's `.old-` copy only where it has no other."""
+    if not root.is_dir():
+        return []
+    found: dict[int, Path] = {}
+    for path in root.iterdir():
+        match = FINAL.match(path.name)
+        if not match or not (path / STATE_FILE).is_file():
+            continue
+        step = int(match.group(1))
+        if match.group(2) is None or step not in found:
+            found[step] = path
+    return sorted(found.items(), reverse=True)
+
+
+def latest(root: Path) -> Path | None:
+    """The newest complete checkpoint under `root` (by step), or None."""
+    found = complete(root)
+    return found[0][1] if found else None
+
+
+def recover_replaced(root: Path) -> None:
+    """Put back a step's old copy if a kill came between re-save's two renames."""
+    for step, path in complete(root):
+        if path.name != f"step_{step:08d}":
+            os.rename(path, root / f"step_{step:08d}")
+
+
+def commit(tmp: Path, final: Path) -> None:
+    """Make `tmp` visible as `final`; an existing `final` is replaced, never lost."""
+    fsync_tree(tmp)
+    old = None
+    if final.exists():
+        old = final.with_name(f"{final.name}.old-{tmp.name.rsplit('-', 1)[1]}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+    if old is not None:
+        delete(old)
+
+
+def delete(path: Path) -> None:
+    """Remove a checkpoint directory: first out of sight (one rename), then its files.
+
+    A kill during the removal then leaves a `.del-` directory that nothing reads, never a
+    complete-looking checkpoint with files missing.
+    """
+    doomed = path.with_name(f"{path.name.split('.')[0]}.del-{uuid.uuid4().hex[:12]}")
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
+def write_json(path: Path, content: Any) -> None:
+    """Write JSON durably: a temporary file, fsync, rename."""
+    tmp = path.with_name(f".{path.name}.partial")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(content, indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def fsync_dir(path: Path) -> None:
+    """fsync one directory, so the entries created or renamed in it are on disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    """fsync the directories of a checkpoint so the rename never exposes missing entries."""
+    for dirpath, _, _ in os.walk(root):
+        fsync_dir(Path(dirpath))
