@@ -2,7 +2,7 @@
 
 One `SamplingParams` describes a whole `generate` call: every prompt gets `n` responses
 drawn with the same temperature / top-p / top-k and at most `max_new_tokens` tokens each.
-Engines translate it to their own knobs (`vllm_engine.to_vllm_sampling_params`).
+Engines translate it to their own knobs (`vllm_io.to_vllm_sampling_params`).
 Engines that sample themselves (the Megatron engine) use `sample_tokens`: batched,
 and with per-row seeds a pure function of (row seed, decode step, logits).
 

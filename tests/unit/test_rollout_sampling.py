@@ -13,6 +13,7 @@ import torch
 
 from rl_megatron.rollout.batch import RolloutBatch
 from rl_megatron.rollout.engine import RolloutEngine
+from rl_megatron.rollout.replicas import ReplicaLayout
 from rl_megatron.rollout.sampling import (
     SamplingParams,
     filter_logits,
@@ -22,7 +23,6 @@ from rl_megatron.rollout.sampling import (
     seed_tensor,
     seeded_uniform,
 )
-from rl_megatron.rollout.vllm_engine import ReplicaLayout
 
 # ---- SamplingParams -------------------------------------------------------------------
 
@@ -366,7 +366,7 @@ def test_sampled_log_probs_from_flat_and_per_position_logprobs():
     sampled tokens' log-probs; a flat layout not led by the sampled token is read per position."""
     from types import SimpleNamespace
 
-    from rl_megatron.rollout.vllm_engine import _sampled_log_probs
+    from rl_megatron.rollout.vllm_io import sampled_log_probs
 
     tokens = [5, 7, 5]
     per_position = [
@@ -374,14 +374,14 @@ def test_sampled_log_probs_from_flat_and_per_position_logprobs():
         {7: SimpleNamespace(logprob=-1.25), 2: SimpleNamespace(logprob=-0.1)},
         {5: SimpleNamespace(logprob=-2.0)},
     ]
-    assert _sampled_log_probs(per_position, tokens) == [-0.5, -1.25, -2.0]
+    assert sampled_log_probs(per_position, tokens) == [-0.5, -1.25, -2.0]
 
     class Flat(list):  # FlatLogprobs' layout; indexing gives the dict of a position
         start_indices = [0, 1, 3]
         token_ids = [5, 7, 2, 5]
         logprobs = [-0.5, -1.25, -0.1, -2.0]
 
-    assert _sampled_log_probs(Flat(per_position), tokens) == [-0.5, -1.25, -2.0]
+    assert sampled_log_probs(Flat(per_position), tokens) == [-0.5, -1.25, -2.0]
     Flat.token_ids = [5, 2, 7, 5]  # the second position led by another token
     Flat.logprobs = [-0.5, -0.1, -1.25, -2.0]
-    assert _sampled_log_probs(Flat(per_position), tokens) == [-0.5, -1.25, -2.0]
+    assert sampled_log_probs(Flat(per_position), tokens) == [-0.5, -1.25, -2.0]

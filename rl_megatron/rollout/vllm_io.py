@@ -1,0 +1,62 @@
+"""Conversions between our rollout types and vLLM's request and response objects.
+
+vLLM is imported inside the functions only, so this module imports where vLLM does not
+(the CPU unit tests). Callers hold a built `VllmEngine`, whose construction has already
+checked the import and its error message (`vllm_engine.import_vllm`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rl_megatron.rollout.batch import FinishReason
+from rl_megatron.rollout.sampling import SamplingParams
+
+
+def to_vllm_sampling_params(
+    sampling: SamplingParams, stop_token_ids: Sequence[int], seed: int | None
+) -> Any:
+    """One vLLM `SamplingParams` for a prompt (its n samples get seed, seed+1, …)."""
+    import vllm
+
+    return vllm.SamplingParams(
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=1.0 if sampling.greedy else sampling.top_p,
+        # -1 disables top-k on every supported version (0.26 rejects 0).
+        top_k=-1 if sampling.greedy or sampling.top_k == 0 else sampling.top_k,
+        max_tokens=sampling.max_new_tokens,
+        stop_token_ids=list(stop_token_ids),
+        # Our stop ids already hold the EOS when wanted; vLLM's own EOS (none without a
+        # tokenizer) must not add another rule.
+        ignore_eos=True,
+        seed=seed,
+        logprobs=0,  # the sampled token's log-prob only
+        # Flat lists instead of a dict and a Logprob object per generated token: vLLM
+        # builds these in Python on every decode step.
+        flat_logprobs=True,
+        detokenize=False,
+    )
+
+
+def convert_sample(prompt_index: int, c: Any) -> tuple[list[int], list[float], FinishReason]:
+    """One vLLM `CompletionOutput` as (tokens, sampled log-probs, finish reason)."""
+    tokens = list(c.token_ids)
+    if c.logprobs is None or len(c.logprobs) != len(tokens):
+        raise RuntimeError(
+            f"vLLM returned no log-prob for every sampled token of prompt {prompt_index}"
+        )
+    log_probs = sampled_log_probs(c.logprobs, tokens)
+    reason = c.finish_reason or "abort"
+    return tokens, log_probs, FinishReason.parse(reason)
+
+
+def sampled_log_probs(logprobs: Any, tokens: list[int]) -> list[float]:
+    """Each sampled token's log-prob, from vLLM's per-position log-probs of the sample."""
+    starts = getattr(logprobs, "start_indices", None)
+    if starts is not None:  # FlatLogprobs: each position's entries begin with the sampled one
+        ids, values = logprobs.token_ids, logprobs.logprobs
+        if all(ids[start] == token for start, token in zip(starts, tokens)):
+            return [float(values[start]) for start in starts]
+    return [float(step[token].logprob) for step, token in zip(logprobs, tokens)]
