@@ -77,21 +77,9 @@ def _check_model(m: ModelConfig) -> None:
 def _check_parallel(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:
     for key in ("tp", "pp", "cp", "ep"):
         _require(getattr(p, key) >= 1, f"parallel.{key}", f"must be >= 1, got {getattr(p, key)}")
-    _require(
-        m.num_attention_heads % p.tp == 0,
-        "parallel.tp",
-        f"{p.tp} does not divide model.num_attention_heads={m.num_attention_heads}",
-    )
-    _require(
-        m.num_query_groups % p.tp == 0,
-        "parallel.tp",
-        f"{p.tp} does not divide model.num_query_groups={m.num_query_groups}",
-    )
-    _require(
-        m.ffn_hidden_size % p.tp == 0,
-        "parallel.tp",
-        f"{p.tp} does not divide model.ffn_hidden_size={m.ffn_hidden_size}",
-    )
+    for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+        size = getattr(m, key)
+        _require(size % p.tp == 0, "parallel.tp", f"{p.tp} does not divide model.{key}={size}")
     _require(
         m.num_layers % p.pp == 0,
         "parallel.pp",

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -124,14 +123,14 @@ class PPOTrainer:
 
         # 2. Score: recompute the sampling policy's log-probs (never trust the engine's),
         #    the reference's, the critic's values and the rewards.
-        with self.phases.time("old_log_probs"), self._on_device(roles.actor):
+        with self.phases.time("old_log_probs"), roles.actor.on_device():
             old = roles.actor.forward_only(batch, with_entropy=True)
         batch["old_log_prob"] = old["log_prob"]
         if roles.reference is not None:
-            with self.phases.time("reference"), self._on_device(roles.reference):
+            with self.phases.time("reference"), roles.reference.on_device():
                 batch["ref_log_prob"] = roles.reference.forward_only(batch)["log_prob"]
         if roles.critic is not None:
-            with self.phases.time("values"), self._on_device(roles.critic):
+            with self.phases.time("values"), roles.critic.on_device():
                 batch["values"] = roles.critic.forward_only(batch)["values"]
         with self.phases.time("reward"):
             samples = [indices[int(g)] for g in rollout.group_index]
@@ -167,12 +166,12 @@ class PPOTrainer:
         # 4. Update: critic first (it does not depend on the actor's new weights).
         critic_metrics: dict[str, float] = {}
         if roles.critic is not None:
-            with self.phases.time("update_critic"), self._on_device(roles.critic):
+            with self.phases.time("update_critic"), roles.critic.on_device():
                 critic_metrics = self._update(roles.critic, batch, self._critic_loss, "critic")
             critic_metrics["critic/explained_variance"] = float(
                 explained_variance(batch["values"], batch["returns"], mask, self.dp_group)
             )
-        with self.phases.time("update_actor"), self._on_device(roles.actor):
+        with self.phases.time("update_actor"), roles.actor.on_device():
             actor_metrics = self._update(roles.actor, batch, self._actor_loss, "actor")
         if cfg.algorithm.use_kl_in_reward:
             # The batch's KL over all replicas, so every rank's controller stays the same.
@@ -221,7 +220,7 @@ class PPOTrainer:
         self, prompts: list[list[int]], sampling: SamplingParams
     ) -> tuple[RolloutBatch, dict[str, float]]:
         """Sync the engine to the actor's weights (version = step), then generate."""
-        with self._on_device(self.roles.actor):
+        with self.roles.actor.on_device():
             with self.phases.time("reshard"):
                 sync = self._sync_engine(version=self.step)
             if self.generates_with_actor:
@@ -342,7 +341,7 @@ class PPOTrainer:
         val = self.data.val
         if val is None:
             return {}
-        with self._on_device(self.roles.actor):
+        with self.roles.actor.on_device():
             self._sync_engine(version=self.step)
         totals = torch.zeros(3, dtype=torch.float64)  # reward sum, length sum, count
         batches = eval_batches(
@@ -356,7 +355,7 @@ class PPOTrainer:
                 sampling = self._sampling(batch_index, evaluation=True)
                 with contextlib.ExitStack() as stack:
                     if self.generates_with_actor:
-                        stack.enter_context(self._on_device(self.roles.actor))
+                        stack.enter_context(self.roles.actor.on_device())
                     rollout = self._generate([val.input_ids[i] for i in rows], sampling)
                 batch = self._to_device(ex.training_batch(rollout))
             scores, _ = self.scorer.score(rollout, val.dataset, rows, batch, self.step)
@@ -404,15 +403,6 @@ class PPOTrainer:
     def _to_device(self, batch: Batch) -> Batch:
         """Rollouts arrive on the CPU; scores, advantages and DP reductions run here."""
         return {k: v.to(self.device) for k, v in batch.items()}
-
-    @contextlib.contextmanager
-    def _on_device(self, role: MegatronRole) -> Iterator[None]:
-        """Reload the role for the phase; offload what its config says afterwards."""
-        role.reload()
-        try:
-            yield
-        finally:
-            role.offload()
 
     def _stop_requested(self) -> bool:
         """SIGTERM on any rank stops all of them after the same step."""

@@ -38,6 +38,7 @@ collective of ours.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -243,6 +244,15 @@ class MegatronRole:
     def reload(self) -> None:
         """Bring the offloaded state back to the device (a no-op when nothing is off)."""
         self.offloader.reload()
+
+    @contextlib.contextmanager
+    def on_device(self) -> Iterator[None]:
+        """The role reloaded for a phase; offloaded afterwards as its config says."""
+        self.reload()
+        try:
+            yield
+        finally:
+            self.offload()
 
     def _check_loaded(self) -> None:
         if self.offloader.is_offloaded:

@@ -84,12 +84,8 @@ class RewardScorer:
         if self.reward_model is not None:
             if n == 0:
                 return torch.zeros(0), {}
-            # Reloaded for its forward, offloaded afterwards as its config says.
-            self.reward_model.reload()
-            try:
+            with self.reward_model.on_device():
                 values = self.reward_model.forward_only(batch)["values"]
-            finally:
-                self.reward_model.offload()
             scores = ex.sequence_scores_at_last_token(values, batch["response_mask"]).cpu()
             return scores, {
                 "reward/mean": scores.mean().item(),
