@@ -24,7 +24,10 @@ than the trainer's mean sequence, which is prompt mean + response mean).
 and with `--profile-dir` one extra step under torch.profiler (top ops to a text file);
 `--profile-update` profiles one actor optimizer step and one plain-loop iteration (the
 same work), to compare op by op, and traces one whole actor-update phase on the GPU
-(Chrome trace, device idle time and the longest waits for the host).
+(Chrome trace, device idle time and the longest waits for the host) next to two plain-loop
+iterations (`plain_loop.device_idle`); one more actor-update phase and two plain
+iterations run under torch's sync debug mode, which names every host-device sync's call
+site (`update_actor_sync_sites`, `plain_loop.sync_sites`).
 The first H200 run (RESULTS.md, 2026-11-29) patched two device-placement bugs of the
 trainer in-process; they are fixed in the trainer since, and the bench patches nothing.
 
@@ -227,10 +230,14 @@ def plain_loop(config, info, args, masked: bool = False) -> dict:
     _sync()
     seconds = time.perf_counter() - start
     peak_gb = _gib(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0
-    profile_path = None
+    profile_path, device_idle, sync_sites = None, None, None
     if args.profile_update and args.profile_dir is not None:
         profile_path = args.profile_dir / f"profile_{'plain_masked' if masked else 'plain'}.txt"
         _profiled(iteration, profile_path, dist.get_rank() == 0)
+        # Two iterations traced like the actor-update phase (`_trace_actor_update`, two
+        # optimizer steps), so that their device idle times compare directly.
+        device_idle = _device_idle_of(lambda: [iteration() for _ in range(2)])
+        sync_sites = _sync_sites(lambda: [iteration() for _ in range(2)])
     tokens_total = args.plain_iters * num_micro * micro_batch * seq
     tok_s = tokens_total / seconds / dist.get_world_size()
     peak = device_peak_tflops()
@@ -252,6 +259,8 @@ def plain_loop(config, info, args, masked: bool = False) -> dict:
         "loss_first": first_loss,
         "loss_last": last_loss,
         "profile": str(profile_path) if profile_path else None,
+        "device_idle": device_idle,
+        "sync_sites": sync_sites,
     }
     model_config.finalize_model_grads_func = None
     return out  # the model and optimizer go with this frame (the caller measures that)
@@ -375,6 +384,8 @@ def run_trainer(config, run, log, args, plain_tok_s: float | None, save: bool) -
             # And one more, its whole actor-update phase traced: where the device waits.
             stem = args.profile_dir / f"trace_update_actor_{config.algorithm.adv_estimator}"
             result["update_actor_device_idle"] = _trace_actor_update(trainer, stem)
+            # And one more, with every host-device sync of its actor update located.
+            result["update_actor_sync_sites"] = _actor_update_sync_sites(trainer)
         if args.profile_dir is not None and save:
             result["profile"] = _profile_step(trainer, run, args.profile_dir)
         if save:
@@ -443,6 +454,76 @@ def _trace_actor_update(trainer, stem: Path) -> dict:
     finally:
         trainer._update = original
     return summary
+
+
+def _actor_update_sync_sites(trainer) -> dict:
+    """One more step; the host-device syncs of its actor-update phase (`_sync_sites`)."""
+    sites: dict = {}
+    original = trainer._update
+
+    def counted(role, batch, loss_fn, name):
+        if name != "actor":
+            return original(role, batch, loss_fn, name)
+        box = []
+        sites.update(_sync_sites(lambda: box.append(original(role, batch, loss_fn, name))) or {})
+        return box[0]
+
+    trainer._update = counted
+    try:
+        trainer.train_step()
+        trainer.step += 1
+    finally:
+        trainer._update = original
+    return sites
+
+
+def _sync_sites(fn) -> dict | None:
+    """Where `fn()` makes the host wait for the GPU, from torch's sync debug mode: a count
+    per call site, each named by its innermost frames outside torch (GPU only).
+
+    Every sync empties the launch queue: the device then idles while the host issues what
+    comes next, so on a launch-bound step each one costs time.
+    """
+    if not torch.cuda.is_available():
+        fn()
+        return None
+    import collections
+    import warnings
+
+    sites: collections.Counter = collections.Counter()
+
+    def record(*_args, **_kwargs):
+        frames = [
+            f
+            for f in traceback.extract_stack()[:-1]
+            if f"{os.sep}torch{os.sep}" not in f.filename and "warnings" not in f.filename
+        ]
+        where = " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:]))
+        sites[where] += 1
+
+    previous = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(previous)
+    return dict(sites.most_common())
+
+
+def _device_idle_of(fn) -> dict | None:
+    """`fn()` under torch.profiler (GPU only): the device's busy and idle time in it."""
+    if not torch.cuda.is_available():
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        _sync()
+    return _device_idle(prof.events())
 
 
 def _device_idle(events, longest: int = 15) -> dict:

@@ -298,7 +298,7 @@ class MegatronRole:
             for rows in split:
                 sub = {k: v.to(self.device) for k, v in mb.select_rows(batch, rows).items()}
                 width, response_len = mb.aligned_shape(
-                    mask[list(rows)], prompt_width, self.pack_multiple
+                    mask.index_select(0, mb.row_index(rows)), prompt_width, self.pack_multiple
                 )
                 out.append(mb.left_align(sub, width=width, response_len=response_len))
             return out
@@ -350,9 +350,10 @@ class MegatronRole:
         index = batch["gather_index"] + (1 - self.output_shift) * self.value_head
         index = index.clamp(max=output.shape[1] - 1)
         if "cu_seqlens" in batch:  # packed: one [1, T, ...] row holds every sequence
-            cols = output[0][index]
+            cols = output[0].index_select(0, index.view(-1)).view(*index.shape, -1)
         else:
-            cols = output[torch.arange(len(index), device=index.device)[:, None], index]
+            # gather, not output[rows, index]: advanced indexing is a slow host op.
+            cols = output.gather(1, index[..., None].expand(-1, -1, output.shape[-1]))
         if self.value_head:
             return {"values": cols[..., 0].float()}
         labels = batch["responses"].to(self.device)
@@ -468,9 +469,10 @@ class MegatronRole:
         def loss_func(mbatch, output):
             outputs = self._per_token(output, mbatch, with_entropy)
             loss, metrics = loss_fn(outputs, mbatch, totals)
-            # clone: the schedule divides the returned loss in place.
-            reported = {"loss": loss.detach().clone()}
-            reported.update({k: v.detach().clone().float() for k, v in metrics.items()})
+            # The schedule divides the returned `loss * scale` in place, a tensor of its
+            # own: what is reported here needs no copy.
+            reported = {"loss": loss.detach()}
+            reported.update({k: v.detach().float() for k, v in metrics.items()})
             return loss * scale, reported
 
         step = partial(self._forward_step, loss_func=loss_func)

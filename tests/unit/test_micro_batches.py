@@ -14,6 +14,8 @@ from rl_megatron.trainer.micro_batches import (
     left_align,
     pad_responses,
     restore_order,
+    row_index,
+    select_rows,
     trim_padding,
 )
 
@@ -76,6 +78,15 @@ def test_restore_order_inverts_any_split():
     assert torch.equal(restore_order(chunks, bins), data)
     with pytest.raises(ValueError, match="more than one"):
         restore_order([data[:2], data[:2]], [[0, 1], [1, 2]])
+
+
+def test_select_rows_keeps_the_given_order_for_every_tensor():
+    batch = {"a": torch.arange(12).reshape(6, 2), "b": torch.arange(6.0)}
+    out = select_rows(batch, [4, 0, 4, 1])
+    assert out["a"].tolist() == [[8, 9], [0, 1], [8, 9], [2, 3]]
+    assert out["b"].tolist() == [4.0, 0.0, 4.0, 1.0]
+    index = row_index(range(3))
+    assert index.dtype == torch.int64 and index.tolist() == [0, 1, 2]
 
 
 def test_trim_padding_and_pad_responses():
