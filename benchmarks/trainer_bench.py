@@ -22,8 +22,8 @@ than the trainer's mean sequence, which is prompt mean + response mean).
 
 `--save` also times the checkpoint `fit` writes at the last step (first algorithm only),
 and with `--profile-dir` one extra step under torch.profiler (top ops to a text file);
-`--profile-update` profiles one actor optimizer step and one plain-loop iteration (the
-same work), to compare op by op, and traces one whole actor-update phase on the GPU
+`--profile-update` profiles one actor update (its `train_steps`: every optimizer step of
+the phase) and as many plain-loop iterations (the same work), to compare op by op, and traces one whole actor-update phase on the GPU
 (Chrome trace, device idle time and the longest waits for the host) next to two plain-loop
 iterations (`plain_loop.device_idle`); one more actor-update phase and two plain
 iterations run under torch's sync debug mode, which names every host-device sync's call
@@ -233,7 +233,11 @@ def plain_loop(config, info, args, masked: bool = False) -> dict:
     profile_path, device_idle, sync_sites = None, None, None
     if args.profile_update and args.profile_dir is not None:
         profile_path = args.profile_dir / f"profile_{'plain_masked' if masked else 'plain'}.txt"
-        _profiled(iteration, profile_path, dist.get_rank() == 0)
+        iterations = config.actor.ppo_epochs * config.data.train_batch_size * config.rollout.n
+        iterations //= config.actor.mini_batch_size  # the actor's optimizer steps per phase
+        _profiled(
+            lambda: [iteration() for _ in range(iterations)], profile_path, dist.get_rank() == 0
+        )
         # Two iterations traced like the actor-update phase (`_trace_actor_update`, two
         # optimizer steps), so that their device idle times compare directly.
         device_idle = _device_idle_of(lambda: [iteration() for _ in range(2)])
@@ -374,10 +378,10 @@ def run_trainer(config, run, log, args, plain_tok_s: float | None, save: bool) -
         result["timed_steps"] = steps[args.warmup_steps :]
         result["summary"] = _summarise(result["timed_steps"] or steps, flops_tok, plain_tok_s)
         if args.profile_update and args.profile_dir is not None:
-            # One more step; its first actor optimizer step (one mini-batch) is profiled,
-            # the same work as one plain-loop iteration.
+            # One more step; its actor update (every optimizer step) is profiled, the same
+            # work as the plain loop's profiled iterations.
             path = args.profile_dir / f"profile_actor_update_{config.algorithm.adv_estimator}.txt"
-            _profile_next_call(trainer.roles.actor, "train_step", path, run.env.rank == 0)
+            _profile_next_call(trainer.roles.actor, "train_steps", path, run.env.rank == 0)
             trainer.train_step()
             trainer.step += 1
             result["profile_actor_update"] = str(path)
@@ -690,7 +694,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile-update",
         action="store_true",
-        help="with --profile-dir: profile one actor optimizer step and one plain-loop iteration",
+        help="with --profile-dir: profile one actor update and as many plain-loop iterations",
     )
     parser.add_argument("--run-dir", default="runs/trainer_bench")
     parser.add_argument("--tiny", action="store_true", help="tiny_cpu model: CPU smoke test")

@@ -16,6 +16,7 @@ HALF_7B=(model.num_layers=16 model.hidden_size=4096 model.num_attention_heads=32
          model.num_query_groups=32 model.ffn_hidden_size=11008)
 
 SUITE=${SUITE:-results}
+TAG=${TAG:-run}  # suffix of the JSON names: one per GPU run (RESULTS.md cites them)
 
 finish() {  # pack $RES into $OUT/$SUITE.tgz (after every step: a call cut short keeps it)
   nvidia-smi >"$RES/nvidia-smi.txt" 2>&1

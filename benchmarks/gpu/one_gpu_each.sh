@@ -9,38 +9,38 @@ gpu0() {
   # 0.85B: plain megatron-core loop (with and without an explicit mask), GRPO and
   # PPO+GAE with a KL loss (reference on), one actor step and one plain step profiled.
   step trainer_1b 230 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_1b.yaml \
-    --steps 3 --profile-dir "$RES" --profile-update --out-json "$RES/trainer_h200_1b_v3.json" \
+    --steps 3 --profile-dir "$RES" --profile-update --out-json "$RES/trainer_h200_1b_$TAG.json" \
     actor.use_kl_loss=true
   # ~7B layer shape at 16 layers: actor update vs the plain loop, GRPO.
   step trainer_7b_half 150 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_1b.yaml \
     --algorithms grpo --steps 1 --plain-iters 4 --plain-warmup 2 --no-plain-masked \
-    --run-dir runs/trainer_bench_7b_half --out-json "$RES/trainer_h200_7b_half.json" \
+    --run-dir runs/trainer_bench_7b_half --out-json "$RES/trainer_h200_7b_half_$TAG.json" \
     "${HALF_7B[@]}"
   # Rollout without vLLM (transformers eager and static+compile, the Megatron engine with
   # and without CUDA graphs) was measured in the third run; ROLLOUT_MEGATRON=1 repeats it.
   if [ "${ROLLOUT_MEGATRON:-0}" = 1 ]; then
     step rollout_megatron 300 $TR1 benchmarks/rollout_bench.py $SHAPE_085B --dtype bfloat16 \
       --batches 64,256 --prompt-len 128 --max-new 256 \
-      --engines hf,hf-static,megatron,megatron-eager --out-json "$RES/rollout_h200_megatron.json"
+      --engines hf,hf-static,megatron,megatron-eager --out-json "$RES/rollout_h200_megatron_$TAG.json"
   fi
 }
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
   for model in llama-1b llama2-7b; do
     step "reshard_1gpu_$model" 45 $TR1 benchmarks/reshard_bench.py --model $model \
-      --dtype bfloat16 --bucket-mb 512 --repeats 10 --out-json "$RES/reshard_h200_$model.json"
+      --dtype bfloat16 --bucket-mb 512 --repeats 10 --out-json "$RES/reshard_h200_${model}_$TAG.json"
   done
   # vLLM: standalone vllm.LLM vs the in-trainer engine synced from Megatron, sleep/wake.
   # One process for both, so the ratio is measured within one run.
   step rollout_vllm 300 $TR1 benchmarks/rollout_bench.py $SHAPE_085B --dtype bfloat16 \
     --batches 64,256 --prompt-len 128 --max-new 256 --engines vllm-standalone,vllm \
-    --gpu-memory-utilization 0.3 --out-json "$RES/rollout_h200_vllm.json"
+    --gpu-memory-utilization 0.3 --out-json "$RES/rollout_h200_vllm_$TAG.json"
   if ! grep -q "^rollout_vllm: rc=0" "$RES/steps.txt"; then
     # Should the standalone engine fail again, the in-trainer engine on its own still
     # gives its tokens/s and the sleep/wake memory.
     step rollout_vllm_trainer 150 $TR1 benchmarks/rollout_bench.py $SHAPE_085B \
       --dtype bfloat16 --batches 64,256 --prompt-len 128 --max-new 256 --engines vllm \
-      --gpu-memory-utilization 0.3 --out-json "$RES/rollout_h200_vllm_trainer.json"
+      --gpu-memory-utilization 0.3 --out-json "$RES/rollout_h200_vllm_trainer_$TAG.json"
   fi
 }
 gpu0 &

@@ -10,7 +10,7 @@ if [ "$PART" != bench ]; then
 # `make test-gpu`'s files, one step each: a file cut by its deadline then costs no other
 # file's report (pytest prints failures only at its end).
 for file in $(sed -n '/^test-gpu:/,/^$/p' Makefile | grep -o 'tests/[^ ]*\.py'); do
-  step "test_gpu_$(basename "$file" .py)" 110 env RL_MEGATRON_TEST_DEVICE=cuda python3 -m pytest \
+  step "test_gpu_$(basename "$file" .py)" "${TEST_LIMIT:-110}" env RL_MEGATRON_TEST_DEVICE=cuda python3 -m pytest \
     -q -rA --tb=short -p no:cacheprovider "$file"
 done
 fi

@@ -35,7 +35,11 @@ def _scaled_logits(
     logits: torch.Tensor, temperature: float, vocab_start: int, vocab_size: int | None
 ) -> torch.Tensor:
     """logits / temperature in float32 or wider (a new tensor), padding entries at -inf."""
-    x = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature
+    # One pass over the vocabulary-sized tensor, not two: the copy is made once and
+    # divided in place (not at all at temperature 1).
+    x = logits.to(torch.promote_types(logits.dtype, torch.float32), copy=True)
+    if temperature != 1.0:
+        x.div_(temperature)
     if vocab_size is not None and vocab_start + x.shape[-1] > vocab_size:
         ids = torch.arange(vocab_start, vocab_start + x.shape[-1], device=x.device)
         x.masked_fill_(ids >= vocab_size, float("-inf"))

@@ -17,7 +17,8 @@ that no row of it uses (prompts are left-padded) and the right-padding columns p
 longest response (responses are right-padded), so a micro-batch of short sequences costs
 short sequences. `left_align` lays a micro-batch out for the model: each row's real
 tokens moved to the front, all padding at the end. `pad_responses` restores the full
-response width afterwards.
+response width afterwards. `schedule_micro_batches` puts it together: the micro-batches a
+role hands to megatron-core's schedule, left-aligned or packed, on the device.
 
 Pure functions of tensors and lists: no process groups, no megatron.
 """
@@ -29,6 +30,8 @@ import math
 from collections.abc import Mapping, Sequence
 
 import torch
+
+from rl_megatron.trainer.packing import pack_micro_batch
 
 
 def fixed_micro_batches(num_rows: int, micro_batch_size: int) -> list[list[int]]:
@@ -240,4 +243,59 @@ def left_align(
     out["position_ids"] = torch.arange(width, device=device).expand(len(ids), width).contiguous()
     k = torch.arange(response_len, device=device)[None, :]
     out["gather_index"] = (prompt_len[:, None] - 1 + k).clamp(min=0, max=width - 1)
+    return out
+
+
+def schedule_micro_batches(
+    batch: Mapping[str, torch.Tensor],
+    split: Sequence[Sequence[int]],
+    device: torch.device,
+    *,
+    pack: bool = False,
+    one_shape: bool = False,
+    multiple_of: int = 1,
+    host_mask: torch.Tensor | None = None,
+) -> list[dict[str, torch.Tensor]]:
+    """The micro-batches of `split` on `device`, laid out for the model.
+
+    pack: each micro-batch's rows packed into one sequence (`packing.pack_micro_batch`);
+        otherwise rows are left-aligned (`left_align`).
+    one_shape: every micro-batch gets the same shape (megatron-core's interleaved
+        schedule exchanges no shapes between stages).
+    multiple_of: sequence lengths rounded up to it (sequence parallelism splits them).
+    host_mask: a host copy of `batch["attention_mask"]`, if the caller has one.
+    """
+
+    def rows_on_device(rows: Sequence[int]) -> dict[str, torch.Tensor]:
+        return {k: v.to(device) for k, v in select_rows(batch, rows).items()}
+
+    if pack:
+        packs = [rows_on_device(rows) for rows in split]
+        longest = max(int(m["attention_mask"].sum()) for m in packs) if one_shape else 0
+        return [pack_micro_batch(m, multiple_of=multiple_of, min_length=longest) for m in packs]
+    if not one_shape:
+        # Shapes from one host copy of the mask: computed on the device, each would be a
+        # sync, and the GPU would idle while the next step's micro-batches are made.
+        mask = batch["attention_mask"].cpu() if host_mask is None else host_mask
+        prompt_width = batch["prompts"].shape[1]
+        out = []
+        for rows in split:
+            width, response_len = aligned_shape(
+                mask.index_select(0, row_index(rows)), prompt_width, multiple_of
+            )
+            out.append(left_align(rows_on_device(rows), width=width, response_len=response_len))
+        return out
+    # One shape for all: the batch's full width, and every micro-batch filled up to the
+    # largest with copies of its first row that count nowhere (response_mask 0; callers
+    # drop their outputs).
+    num_rows = max(len(rows) for rows in split)
+    width = -(-batch["attention_mask"].shape[1] // multiple_of) * multiple_of
+    out = []
+    for rows in split:
+        extra = num_rows - len(rows)
+        sub = rows_on_device(list(rows) + [rows[0]] * extra)
+        if extra:
+            sub["response_mask"] = sub["response_mask"].clone()
+            sub["response_mask"][len(rows) :] = 0
+        out.append(left_align(sub, width=width))
     return out

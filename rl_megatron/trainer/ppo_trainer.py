@@ -33,7 +33,6 @@ from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.trainer import checkpointing
 from rl_megatron.trainer import experience as ex
 from rl_megatron.trainer.build import Roles, TrainingData
-from rl_megatron.trainer.micro_batches import select_rows
 from rl_megatron.trainer.reporting import batch_stats, console_line, throughput
 from rl_megatron.trainer.roles import MegatronRole
 from rl_megatron.trainer.scoring import RewardScorer
@@ -318,19 +317,16 @@ class PPOTrainer:
         # Same permutation on every rank of a replica; a pure function of the step.
         generator = torch.Generator().manual_seed(self.config.trainer.seed * 1009 + self.step)
         with_entropy = name == "actor" and self.config.actor.entropy_coeff != 0
-        sums: dict[str, float] = {}
-        count = 0
-        for _ in range(section.ppo_epochs):
-            for mini in ex.mini_batch_rows(rows, per_rank, generator):
-                mini_batch = select_rows(batch, mini)
-                out = role.train_step(mini_batch, loss_fn, with_entropy=with_entropy)
-                for key, value in out.items():
-                    sums[key] = sums.get(key, 0.0) + value
-                count += 1
+        steps = [
+            mini
+            for _ in range(section.ppo_epochs)
+            for mini in ex.mini_batch_rows(rows, per_rank, generator)
+        ]
+        per_step = role.train_steps(batch, steps, loss_fn, with_entropy=with_entropy)
         metrics = {}
-        for key, total in sums.items():
+        for key in per_step[0]:
             short = key if "/" in key else f"{name}/{key}"
-            metrics[short] = total / count
+            metrics[short] = sum(m[key] for m in per_step) / len(per_step)
         return metrics
 
     # --------------------------------------------------------------- evaluation

@@ -39,8 +39,7 @@ collective of ours.
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 
@@ -64,8 +63,9 @@ from rl_megatron.models.vocab_parallel import (
     vocab_parallel_log_probs_and_entropy,
 )
 from rl_megatron.trainer import micro_batches as mb
+from rl_megatron.trainer import step_metrics
+from rl_megatron.trainer.lr_schedule import lr_at
 from rl_megatron.trainer.offload import Offloader
-from rl_megatron.trainer.packing import pack_micro_batch
 
 Batch = Mapping[str, torch.Tensor]
 # loss_fn(outputs, micro_batch, totals) -> (loss, metrics). outputs: `log_prob` / `entropy`
@@ -101,32 +101,6 @@ class RoleGroups:
             pp_size=dist.get_world_size(pp),
             dp_size=dist.get_world_size(dp),
         )
-
-
-def lr_at(step: int, optim: OptimConfig, total_steps: int | None) -> float:
-    """Learning rate of optimizer step `step` (0-based).
-
-    Linear warm-up over `lr_warmup_steps` reaching `lr` at the last warm-up step (the
-    first step trains at lr / warmup, not 0), then `constant`, or `linear` / `cosine`
-    decay to `min_lr` over `lr_decay_steps` (default `total_steps`) counted after warm-up.
-    """
-    warmup = optim.lr_warmup_steps
-    if step < warmup:
-        return optim.lr * (step + 1) / warmup
-    if optim.lr_decay_style == "constant":
-        return optim.lr
-    decay_steps = optim.lr_decay_steps or total_steps
-    if not decay_steps:
-        raise ValueError(
-            f"lr_decay_style={optim.lr_decay_style!r} needs optim.lr_decay_steps or the "
-            f"run's total steps"
-        )
-    frac = min(max(step - warmup, 0) / max(decay_steps - warmup, 1), 1.0)
-    if optim.lr_decay_style == "linear":
-        coeff = 1.0 - frac
-    else:
-        coeff = 0.5 * (1.0 + math.cos(math.pi * frac))
-    return optim.min_lr + (optim.lr - optim.min_lr) * coeff
 
 
 class MegatronRole:
@@ -277,47 +251,19 @@ class MegatronRole:
             )
         return split
 
-    def _micro_batches(self, batch: Batch, split: list[list[int]]) -> list[dict]:
+    def _micro_batches(
+        self, batch: Batch, split: list[list[int]], host_mask: torch.Tensor | None = None
+    ) -> list[dict]:
         """The micro-batches of `split`, on the device, shaped for the schedule."""
-        if self.pack:
-            rows = [
-                {k: v.to(self.device) for k, v in mb.select_rows(batch, r).items()} for r in split
-            ]
-            # The interleaved schedule needs one shape: every pack as long as the longest.
-            longest = max(int(m["attention_mask"].sum()) for m in rows) if self.interleaved else 0
-            return [
-                pack_micro_batch(m, multiple_of=self.pack_multiple, min_length=longest)
-                for m in rows
-            ]
-        if not self.interleaved:
-            # Shapes from one host copy of the mask: computed on the device, each would be
-            # a sync, and the GPU would idle while the next step's micro-batches are made.
-            mask = batch["attention_mask"].cpu()
-            prompt_width = batch["prompts"].shape[1]
-            out = []
-            for rows in split:
-                sub = {k: v.to(self.device) for k, v in mb.select_rows(batch, rows).items()}
-                width, response_len = mb.aligned_shape(
-                    mask.index_select(0, mb.row_index(rows)), prompt_width, self.pack_multiple
-                )
-                out.append(mb.left_align(sub, width=width, response_len=response_len))
-            return out
-        # One shape for all: the batch's full width, and every micro-batch filled up to the
-        # largest with copies of its first row that count nowhere (response_mask 0;
-        # forward_only drops their outputs).
-        num_rows = max(len(rows) for rows in split)
-        width = -(-batch["attention_mask"].shape[1] // self.pack_multiple)
-        width *= self.pack_multiple
-        out = []
-        for rows in split:
-            extra = num_rows - len(rows)
-            sub = mb.select_rows(batch, list(rows) + [rows[0]] * extra)
-            sub = {k: v.to(self.device) for k, v in sub.items()}
-            if extra:
-                sub["response_mask"] = sub["response_mask"].clone()
-                sub["response_mask"][len(rows) :] = 0
-            out.append(mb.left_align(sub, width=width))
-        return out
+        return mb.schedule_micro_batches(
+            batch,
+            split,
+            self.device,
+            pack=self.pack,
+            one_shape=self.interleaved,
+            multiple_of=self.pack_multiple,
+            host_mask=host_mask,
+        )
 
     def _forward_step(self, data_iterator: Iterator, model: torch.nn.Module, loss_func):
         """Megatron forward_step_func: one micro-batch through one chunk."""
@@ -452,9 +398,59 @@ class MegatronRole:
         batches and DP ranks), the loss_fn's metrics averaged over micro-batches and DP
         ranks, `grad_norm` (before clipping), `lr`, `update_successful`.
         """
+        rows = list(range(mini_batch["prompts"].shape[0]))
+        return self.train_steps(
+            mini_batch,
+            [rows],
+            loss_fn,
+            with_entropy=with_entropy,
+            micro_batch_size=micro_batch_size,
+        )[0]
+
+    def train_steps(
+        self,
+        batch: Batch,
+        steps: Sequence[Sequence[int]],
+        loss_fn: LossFn,
+        *,
+        with_entropy: bool = False,
+        micro_batch_size: int | None = None,
+    ) -> list[dict[str, float]]:
+        """One optimizer step per entry of `steps`, in order: `train_step` on those rows.
+
+        batch: this rank's rows (module docstring layout); steps: each step's mini-batch,
+        as row indices into `batch`. Returns each step's `train_step` metrics.
+        The host waits for the device twice per phase rather than twice per step: the
+        mask's host copy (micro-batch shapes) is made once, and the metrics of every step
+        are read together at the end (`step_metrics`); in between, the host prepares and
+        launches the next step while the device still runs the last optimizer update.
+        """
         if self.optimizer is None:
             raise RuntimeError("train_step on a frozen role (built with optim=None)")
         self._check_loaded()
+        host_mask = None if self.pack or self.interleaved else batch["attention_mask"].cpu()
+        pending = []
+        for rows in steps:
+            mini_batch = mb.select_rows(batch, rows)
+            rows_mask = None if host_mask is None else host_mask.index_select(0, mb.row_index(rows))
+            pending.append(
+                self._optimizer_step(mini_batch, rows_mask, loss_fn, with_entropy, micro_batch_size)
+            )
+        return step_metrics.resolve(
+            pending,
+            is_pp_last=self.is_pp_last,
+            pp_group=self.groups.pp,
+            pp_last_rank=self.groups.pp_last_rank,
+        )
+
+    def _optimizer_step(
+        self,
+        mini_batch: Batch,
+        host_mask: torch.Tensor | None,
+        loss_fn: LossFn,
+        with_entropy: bool,
+        micro_batch_size: int | None,
+    ) -> step_metrics.PendingMetrics:
         for chunk in self.model:
             chunk.train()
             chunk.zero_grad_buffer()
@@ -463,7 +459,7 @@ class MegatronRole:
         self._set_lr(lr)
         totals = batch_totals(mini_batch["response_mask"].to(self.device), group=self.groups.dp)
         split = self._split(mini_batch, micro_batch_size)
-        micro = self._micro_batches(mini_batch, split)
+        micro = self._micro_batches(mini_batch, split, host_mask)
         scale = self.groups.dp_size * len(micro)
 
         def loss_func(mbatch, output):
@@ -477,30 +473,19 @@ class MegatronRole:
 
         step = partial(self._forward_step, loss_func=loss_func)
         per_micro = self._run(micro, step, forward_only=False)
+        # megatron-core's step reads the gradient norm on the host (its one sync) before
+        # it queues the update.
         update_ok, grad_norm, _ = self.optimizer.step()
         self.step_count += 1
-        metrics = self._reduce_metrics(per_micro)
-        metrics.update(
+        pending = step_metrics.reduce_step(
+            per_micro if self.is_pp_last else [], self.groups.dp, self.device
+        )
+        pending.host.update(
             grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
             lr=lr,
             update_successful=float(bool(update_ok)),
         )
-        return metrics
-
-    def _reduce_metrics(self, per_micro: list[dict[str, torch.Tensor]]) -> dict[str, float]:
-        """Loss summed, other metrics averaged over micro-batches and DP; then sent down PP."""
-        box: list = [None]
-        if self.is_pp_last:
-            keys = sorted(per_micro[0])
-            vals = torch.stack([torch.stack([m[k].float() for m in per_micro]) for k in keys])
-            # The last entry counts micro-batches: DP ranks may have different numbers.
-            count = torch.tensor([float(len(per_micro))], device=vals.device)
-            sums = torch.cat([vals.sum(dim=1), count]).to(self.device)
-            dist.all_reduce(sums, group=self.groups.dp)
-            *totals, count = sums.tolist()
-            box[0] = {k: t if k == "loss" else t / count for k, t in zip(keys, totals)}
-        dist.broadcast_object_list(box, src=self.groups.pp_last_rank, group=self.groups.pp)
-        return box[0]
+        return pending
 
     def _set_lr(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

@@ -363,7 +363,7 @@ def test_roles_across_layouts(tmp_path):
 
 def test_lr_schedule():
     from rl_megatron.config import OptimConfig
-    from rl_megatron.trainer.roles import lr_at
+    from rl_megatron.trainer.lr_schedule import lr_at
 
     warm = OptimConfig(lr=1.0, min_lr=0.1, lr_warmup_steps=4, lr_decay_style="cosine")
     assert [lr_at(s, warm, 14) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
