@@ -18,7 +18,10 @@ others' numbers; a failed section records `"error"` and no number):
   GPUs), loaded with `--vllm-load-format dummy` weights and then synced from a Megatron
   actor built from the same checkpoint through the trainer's path (`sync_weights` +
   `VllmEngineTarget`), so every token it generates comes from the synced weights. Timed
-  through `VllmEngine.generate` (what the trainer pays: log-probs, `RolloutBatch`) and,
+  through `VllmEngine.generate` (what the trainer pays by default: log-probs,
+  `RolloutBatch`); as `vllm_engine_no_logprobs`, the same engine, prompts and call with
+  its log-probs off (`rollout.calculate_log_probs=false`: vLLM gets `logprobs=None`, as the
+  standalone's requests do; `greedy_rows_equal_with_logprobs` compares the tokens); and,
   as `vllm_engine_llm_only`, through its `vllm.LLM` with the standalone's request
   parameters. Then sleep/wake (level 1, and level 2 with a re-sync): memory given back,
   times, and an assert that greedy tokens after waking equal those before sleeping.
@@ -91,6 +94,7 @@ KEYS = {
     "megatron-eager": "megatron_engine_eager",
 }
 TARGET_VLLM_RATIO = 0.95  # in-trainer vLLM / standalone vLLM, tokens/s
+VLLM_NO_LOGPROBS = "vllm_engine_no_logprobs"  # the in-trainer engine, log-probs off
 
 
 def make_checkpoint(path: Path, args: argparse.Namespace) -> None:
@@ -344,11 +348,30 @@ def batch_tokens(batch) -> list[list[int]]:
     return [batch.row_tokens(i)[1] for i in range(len(batch))]
 
 
-def bench_vllm_engine(engine, prompts, args, result) -> dict[int, list[list[int]]]:
+def bench_vllm_engine(engine, prompts, args, result) -> dict[str, dict[int, list[list[int]]]]:
+    """The engine's generate with and without log-probs, and its LLM called directly.
+
+    Returns the greedy tokens per batch size of both `generate` variants, by result key.
+    """
     sampling = greedy(args)
-    tokens = bench_batches(
-        KEYS["vllm"], lambda b: batch_tokens(engine.generate(prompts[:b], sampling)), args, result
-    )
+
+    def generate(b: int) -> list[list[int]]:
+        batch = engine.generate(prompts[:b], sampling)
+        if (batch.rollout_log_probs is not None) != engine.calculate_log_probs:
+            raise RuntimeError(f"calculate_log_probs={engine.calculate_log_probs} not honoured")
+        return batch_tokens(batch)
+
+    tokens = {KEYS["vllm"]: bench_batches(KEYS["vllm"], generate, args, result)}
+    asked = engine.calculate_log_probs
+    engine.calculate_log_probs = False
+    try:
+        tokens[VLLM_NO_LOGPROBS] = bench_batches(VLLM_NO_LOGPROBS, generate, args, result)
+    finally:
+        engine.calculate_log_probs = asked
+    for b, rows in tokens[VLLM_NO_LOGPROBS].items():
+        # Log-probs are an output only: greedy tokens must not change.
+        same = rows_equal(rows, tokens[KEYS["vllm"]].get(b))
+        result["batches"][str(b)][VLLM_NO_LOGPROBS]["greedy_rows_equal_with_logprobs"] = same
     params = standalone_sampling_params(args)
 
     def raw(b: int) -> list[list[int]]:
@@ -483,6 +506,8 @@ def ratios(result: dict) -> dict[str, dict[str, Any]]:
     """Tokens/s ratios per batch size, only between numbers that exist."""
     pairs = [
         ("vllm_engine/vllm_standalone", "vllm_engine", "vllm_standalone"),
+        (f"{VLLM_NO_LOGPROBS}/vllm_standalone", VLLM_NO_LOGPROBS, "vllm_standalone"),
+        (f"{VLLM_NO_LOGPROBS}/vllm_engine", VLLM_NO_LOGPROBS, "vllm_engine"),
         ("vllm_engine_llm_only/vllm_standalone", "vllm_engine_llm_only", "vllm_standalone"),
         ("megatron_engine/transformers_static_compile", "megatron_engine", KEYS["hf-static"]),
         ("megatron_engine/transformers_generate", "megatron_engine", KEYS["hf"]),
@@ -498,6 +523,10 @@ def ratios(result: dict) -> dict[str, dict[str, Any]]:
         if "vllm_engine/vllm_standalone" in row:
             row["vllm_target"] = TARGET_VLLM_RATIO
             row["vllm_meets_target"] = row["vllm_engine/vllm_standalone"] >= TARGET_VLLM_RATIO
+        if f"{VLLM_NO_LOGPROBS}/vllm_standalone" in row:
+            row["vllm_no_logprobs_meets_target"] = (
+                row[f"{VLLM_NO_LOGPROBS}/vllm_standalone"] >= TARGET_VLLM_RATIO
+            )
         out[b] = row
     if result.get(KEYS["hf-static"], {}).get("compiled") is False:
         out["note"] = "transformers static cache ran uncompiled (no GPU): not a compile number"
@@ -632,10 +661,10 @@ def main() -> None:
             def run_vllm() -> None:
                 seconds, stats = timed(resync)
                 result["weight_sync"] = {"seconds": seconds, **stats.as_dict()}
-                tokens["vllm"] = bench_vllm_engine(engine, prompts, args, result)
-                for b, toks in (tokens["vllm"] or {}).items():
-                    same = rows_equal(toks, (tokens.get("standalone") or {}).get(b))
-                    result["batches"][str(b)]["vllm_engine"]["greedy_rows_equal_standalone"] = same
+                for name, per_batch in bench_vllm_engine(engine, prompts, args, result).items():
+                    for b, toks in per_batch.items():
+                        same = rows_equal(toks, (tokens.get("standalone") or {}).get(b))
+                        result["batches"][str(b)][name]["greedy_rows_equal_standalone"] = same
                 check = prompts[: min(args.batches)]
                 result["sleep_wake"] = bench_sleep_wake(engine, resync, check, args)
 

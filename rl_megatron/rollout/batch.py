@@ -8,13 +8,17 @@ Layout (B = rows = num_prompts * n, P = longest prompt, R = longest response):
     response_mask     [B, R]      int64  1 on generated tokens (the stop token included)
     position_ids      [B, P + R]  int64  0 at each row's first real token, counting up;
                                          0 on left padding, continuing on right padding
-    rollout_log_probs [B, R]      fp32   engine's log-prob of each sampled token; 0 on padding
+    rollout_log_probs [B, R]      fp32   engine's log-prob of each sampled token; 0 on padding.
+                                         None when the engine was not asked for them
+                                         (`rollout.calculate_log_probs: false`, vLLM)
     prompt_lengths    [B]         int64
     response_lengths  [B]         int64
     finish_reason     [B]         int64  a `FinishReason` code
     prompt_truncated  [B]         bool   the prompt lost tokens on its left (overflow policy)
     group_index       [B]         int64  index of the source prompt in the generate call
                                          (the GRPO / RLOO group id)
+
+A batch holds log-probs for every row or for none; `cat` refuses to mix the two.
 
 Rows are prompt-major: the `n` responses to prompt i are rows `i*n … i*n+n-1`, so a group
 never straddles a micro-batch boundary when the micro-batch size is a multiple of `n`.
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -50,7 +54,8 @@ class FinishReason(enum.IntEnum):
             ) from None
 
 
-# Per-row fields, in the order they are stored; every one has batch as its first dim.
+# Per-row fields, in the order they are stored; every one has batch as its first dim
+# (rollout_log_probs may be None instead).
 _ROW_FIELDS = (
     "prompts",
     "responses",
@@ -75,7 +80,7 @@ class RolloutBatch:
     attention_mask: torch.Tensor
     response_mask: torch.Tensor
     position_ids: torch.Tensor
-    rollout_log_probs: torch.Tensor
+    rollout_log_probs: torch.Tensor | None  # None: the engine was not asked for them
     prompt_lengths: torch.Tensor
     response_lengths: torch.Tensor
     finish_reason: torch.Tensor
@@ -91,7 +96,7 @@ class RolloutBatch:
         cls,
         prompts: Sequence[Sequence[int]],
         responses: Sequence[Sequence[int]],
-        log_probs: Sequence[Sequence[float]],
+        log_probs: Sequence[Sequence[float]] | None,
         finish_reasons: Sequence[FinishReason | str],
         *,
         group_index: Sequence[int] | None = None,
@@ -102,7 +107,8 @@ class RolloutBatch:
         """Pad per-row token lists into a batch.
 
         prompts, responses, log_probs: `B` lists (one per row, prompt repeated per sample);
-            `log_probs[i]` has one entry per token of `responses[i]`.
+            `log_probs[i]` has one entry per token of `responses[i]`; `log_probs` None:
+            the engine returned none (`rollout_log_probs` is then None).
         finish_reasons: `B` `FinishReason`s or their lower-case names.
         group_index: `B` source-prompt ids; default `0 … B-1` (each row its own group).
         """
@@ -112,12 +118,12 @@ class RolloutBatch:
             ("log_probs", log_probs),
             ("finish_reasons", finish_reasons),
         ):
-            if len(seq) != b:
+            if seq is not None and len(seq) != b:
                 raise ValueError(f"RolloutBatch: {name} has {len(seq)} rows, prompts has {b}")
         for i in range(b):
             if not prompts[i]:
                 raise ValueError(f"RolloutBatch: row {i} has an empty prompt")
-            if len(log_probs[i]) != len(responses[i]):
+            if log_probs is not None and len(log_probs[i]) != len(responses[i]):
                 raise ValueError(
                     f"RolloutBatch: row {i} has {len(responses[i])} response tokens but "
                     f"{len(log_probs[i])} log-probs"
@@ -126,13 +132,14 @@ class RolloutBatch:
         r = max((len(x) for x in responses), default=0)
         prompt_t = torch.full((b, p), pad_token_id, dtype=torch.int64)
         resp_t = torch.full((b, r), pad_token_id, dtype=torch.int64)
-        lp_t = torch.zeros((b, r), dtype=torch.float32)
+        lp_t = None if log_probs is None else torch.zeros((b, r), dtype=torch.float32)
         for i in range(b):
             if prompts[i]:
                 prompt_t[i, p - len(prompts[i]) :] = torch.as_tensor(prompts[i])
             if responses[i]:
                 resp_t[i, : len(responses[i])] = torch.as_tensor(responses[i])
-                lp_t[i, : len(responses[i])] = torch.as_tensor(log_probs[i])
+                if lp_t is not None:
+                    lp_t[i, : len(responses[i])] = torch.as_tensor(log_probs[i])
         prompt_len = torch.tensor([len(x) for x in prompts], dtype=torch.int64)
         resp_len = torch.tensor([len(x) for x in responses], dtype=torch.int64)
         reasons = torch.tensor(
@@ -161,7 +168,7 @@ class RolloutBatch:
         cls,
         prompts: torch.Tensor,
         responses: torch.Tensor,
-        rollout_log_probs: torch.Tensor,
+        rollout_log_probs: torch.Tensor | None,
         prompt_lengths: torch.Tensor,
         response_lengths: torch.Tensor,
         finish_reason: torch.Tensor,
@@ -173,7 +180,8 @@ class RolloutBatch:
     ) -> RolloutBatch:
         """Build the masks and position ids from already padded tensors.
 
-        prompts: `[B, P]` left-padded; responses, rollout_log_probs: `[B, R]` right-padded;
+        prompts: `[B, P]` left-padded; responses, rollout_log_probs: `[B, R]` right-padded
+        (rollout_log_probs may be None: not computed by the engine);
         prompt_lengths, response_lengths, finish_reason: `[B]`.
         """
         b, p = prompts.shape
@@ -195,7 +203,9 @@ class RolloutBatch:
             attention_mask=attention_mask,
             response_mask=response_mask,
             position_ids=position_ids,
-            rollout_log_probs=rollout_log_probs * response_mask,
+            rollout_log_probs=None
+            if rollout_log_probs is None
+            else rollout_log_probs * response_mask,
             prompt_lengths=prompt_lengths,
             response_lengths=response_lengths,
             finish_reason=finish_reason,
@@ -238,7 +248,8 @@ class RolloutBatch:
     # ---- moving and cutting -------------------------------------------------------
 
     def _map(self, fn) -> RolloutBatch:
-        return replace(self, **{name: fn(getattr(self, name)) for name in _ROW_FIELDS})
+        """`fn` on every per-row tensor; absent ones (None log-probs) stay None."""
+        return replace(self, **{name: _apply(fn, getattr(self, name)) for name in _ROW_FIELDS})
 
     def to(self, *args, **kwargs) -> RolloutBatch:
         """`Tensor.to` on every tensor; dtype arguments are ignored (token ids stay int)."""
@@ -277,7 +288,9 @@ class RolloutBatch:
             self.prompts.device
         )
 
-        def cut(name: str, t: torch.Tensor) -> torch.Tensor:
+        def cut(name: str, t: torch.Tensor | None) -> torch.Tensor | None:
+            if t is None:
+                return None
             if name == "prompts":
                 return t[:, p - p_keep :]
             if name in ("responses", "response_mask", "rollout_log_probs"):
@@ -293,6 +306,13 @@ class RolloutBatch:
         """Stack batches row-wise, re-padding prompts (left) and responses (right)."""
         if not batches:
             raise ValueError("RolloutBatch.cat needs at least one batch")
+        with_lp = [b.rollout_log_probs is not None for b in batches]
+        if not all(with_lp) and any(with_lp):
+            raise ValueError(
+                f"RolloutBatch.cat: batch {with_lp.index(False)} has no rollout_log_probs but "
+                f"batch {with_lp.index(True)} has; generate every part with the same "
+                f"rollout.calculate_log_probs"
+            )
         pad = batches[0].pad_token_id
         p = max(b.prompt_width for b in batches)
         r = max(b.responses.shape[1] for b in batches)
@@ -302,20 +322,22 @@ class RolloutBatch:
             if dp == 0 and dr == 0:
                 return b
             out = {}
-            for f in fields(b):
-                t = getattr(b, f.name)
-                if f.name in ("prompts",):
+            for name in _ROW_FIELDS:
+                t = getattr(b, name)
+                if t is None:
+                    continue
+                if name == "prompts":
                     t = torch.nn.functional.pad(t, (dp, 0), value=pad)
-                elif f.name in ("responses",):
+                elif name == "responses":
                     t = torch.nn.functional.pad(t, (0, dr), value=pad)
-                elif f.name in ("response_mask", "rollout_log_probs"):
+                elif name in ("response_mask", "rollout_log_probs"):
                     t = torch.nn.functional.pad(t, (0, dr), value=0)
-                elif f.name == "attention_mask":
+                elif name == "attention_mask":
                     t = torch.nn.functional.pad(t, (dp, dr), value=0)
-                elif f.name == "position_ids":
+                elif name == "position_ids":
                     right = t[:, -1:] + 1 + torch.arange(dr, device=t.device)[None, :]
                     t = torch.cat([torch.zeros_like(t[:, :1]).expand(-1, dp), t, right], 1)
-                out[f.name] = t
+                out[name] = t
             return replace(b, **out)
 
         grown = [grow(b) for b in batches]
@@ -323,7 +345,7 @@ class RolloutBatch:
         return replace(
             grown[0],
             weight_version=versions.pop() if len(versions) == 1 else None,
-            **{n: torch.cat([getattr(b, n) for b in grown], dim=0) for n in _ROW_FIELDS},
+            **{n: _cat([getattr(b, n) for b in grown]) for n in _ROW_FIELDS},
         )
 
     # ---- bookkeeping --------------------------------------------------------------
@@ -368,6 +390,8 @@ class RolloutBatch:
             "prompt_truncated": (b,),
             "group_index": (b,),
         }
+        if self.rollout_log_probs is None:
+            del expect["rollout_log_probs"]  # not computed by the engine: nothing to check
         for name, shape in expect.items():
             got = tuple(getattr(self, name).shape)
             if got != shape:
@@ -376,3 +400,12 @@ class RolloutBatch:
             raise ValueError("RolloutBatch.response_mask disagrees with response_lengths")
         if not torch.equal(self.attention_mask[:, :p].sum(1), self.prompt_lengths):
             raise ValueError("RolloutBatch.attention_mask disagrees with prompt_lengths")
+
+
+def _apply(fn, t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else fn(t)
+
+
+def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    """Row-wise concatenation; None when the field is absent (`cat` checked all agree)."""
+    return None if parts[0] is None else torch.cat(parts, dim=0)

@@ -103,6 +103,9 @@ class VllmEngineArgs:
     enable_prefix_caching: bool = True  # reuse KV of shared prompt prefixes (n > 1)
     # Log-probs after temperature (and top-k/top-p) — the distribution actually sampled.
     logprobs_mode: str = "processed_logprobs"
+    # Ask vLLM for each sampled token's log-prob (RolloutBatch.rollout_log_probs, only for
+    # the trainer's mismatch metric); False leaves them None and spares vLLM the work.
+    calculate_log_probs: bool = True
     # How weights are reloaded: "direct" (model.load_weights), "layerwise" (vLLM's reload
     # with post-processing, needed where weights are repacked), "auto": layerwise on CPU.
     weight_reload: Literal["auto", "direct", "layerwise"] = "auto"
@@ -190,6 +193,8 @@ class VllmEngine(RolloutEngine):
 
         world, rank = _world_and_rank()
         self.args = args
+        # Read at every generate, so that a benchmark can time one engine both ways.
+        self.calculate_log_probs: bool = args.calculate_log_probs
         self.layout = ReplicaLayout.build(world, rank, args.tp, prompt_groups)
         on_cpu = current_platform.is_cpu()
         self._sleep_mode = (
@@ -343,7 +348,7 @@ class VllmEngine(RolloutEngine):
         return RolloutBatch.from_sequences(
             prompts=[fitted.token_ids[i] for i, _ in rows],
             responses=[s[0] for _, s in rows],
-            log_probs=[s[1] for _, s in rows],
+            log_probs=[s[1] for _, s in rows] if self.calculate_log_probs else None,
             finish_reasons=[s[2] for _, s in rows],
             group_index=[i for i, _ in rows],
             prompt_truncated=[fitted.truncated[i] for i, _ in rows],
@@ -356,21 +361,28 @@ class VllmEngine(RolloutEngine):
         rejected: list[bool],
         share: range,
         sampling: SamplingParams,
-    ) -> dict[int, list[tuple[list[int], list[float], FinishReason]]]:
-        """Run this replica's prompts; `{prompt index: n × (tokens, log-probs, reason)}`."""
+    ) -> dict[int, list[tuple[list[int], list[float] | None, FinishReason]]]:
+        """Run this replica's prompts; `{prompt index: n × (tokens, log-probs, reason)}`
+        (log-probs None when `calculate_log_probs` is off)."""
         stop_ids = sampling.resolved_stop_token_ids(self.eos_token_ids)
-        out: dict[int, list[tuple[list[int], list[float], FinishReason]]] = {
-            i: [([], [], FinishReason.REJECTED)] * sampling.n for i in share if rejected[i]
+        with_lp = self.calculate_log_probs
+        rejected_row = ([], [] if with_lp else None, FinishReason.REJECTED)
+        out: dict[int, list[tuple[list[int], list[float] | None, FinishReason]]] = {
+            i: [rejected_row] * sampling.n for i in share if rejected[i]
         }
         todo = [i for i in share if not rejected[i]]
         if not todo:
             return out
         if sampling.seed is None:
-            params: Any = to_vllm_sampling_params(sampling, stop_ids, None)
+            params: Any = to_vllm_sampling_params(
+                sampling, stop_ids, None, calculate_log_probs=with_lp
+            )
         else:
             # Seeds follow the prompt's index in the caller's list, not the replica.
             params = [
-                to_vllm_sampling_params(sampling, stop_ids, sampling.seed + i * sampling.n)
+                to_vllm_sampling_params(
+                    sampling, stop_ids, sampling.seed + i * sampling.n, calculate_log_probs=with_lp
+                )
                 for i in todo
             ]
         requests = [{"prompt_token_ids": prompts[i]} for i in todo]
@@ -381,7 +393,7 @@ class VllmEngine(RolloutEngine):
                 raise RuntimeError(
                     f"vLLM returned {len(samples)} samples for prompt {i}, expected {sampling.n}"
                 )
-            out[i] = [convert_sample(i, c) for c in samples]
+            out[i] = [convert_sample(i, c, calculate_log_probs=with_lp) for c in samples]
         return out
 
 

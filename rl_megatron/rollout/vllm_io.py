@@ -15,9 +15,16 @@ from rl_megatron.rollout.sampling import SamplingParams
 
 
 def to_vllm_sampling_params(
-    sampling: SamplingParams, stop_token_ids: Sequence[int], seed: int | None
+    sampling: SamplingParams,
+    stop_token_ids: Sequence[int],
+    seed: int | None,
+    *,
+    calculate_log_probs: bool = True,
 ) -> Any:
-    """One vLLM `SamplingParams` for a prompt (its n samples get seed, seed+1, …)."""
+    """One vLLM `SamplingParams` for a prompt (its n samples get seed, seed+1, …).
+
+    calculate_log_probs: ask for each sampled token's log-prob (`rollout.calculate_log_probs`).
+    """
     import vllm
 
     return vllm.SamplingParams(
@@ -32,7 +39,9 @@ def to_vllm_sampling_params(
         # tokenizer) must not add another rule.
         ignore_eos=True,
         seed=seed,
-        logprobs=0,  # the sampled token's log-prob only
+        # 0: the sampled token's log-prob only. None: none, so vLLM builds nothing for them
+        # on each decode step (benchmarks/rollout_bench.py times both).
+        logprobs=0 if calculate_log_probs else None,
         # Flat lists instead of a dict and a Logprob object per generated token: vLLM
         # builds these in Python on every decode step.
         flat_logprobs=True,
@@ -40,14 +49,21 @@ def to_vllm_sampling_params(
     )
 
 
-def convert_sample(prompt_index: int, c: Any) -> tuple[list[int], list[float], FinishReason]:
-    """One vLLM `CompletionOutput` as (tokens, sampled log-probs, finish reason)."""
+def convert_sample(
+    prompt_index: int, c: Any, *, calculate_log_probs: bool = True
+) -> tuple[list[int], list[float] | None, FinishReason]:
+    """One vLLM `CompletionOutput` as (tokens, sampled log-probs, finish reason).
+
+    calculate_log_probs: whether they were requested; False: the log-probs are None.
+    """
     tokens = list(c.token_ids)
-    if c.logprobs is None or len(c.logprobs) != len(tokens):
-        raise RuntimeError(
-            f"vLLM returned no log-prob for every sampled token of prompt {prompt_index}"
-        )
-    log_probs = sampled_log_probs(c.logprobs, tokens)
+    log_probs = None
+    if calculate_log_probs:
+        if c.logprobs is None or len(c.logprobs) != len(tokens):
+            raise RuntimeError(
+                f"vLLM returned no log-prob for every sampled token of prompt {prompt_index}"
+            )
+        log_probs = sampled_log_probs(c.logprobs, tokens)
     reason = c.finish_reason or "abort"
     return tokens, log_probs, FinishReason.parse(reason)
 

@@ -289,6 +289,7 @@ def build_engine(
         seed=config.trainer.seed,
         enable_sleep_mode=r.enable_sleep_mode if torch.cuda.is_available() else False,
         enforce_eager=r.enforce_eager if torch.cuda.is_available() else None,
+        calculate_log_probs=r.calculate_log_probs,
         pad_token_id=pad,
         extra=dict(r.engine_kwargs),
     )

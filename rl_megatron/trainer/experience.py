@@ -23,15 +23,20 @@ __all__ = [
 
 
 def training_batch(rollout: RolloutBatch) -> dict[str, torch.Tensor]:
-    """The dict layout `MegatronRole` reads (see `trainer/roles.py`), from a rollout."""
-    return {
+    """The dict layout `MegatronRole` reads (see `trainer/roles.py`), from a rollout.
+
+    `rollout_log_prob` is there only when the engine computed it (`rollout.calculate_log_probs`).
+    """
+    batch = {
         "prompts": rollout.prompts,
         "responses": rollout.responses,
         "attention_mask": rollout.attention_mask,
         "position_ids": rollout.position_ids,
         "response_mask": rollout.response_mask.long(),
-        "rollout_log_prob": rollout.rollout_log_probs.float(),
     }
+    if rollout.rollout_log_probs is not None:
+        batch["rollout_log_prob"] = rollout.rollout_log_probs.float()
+    return batch
 
 
 def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -180,7 +180,12 @@ class PPOTrainer:
         # 5. Metrics (DP-averaged where they are per-replica statistics).
         local = {
             **rollout.metrics(),
-            **log_prob_mismatch(batch["rollout_log_prob"], batch["old_log_prob"], mask),
+            # Absent when the engine was not asked for log-probs (rollout.calculate_log_probs).
+            **(
+                log_prob_mismatch(batch["rollout_log_prob"], batch["old_log_prob"], mask)
+                if "rollout_log_prob" in batch
+                else {}
+            ),
             **batch_stats(batch, old["entropy"]),
             **reward_metrics,
             **kl_metrics,

@@ -217,3 +217,14 @@ def test_engine_kwargs_pass_through_but_cannot_override_the_trainer():
     assert message.startswith("rollout.engine_kwargs.seed: is set by the trainer")
     message = _error(TINY, ["rollout.engine_kwargs=[1]"], world_size=4)
     assert message == "rollout.engine_kwargs: expected a mapping with string keys, got list [1]"
+
+
+def test_calculate_log_probs_defaults_on_and_takes_only_booleans():
+    assert load_config(TINY, []).rollout.calculate_log_probs is True
+    config = load_config(TINY, ["rollout.calculate_log_probs=false"])
+    assert config.rollout.calculate_log_probs is False
+    validate(config, world_size=4)
+    message = _error(TINY, ["rollout.calculate_log_probs=maybe"])
+    assert message == "rollout.calculate_log_probs: expected true or false, got str 'maybe'"
+    message = _error(TINY, ["rollout.calculate_log_probs=1"])
+    assert message == "rollout.calculate_log_probs: expected true or false, got int 1"

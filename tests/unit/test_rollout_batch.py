@@ -155,3 +155,73 @@ def test_n_samples_keep_groups_contiguous():
     for chunk in batch.chunk(6):
         groups = chunk.group_index.tolist()
         assert all(groups.count(g) == 3 for g in set(groups))
+
+
+def build_without_log_probs(seed: int = 0, rows: int = 7) -> RolloutBatch:
+    prompts, responses, _, reasons, groups = make_rows(seed, rows)
+    return RolloutBatch.from_sequences(
+        prompts, responses, None, reasons, group_index=groups, pad_token_id=PAD
+    )
+
+
+LAYOUT_FIELDS = ("prompts", "responses", "attention_mask", "response_mask", "position_ids")
+ROW_FIELDS = LAYOUT_FIELDS + ("prompt_lengths", "response_lengths", "finish_reason", "group_index")
+
+
+def test_batch_without_engine_log_probs_has_the_same_layout():
+    """`rollout.calculate_log_probs: false`: no log-probs, every other field as with them."""
+    with_lp, _ = build(rows=9)
+    without = build_without_log_probs(rows=9)
+    without.validate()
+    assert without.rollout_log_probs is None
+    for name in ROW_FIELDS:
+        assert torch.equal(getattr(without, name), getattr(with_lp, name)), name
+    assert without.metrics() == with_lp.metrics()
+    padded = RolloutBatch.from_padded(
+        with_lp.prompts,
+        with_lp.responses,
+        None,
+        with_lp.prompt_lengths,
+        with_lp.response_lengths,
+        with_lp.finish_reason,
+        group_index=with_lp.group_index,
+    )
+    assert padded.rollout_log_probs is None
+    assert torch.equal(padded.attention_mask, with_lp.attention_mask)
+    # The row checks that do not involve log-probs still hold.
+    with pytest.raises(ValueError, match="finish_reasons has 1 rows"):
+        RolloutBatch.from_sequences([[1], [2]], [[3], [4]], None, ["stop"])
+    without.position_ids = without.position_ids[:, :1]
+    with pytest.raises(ValueError, match="RolloutBatch.position_ids has shape"):
+        without.validate()
+
+
+def test_select_chunk_compact_cat_and_to_without_log_probs():
+    with_lp, _ = build(rows=10)
+    without = build_without_log_probs(rows=10)
+    mask = without.response_lengths > 2
+    for index in (slice(2, 7), 3, -1, [4, 1, 8], mask):
+        part, ref = without[index], with_lp[index]
+        assert part.rollout_log_probs is None
+        for name in ROW_FIELDS:
+            assert torch.equal(getattr(part, name), getattr(ref, name)), (index, name)
+    chunks = [c.compact() for c in without.chunk(3)]
+    assert [len(c) for c in chunks] == [3, 3, 3, 1]
+    assert all(c.rollout_log_probs is None for c in chunks)
+    joined = RolloutBatch.cat(chunks)
+    joined.validate()
+    assert joined.rollout_log_probs is None
+    for name in ROW_FIELDS:
+        assert torch.equal(getattr(joined, name), getattr(without, name)), name
+    moved = without.to("cpu", non_blocking=True)
+    assert moved.rollout_log_probs is None and moved.prompts.dtype == torch.int64
+    assert torch.equal(moved.position_ids, without.position_ids)
+
+
+def test_cat_refuses_to_mix_batches_with_and_without_log_probs():
+    with_lp, _ = build(rows=4)
+    without = build_without_log_probs(rows=4)
+    with pytest.raises(ValueError, match="batch 1 has no rollout_log_probs but batch 0 has"):
+        RolloutBatch.cat([with_lp, without])
+    with pytest.raises(ValueError, match="batch 0 has no rollout_log_probs but batch 1 has"):
+        RolloutBatch.cat([without[:2], with_lp])

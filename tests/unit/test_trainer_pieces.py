@@ -45,6 +45,27 @@ def test_logprob_mismatch_counts_valid_tokens_only():
     assert out == {"rollout/logprob_diff_mean": 0.25, "rollout/logprob_diff_max": 0.5}
 
 
+def test_training_batch_carries_engine_log_probs_only_when_computed():
+    """Without engine log-probs (`rollout.calculate_log_probs: false`) the batch has no
+    `rollout_log_prob`, which is what makes the step leave the mismatch metrics out."""
+    from rl_megatron.rollout.batch import RolloutBatch
+
+    prompts, responses = [[5, 6], [4]], [[7, 8, 9], [3]]
+    log_probs = [[-0.5, -1.0, -1.5], [-2.0]]
+    with_lp = RolloutBatch.from_sequences(prompts, responses, log_probs, ["length", "stop"])
+    batch = ex.training_batch(with_lp)
+    assert batch["rollout_log_prob"].tolist() == [[-0.5, -1.0, -1.5], [-2.0, 0.0, 0.0]]
+    assert batch["rollout_log_prob"].dtype == torch.float32
+
+    without = ex.training_batch(
+        RolloutBatch.from_sequences(prompts, responses, None, ["length", "stop"])
+    )
+    assert set(batch) - set(without) == {"rollout_log_prob"}
+    for key, value in without.items():
+        assert torch.equal(value, batch[key]), key
+    assert without["response_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
 def test_char_tokenizer_round_trip_and_specials():
     tok = CharTokenizer()
     ids = tok.encode("3 8 1 =")

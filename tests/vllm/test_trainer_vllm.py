@@ -5,6 +5,10 @@ training replica): every step reshards the actor's two pipeline stages into both
 If a sync put any weight in the wrong place, vLLM's sampling log-probs would drift from the
 actor's recomputed ones; the fp32 CPU parity of the two is ~1e-6 (tests/vllm), so the
 mismatch bound below (1e-3) catches any wrong row while the weights change every step.
+
+A second run (1 rank, 2 steps) turns the engine's log-probs off
+(`rollout.calculate_log_probs=false`): the trainer must train as before, without the
+mismatch metrics.
 """
 
 from __future__ import annotations
@@ -22,8 +26,8 @@ from tests.vllm.torchrun_script import REPO
 STEPS = 4
 
 
-@pytest.mark.slow
-def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
+def run_trainer(tmp_path, nproc: int, steps: int, overrides: list[str]) -> list[dict]:
+    """launch/ppo.py on tiny_cpu.yaml with a tiny HF Llama and vLLM; the metrics rows."""
     hf_dir = tmp_path / "tiny_llama"
     tiny_llama(0).save_pretrained(hf_dir, safe_serialization=True)
     arch = ["num_layers", "hidden_size", "num_attention_heads", "num_query_groups"]
@@ -31,14 +35,12 @@ def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
     overrides = [f"model.{key}=null" for key in arch] + [
         f"model.hf_path={hf_dir}",
         "model.max_position_embeddings=256",
-        "parallel.tp=1",
-        "parallel.pp=2",
         "rollout.engine=vllm",
         "rollout.tp=1",
         "rollout.gpu_memory_utilization=0.05",
-        f"trainer.total_steps={STEPS}",
-        "trainer.val_interval=2",
+        f"trainer.total_steps={steps}",
         f"trainer.output_dir={tmp_path / 'runs'}",
+        *overrides,
     ]
     env = {
         **os.environ,
@@ -46,13 +48,22 @@ def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "OMP_NUM_THREADS": "1",
     }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["launch/ppo.py", "--config", "yaml_configs/tiny_cpu.yaml", *overrides]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    cmd += [f"--nproc_per_node={nproc}", "launch/ppo.py", "--config", "yaml_configs/tiny_cpu.yaml"]
+    proc = subprocess.run(
+        cmd + overrides, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = (tmp_path / "runs" / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    return rows
+
+
+@pytest.mark.slow
+def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
+    overrides = ["parallel.tp=1", "parallel.pp=2", "trainer.val_interval=2"]
+    rows = run_trainer(tmp_path, nproc=2, steps=STEPS, overrides=overrides)
     for row in rows:
         assert row["rollout/logprob_diff_max"] < 1e-3, row["rollout/logprob_diff_max"]
         assert row["rollout/num_samples"] == 64 and row["rollout/response_length_mean"] > 0
@@ -64,3 +75,17 @@ def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
             assert row["reshard/bytes_received_gb"] > 0
         assert row["actor/grad_norm"] > 0
     assert rows[1]["val/num_prompts"] == 32
+
+
+@pytest.mark.slow
+def test_grpo_without_engine_log_probs(tmp_path):
+    overrides = ["parallel.tp=1", "trainer.val_interval=0", "rollout.calculate_log_probs=false"]
+    rows = run_trainer(tmp_path, nproc=1, steps=2, overrides=overrides)
+    for row in rows:
+        assert not any(key.startswith("rollout/logprob_diff") for key in row), row
+        assert row["rollout/num_samples"] == 64 and row["rollout/response_length_mean"] > 0
+        assert row["actor/grad_norm"] > 0
+    # Step 2 generated from weights synced after step 1's update (on one rank the sync
+    # permutes in place: no bytes cross ranks).
+    assert "reshard/bytes_received_gb" not in rows[0]
+    assert rows[1]["reshard/bytes_received_gb"] == 0.0

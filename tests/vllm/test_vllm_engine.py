@@ -186,6 +186,23 @@ def test_n_samples_per_prompt(run, ref):
     assert run[0]["sampled"] == run[1]["sampled"]
 
 
+def test_without_log_probs_the_samples_are_the_same(run, ref):
+    """`rollout.calculate_log_probs=false`: vLLM is asked for no log-probs; the seeded
+    samples (and a rejected prompt's row) are exactly those of the call with them."""
+    for res in run:
+        off, on = res["sampled_no_log_probs"], res["sampled"]
+        assert responses(off) == responses(on)
+        assert [r["group"] for r in off["rows"]] == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+        assert all(r["log_probs"] is None for r in off["rows"])
+        assert all(r["log_probs"] is not None for r in on["rows"])
+        assert off["metrics"] == on["metrics"] and off["shape"] == on["shape"]
+        rej = res["overflow_reject_no_log_probs"]
+        assert [r["finish"] for r in rej["rows"]] == ["length", "rejected", "length"]
+        assert responses(rej) == responses(res["overflow_reject"])
+        assert all(r["log_probs"] is None for r in rej["rows"])
+    assert run[0]["sampled_no_log_probs"] == run[1]["sampled_no_log_probs"]
+
+
 def test_prompt_longer_than_context(run, ref):
     limit = ref["limit"]
     greedy_a = ref["greedy"]["a"]

@@ -38,6 +38,7 @@ from rl_megatron.rollout.vllm_engine import (
 def dump(batch: RolloutBatch) -> dict[str, Any]:
     """A batch as JSON-able rows (checked for internal consistency first)."""
     batch.validate()
+    lp = batch.rollout_log_probs
     rows = []
     for i in range(len(batch)):
         prompt, response = batch.row_tokens(i)
@@ -45,7 +46,7 @@ def dump(batch: RolloutBatch) -> dict[str, Any]:
             {
                 "prompt": prompt,
                 "response": response,
-                "log_probs": batch.rollout_log_probs[i, : len(response)].tolist(),
+                "log_probs": None if lp is None else lp[i, : len(response)].tolist(),
                 "finish": batch.finish_reasons[i],
                 "group": int(batch.group_index[i]),
                 "truncated": bool(batch.prompt_truncated[i]),
@@ -118,6 +119,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             temperature=0, max_new_tokens=max_new, ignore_eos=True, prompt_overflow=policy
         )
         res[f"overflow_{policy}"] = dump(engine.generate(with_long, sp))
+    # Log-probs off (rollout.calculate_log_probs=false): the same seeded samples and the
+    # same rejected row, without log-probs.
+    engine.calculate_log_probs = False
+    res["sampled_no_log_probs"] = dump(engine.generate(prompts[:3], sampled))
+    reject = SamplingParams(temperature=0, max_new_tokens=max_new, ignore_eos=True)
+    res["overflow_reject_no_log_probs"] = dump(engine.generate(with_long, reject))
+    engine.calculate_log_probs = True
     res["bad_token_error"] = error_of(lambda: engine.generate([[5, 100000]], greedy))
     res["empty_prompt_error"] = error_of(lambda: engine.generate([[5], []], greedy))
 

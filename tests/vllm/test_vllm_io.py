@@ -1,0 +1,60 @@
+"""Conversions to and from vLLM's objects (rollout/vllm_io.py), on the real vLLM classes.
+
+In-process and quick (no engine): `vllm.SamplingParams` validates what we build, and
+`CompletionOutput` / `FlatLogprobs` are what `LLM.generate` hands back.
+"""
+
+from __future__ import annotations
+
+import pytest
+import vllm
+from vllm.logprobs import FlatLogprobs, Logprob
+from vllm.outputs import CompletionOutput
+
+from rl_megatron.rollout.batch import FinishReason
+from rl_megatron.rollout.sampling import SamplingParams
+from rl_megatron.rollout.vllm_io import convert_sample, to_vllm_sampling_params
+
+# No skip when vLLM is missing (as test_vllm_engine.py): `make test` installs the CPU build.
+pytestmark = pytest.mark.vllm
+
+
+def test_sampling_params_ask_for_log_probs_only_when_calculated():
+    sampling = SamplingParams(temperature=0.7, top_k=5, max_new_tokens=9, n=3)
+    on = to_vllm_sampling_params(sampling, [2], seed=11)
+    assert isinstance(on, vllm.SamplingParams)
+    assert on.logprobs == 0 and on.flat_logprobs  # the sampled token's only, flat
+    off = to_vllm_sampling_params(sampling, [2], seed=11, calculate_log_probs=False)
+    assert off.logprobs is None
+    # Nothing else changes: the same tokens are sampled either way.
+    for name in ("n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed"):
+        assert getattr(off, name) == getattr(on, name), name
+    assert (off.n, off.top_k, off.max_tokens, off.seed) == (3, 5, 9, 11)
+
+
+def completion(token_ids: list[int], logprobs, finish_reason: str | None = "length"):
+    return CompletionOutput(
+        index=0,
+        text="",
+        token_ids=token_ids,
+        cumulative_logprob=None,
+        logprobs=logprobs,
+        finish_reason=finish_reason,
+    )
+
+
+def test_convert_sample_with_and_without_log_probs():
+    flat = FlatLogprobs()
+    for token, value in ((5, -0.5), (7, -1.25), (2, -2.0)):
+        flat.append({token: Logprob(logprob=value, rank=1, decoded_token=None)})
+    tokens, log_probs, reason = convert_sample(0, completion([5, 7, 2], flat, "stop"))
+    assert (tokens, log_probs, reason) == ([5, 7, 2], [-0.5, -1.25, -2.0], FinishReason.STOP)
+
+    # Not requested: vLLM returns none, and none are needed.
+    out = convert_sample(3, completion([5, 7], None), calculate_log_probs=False)
+    assert out == ([5, 7], None, FinishReason.LENGTH)
+    out = convert_sample(3, completion([], None, None), calculate_log_probs=False)
+    assert out == ([], None, FinishReason.ABORT)
+    # Requested but missing is vLLM's bug, named with the prompt.
+    with pytest.raises(RuntimeError, match="no log-prob for every sampled token of prompt 3"):
+        convert_sample(3, completion([5, 7], None))
