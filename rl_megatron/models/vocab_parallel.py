@@ -111,7 +111,8 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
             local = (labels >= ctx.start) & (labels < ctx.start + part)
             idx = (labels - ctx.start).clamp(0, part - 1).unsqueeze(-1)
             grad.scatter_add_(-1, idx, torch.where(local, grad_log_prob, 0.0).unsqueeze(-1))
-        grad.div_(ctx.temperature)  # z = logits / temperature
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)  # z = logits / temperature
         return grad.to(logits.dtype), None, None, None, None, None
 
 
