@@ -72,6 +72,7 @@ import dataclasses
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -163,7 +164,8 @@ def throughput(seconds: float, warmup_s: float, batch: int, args) -> dict[str, f
 def bench_batches(
     name: str, run: Callable[[int], list[list[int]]], args, result: dict
 ) -> dict[int, list[list[int]]]:
-    """Warm-up + timed call of `run(batch)` per batch size; records into result["batches"].
+    """Warm-up + `--repeats` timed calls of `run(batch)` per batch size (the median counts);
+    records into result["batches"].
 
     `run` returns the generated tokens `[batch][max_new]`; a batch size that fails
     records its error and the others still run. Returns the tokens per batch size.
@@ -173,10 +175,14 @@ def bench_batches(
         slot = result["batches"][str(b)]
         try:
             warmup_s, _ = timed(lambda b=b: run(b))
-            seconds, out = timed(lambda b=b: run(b))
+            times = []
+            for _ in range(args.repeats):
+                seconds, out = timed(lambda b=b: run(b))
+                times.append(seconds)
             if len(out) != b or any(len(row) != args.max_new for row in out):
                 raise RuntimeError(f"expected {b} rows of {args.max_new} tokens")
-            slot[name] = throughput(seconds, warmup_s, b, args)
+            slot[name] = throughput(statistics.median(times), warmup_s, b, args)
+            slot[name]["seconds_each"] = times
             tokens[b] = out
         except Exception as exc:
             slot[name] = {"error": error_text(exc)}
@@ -548,6 +554,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--engines", default=",".join(ENGINES), help="subset of " + str(ENGINES))
     parser.add_argument("--batches", type=int_list, default=[8, 16], help="e.g. 64,256")
+    parser.add_argument("--repeats", type=int, default=1, help="timed calls per batch (median)")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--max-new", type=int, default=32)
     parser.add_argument("--rollout-tp", type=int, default=1)

@@ -34,7 +34,8 @@ gpu1() {
   # One process for both, so the ratio is measured within one run.
   step rollout_vllm 300 $TR1 benchmarks/rollout_bench.py $SHAPE_085B --dtype bfloat16 \
     --batches 64,256 --prompt-len 128 --max-new 256 --engines vllm-standalone,vllm \
-    --gpu-memory-utilization 0.3 --out-json "$RES/rollout_h200_vllm_$TAG.json"
+    --gpu-memory-utilization 0.3 --repeats "${ROLLOUT_REPEATS:-1}" \
+    --out-json "$RES/rollout_h200_vllm_$TAG.json"
   if ! grep -q "^rollout_vllm: rc=0" "$RES/steps.txt"; then
     # Should the standalone engine fail again, the in-trainer engine on its own still
     # gives its tokens/s and the sleep/wake memory.
