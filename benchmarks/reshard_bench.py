@@ -17,7 +17,10 @@ strided generation groups (not realisable with vLLM's consecutive TP groups; DES
 Times. `e2e_wall_s`: median over `--repeats` (after `--warmup` untimed calls) of the whole
 call, from a device synchronize + one-element all-reduce across ranks to a device
 synchronize after it; the ratios use it. `wall_s` is the path's own host timer (kept for
-RESULTS.md; on GPUs it does not wait for the last kernels).
+RESULTS.md; on GPUs it does not wait for the last kernels). For the reshard path,
+`prepare_s`, `begin_s`, `wall_s` and `finish_s` (medians) are `sync_weights`' host time
+per phase (sources, agreement and checks; the engine's begin and its agreement; the
+transfer; the engine's finish), printed in a second table.
 
 Peak extra memory (GPU). The target tensors and the actor exist before each call and are
 not counted. `device_peak_extra_bytes` is the path's own figure (CUDA allocator peak above
@@ -42,6 +45,15 @@ data, else the flat copy (one GPU; or t_g = t, p = 1). Each path reports `ratio_
 (its e2e time over that floor: the same floor for both paths) and `ratio_to_own_floor` (over
 the floor of the bytes that path itself moves), and GB/s (`recv_GBps`: bytes received,
 `write_GBps`: generation bytes written, per second).
+
+Host overhead per sync, on a CPU: `--model llama-1b-tiny` has Llama-3.2-1B's tensors
+(99 in vLLM's layout: 16 layers, 8 query groups of 4 heads) at tiny sizes, so the copies
+cost next to nothing and the phases' times are the sync's fixed host cost.
+`--without-cpu-shim` times each call with `cpu_compat`'s TorchFunctionMode off: the shim
+intercepts every tensor call and attribute read, which a GPU host does not pay.
+
+    .venv/bin/torchrun --standalone --nproc_per_node 1 benchmarks/reshard_bench.py \
+        --model llama-1b-tiny --rollout-tp 1 --repeats 200 --warmup 20 --without-cpu-shim
 
 CPU (gloo; tests, CI-sized checks):
 
@@ -70,6 +82,7 @@ Prints one JSON object (rank 0, stdout) and then a table (stderr).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -93,6 +106,10 @@ MODELS = {
     # host time, measurable on a CPU.
     "many-blocks": dict(hidden_size=256, num_hidden_layers=32, num_attention_heads=32,
                         num_key_value_heads=32, intermediate_size=512, vocab_size=1024),
+    # Llama-3.2-1B's tensors (99 in vLLM's layout, 16 layers, 8 query groups of 4 heads)
+    # at tiny sizes: copies cost next to nothing, what remains is the sync's host time.
+    "llama-1b-tiny": dict(hidden_size=64, num_hidden_layers=16, num_attention_heads=32,
+                          num_key_value_heads=8, intermediate_size=64, vocab_size=256),
     # Llama-3.2-1B's shape (1.24 B parameters).
     "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, intermediate_size=8192, vocab_size=128256),
@@ -123,7 +140,11 @@ SUMMARY_KEYS = (
     "messages_sent",
     "rounds",
     "wall_s",
+    "prepare_s",
+    "begin_s",
+    "finish_s",
 )
+HOST_PHASES = ("prepare_s", "begin_s", "wall_s", "finish_s")  # sync_weights' host timers
 
 
 # ---------------------------------------------------------------------- timing
@@ -141,9 +162,12 @@ def _line_up(device: torch.device) -> None:
     _synchronize(device)
 
 
-def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int) -> dict:
+def timed(
+    fn: Callable[[], object], device: torch.device, repeats: int, warmup: int, unshimmed: bool
+) -> dict:
     """Run `fn` (collective) `warmup` + `repeats` times; synchronised wall times and peaks.
 
+    `unshimmed`: run `fn` with the CPU shim's TorchFunctionMode (`cpu_compat`) popped.
     Returns `times` (s, the timed repeats), `results` (fn's returns, timed repeats) and
     `peak_extra` (CUDA allocator bytes above the start, max over repeats; None on CPU).
     """
@@ -155,7 +179,8 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int, warmup: 
             torch.cuda.reset_peak_memory_stats(device)
             start = torch.cuda.memory_allocated(device)
         t0 = time.perf_counter()
-        out = fn()
+        with torch.overrides._pop_mode_temporarily() if unshimmed else contextlib.nullcontext():
+            out = fn()
         _synchronize(device)
         elapsed = time.perf_counter() - t0
         if i < warmup:
@@ -220,8 +245,8 @@ def allgather_floor(nbytes: int, dtype, device, args) -> dict:
     return {"bytes": received, "s": seconds, "GBps": _rate(received, seconds)}
 
 
-def _rw(args) -> tuple[int, int]:
-    return args.repeats, args.warmup
+def _rw(args) -> tuple[int, int, bool]:
+    return args.repeats, args.warmup, args.without_cpu_shim
 
 
 def _median(result: dict) -> float:
@@ -235,8 +260,9 @@ def summary(run: dict) -> dict:
     """The last repeat's counters (identical every time), the median wall times."""
     stats = run["results"]
     last = stats[-1].as_dict()
-    last["wall_s"] = statistics.median(s.wall_s for s in stats)
     out = {k: last[k] for k in SUMMARY_KEYS}
+    for key in HOST_PHASES:  # the full gather times only its whole call (wall_s)
+        out[key] = statistics.median(getattr(s, key) for s in stats)
     out["e2e_wall_s"] = statistics.median(run["times"])
     out["e2e_wall_s_min"] = min(run["times"])
     out["device_peak_extra_bytes_call"] = run["peak_extra"]
@@ -402,6 +428,12 @@ def table(rows: list[dict]) -> str:
             f"({rs[0]['floor']['kind']}) | {ours_s / floor_s:5.2f} / {fg_s / floor_s:5.2f} | "
             f"{all(r['bit_exact_vs_full_gather'] for r in rs)}"
         )
+    head = "t,p,d  t_g | sync host ms: prepare  begin  execute  finish | e2e ms (slowest rank)"
+    lines += ["", head, "-" * len(head)]
+    for (t, p, d, t_g), rs in groups.items():
+        phases = "  ".join(f"{top(rs, 'reshard', k) * 1e3:7.3f}" for k in HOST_PHASES)
+        e2e = top(rs, "reshard", "e2e_wall_s") * 1e3
+        lines.append(f"{t},{p},{d}  {t_g:>3} |               {phases} | {e2e:7.3f}")
     return "\n".join(lines)
 
 
@@ -415,6 +447,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls before them")
     parser.add_argument("--out-json", default=None)
+    parser.add_argument(
+        "--without-cpu-shim",
+        action="store_true",
+        help="CPU: time each call with cpu_compat's TorchFunctionMode off, as on a GPU host",
+    )
     args = parser.parse_args()
     args.rollout_tp = [int(x) for x in args.rollout_tp.split(",")]
     args.dtype = args.dtype or ("bfloat16" if torch.cuda.is_available() else "float32")

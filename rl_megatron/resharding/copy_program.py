@@ -15,10 +15,18 @@ once per plan and rank, into a `CopyProgram`:
 * blocks along another dim (row-parallel weights split by columns) stay single
   narrow-to-narrow copies (`Block`), a few per layer.
 
-`run_local` issues a round's zero fills, local copies and send packing; `run_unpack` its
-received rows. Destinations within a round are disjoint, so copies may run in any order.
-The executor keeps the block-by-block path for targets that buffer each parameter until
-it is complete (vLLM's CPU build), which must hear of a parameter as soon as its rows land.
+A round's ops come in three lists: `local` (zero fills and copies from training shards
+into generation parameters), `pack` (send rows into the arena) and `unpack` (received rows
+out of it). Destinations within a round are disjoint, so copies may run in any order.
+
+Running is two steps: `bind` resolves ops to views of one sync's tensors (a `Bound`:
+the lists for one multi-tensor copy, the strided copies, the zero fills), `issue` launches
+them. The executor keeps the bound `local` ops across syncs while the tensors they view
+are unchanged (`CopyProgram.bases`), so a repeated sync issues its copies with almost no
+Python; `pack` and `unpack` view the arena, which is allocated per sync, and are bound on
+every sync. The executor keeps the block-by-block path for targets that buffer each
+parameter until it is complete (vLLM's CPU build), which must hear of a parameter as soon
+as its rows land.
 """
 
 from __future__ import annotations
@@ -70,7 +78,8 @@ class Zero:
 
 @dataclasses.dataclass
 class RoundProgram:
-    local: list[Run | Block | Zero]  # zero fills, local copies and send packing
+    local: list[Run | Block | Zero]  # zero fills and copies from the rank's training shards
+    pack: list[Run | Block]  # send rows into the arena
     unpack: list[Run | Block]  # received rows into the generation parameters
     completed: list[str]  # generation parameters whose last rows land in this round
     sends: list[tuple[int, int, int]]  # (peer, arena start, numel)
@@ -82,6 +91,8 @@ class RoundProgram:
 @dataclasses.dataclass
 class CopyProgram:
     rounds: list[RoundProgram]
+    arena_numel: int  # the fullest round's send + receive elements (≤ one bucket)
+    bases: list[Ref]  # the tensors the rounds' `local` ops view
 
 
 # ------------------------------------------------------------------------- compile
@@ -95,7 +106,13 @@ def compile_program(plan: ReshardPlan, local: int) -> CopyProgram:
         rounds.append(_compile_round(rnd, remaining))
     if any(remaining.values()):
         raise AssertionError(f"local rank {local}: plan leaves parameters unfinished")
-    return CopyProgram(rounds)
+    arena_numel = max((r.staging_numel() for r in plan.rounds[local]), default=0)
+    bases = {ref for r in rounds for op in r.local for ref in _refs(op)}
+    return CopyProgram(rounds, arena_numel, sorted(bases))
+
+
+def _refs(op: Run | Block | Zero) -> tuple[Ref, ...]:
+    return (op.dst,) if isinstance(op, Zero) else (op.dst, op.src)
 
 
 def _compile_round(rnd: RankRound, remaining: dict[str, int]) -> RoundProgram:
@@ -118,6 +135,8 @@ def _compile_round(rnd: RankRound, remaining: dict[str, int]) -> RoundProgram:
             local.append(Block((DST, w.dst_param), w.dst_offset, (SRC, w.src_param),
                                w.src_offset, w.dim, w.rows))  # fmt: skip
         wrote(w.dst_param)
+    local += coalesce(flat)
+    flat, pack = [], []
     used, sends, recvs = 0, [], []
     for peer, moves in rnd.sends.items():
         sends.append((peer, used, sum(m.numel for m in moves)))
@@ -126,10 +145,10 @@ def _compile_round(rnd: RankRound, remaining: dict[str, int]) -> RoundProgram:
                 flat.append(((ARENA, ""), pos, (SRC, m.src_param), m.src_offset * m.row_numel,
                              m.numel))  # fmt: skip
             else:
-                local.append(Block((ARENA, ""), pos, (SRC, m.src_param), m.src_offset,
-                                   m.dim, m.rows))  # fmt: skip
+                pack.append(Block((ARENA, ""), pos, (SRC, m.src_param), m.src_offset,
+                                  m.dim, m.rows))  # fmt: skip
         used += sends[-1][2]
-    local += coalesce(flat)
+    pack += coalesce(flat)
     flat, unpack = [], []
     for peer, moves in rnd.recvs.items():
         recvs.append((peer, used, sum(m.numel for m in moves)))
@@ -145,7 +164,7 @@ def _compile_round(rnd: RankRound, remaining: dict[str, int]) -> RoundProgram:
     unpack += coalesce(flat)
     local_numel = sum(w.numel for w in rnd.writes if isinstance(w, Move))
     filled_numel = sum(w.numel for w in rnd.writes if isinstance(w, Fill))
-    return RoundProgram(local, unpack, completed, sends, recvs, local_numel, filled_numel)
+    return RoundProgram(local, pack, unpack, completed, sends, recvs, local_numel, filled_numel)
 
 
 def _positions(moves: list[Move], start: int) -> Iterator[tuple[Move, int]]:
@@ -219,30 +238,53 @@ class Tensors:
         return self._flat[ref]
 
 
-def run_ops(ops: list[Run | Block | Zero], tensors: Tensors) -> None:
-    """Issue `ops`: strided copies one by one, the rest as multi-tensor copies."""
-    dst_list, src_list, zeros = [], [], []
+@dataclasses.dataclass
+class Bound:
+    """Ops resolved to views of one sync's tensors, ready to `issue`."""
+
+    dst: list[torch.Tensor]  # flat ranges and blocks: one multi-tensor copy
+    src: list[torch.Tensor]
+    strided: list[tuple[torch.Tensor, torch.Tensor]]  # runs of several blocks: (dst, src)
+    zeros: list[torch.Tensor]
+
+
+def bind(ops: list[Run | Block | Zero], tensors: Tensors) -> Bound:
+    """Views of `tensors` for `ops` (no copy is made)."""
+    bound = Bound([], [], [], [])
     for op in ops:
         if isinstance(op, Run):
             d, s = tensors.flat(op.dst), tensors.flat(op.src)
             if op.count == 1:
-                dst_list.append(d[op.dst_start : op.dst_start + op.numel])
-                src_list.append(s[op.src_start : op.src_start + op.numel])
+                bound.dst.append(d[op.dst_start : op.dst_start + op.numel])
+                bound.src.append(s[op.src_start : op.src_start + op.numel])
                 continue
             shape = (op.count, op.numel)
             dst = d.as_strided(shape, (op.dst_step, 1), d.storage_offset() + op.dst_start)
             src = s.as_strided(shape, (op.src_step, 1), s.storage_offset() + op.src_start)
-            dst.copy_(src)
+            bound.strided.append((dst, src))
         elif isinstance(op, Block):
             dst, src = _block_sides(op, tensors)
-            dst_list.append(dst)
-            src_list.append(src)
+            bound.dst.append(dst)
+            bound.src.append(src)
         else:
-            zeros.append(tensors.full(op.dst).narrow(op.dim, op.offset, op.rows))
-    if dst_list:
-        torch._foreach_copy_(dst_list, src_list)
-    if zeros:
-        torch._foreach_zero_(zeros)
+            bound.zeros.append(tensors.full(op.dst).narrow(op.dim, op.offset, op.rows))
+    return bound
+
+
+def issue(bound: Bound) -> None:
+    """Launch `bound`'s copies: the multi-tensor copy first, as it holds the whole tensors
+    (embeddings, MLP weights), so the device is busy while the host issues the rest."""
+    if bound.dst:
+        torch._foreach_copy_(bound.dst, bound.src)
+    for dst, src in bound.strided:
+        dst.copy_(src)
+    if bound.zeros:
+        torch._foreach_zero_(bound.zeros)
+
+
+def run_ops(ops: list[Run | Block | Zero], tensors: Tensors) -> None:
+    """Bind and issue `ops` at once."""
+    issue(bind(ops, tensors))
 
 
 def _block_sides(op: Block, tensors: Tensors) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,15 +22,26 @@ written in place (vLLM's CPU build) add their own buffers, reported separately.
 
 Failures: every check that can fail before the first byte moves (plan inputs, shapes,
 configs, the engine accepting the update) is agreed on by all ranks, which then raise
-together. A rank failing in the middle of the transfer marks its engine failed (it
-refuses to generate) and raises; its peers wait in their transfers until the process
-group's timeout, as with any collective.
+together (`agreement.py`). A rank failing in the middle of the transfer marks its engine
+failed (it refuses to generate) and raises; its peers wait in their transfers until the
+process group's timeout, as with any collective.
+
+Fixed cost. Until the first copy is issued the device idles, so host work per sync adds
+to every sync whatever its size. A repeated sync keeps what did not change and checks,
+per tensor, only that it did not: the actor's name → parameter table is kept while each
+parameter is the same object (`actor_sources`); the agreement and the checks take one
+all-reduce, the engine's acceptance one more (none on one rank); the copies from the
+rank's own shards stay bound to views of their tensors while those keep their address,
+shape, strides, dtype and device (per target: a new target, or tensors reallocated
+between syncs, bind afresh); and the multi-tensor copy of whole tensors is issued before
+the strided ones, so the device has work while the host issues the rest.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -39,12 +50,19 @@ import torch.distributed as dist
 
 from rl_megatron.checkpoint.hf_loader import iter_rule_params, unwrap
 from rl_megatron.models.hf_config import HFModelInfo
-from rl_megatron.resharding.copy_program import CopyProgram, Tensors, compile_program, run_ops
-from rl_megatron.resharding.layouts import GenerationLayout, TrainingLayout
-from rl_megatron.resharding.plan import Fill, PlanKey, ReshardPlan, build_plan
-from rl_megatron.resharding.shards import ShardSpec
-
-MIB = 1 << 20
+from rl_megatron.resharding.agreement import MIB as MIB  # the bucket unit, for callers
+from rl_megatron.resharding.agreement import CheckedTarget, prepare_plan, raise_together
+from rl_megatron.resharding.copy_program import (
+    Bound,
+    CopyProgram,
+    Tensors,
+    bind,
+    compile_program,
+    issue,
+    run_ops,
+)
+from rl_megatron.resharding.layouts import TrainingLayout
+from rl_megatron.resharding.plan import Fill, ReshardPlan
 
 
 class WriteTarget(Protocol):
@@ -91,7 +109,10 @@ class SyncStats:
     peak_staging_bytes: int = 0  # executor buffers (≤ bucket by construction)
     target_staging_bytes: int = 0  # the target's own buffers (vLLM CPU reload path)
     device_peak_extra_bytes: int | None = None  # CUDA allocator peak − start (GPU only)
-    wall_s: float = 0.0
+    wall_s: float = 0.0  # execute_plan, host time (on GPUs it does not wait for the copies)
+    prepare_s: float = 0.0  # sync_weights' host time: sources, agreement and checks
+    begin_s: float = 0.0  # the target's begin and the ranks' agreement on it
+    finish_s: float = 0.0  # the target's finish
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -112,21 +133,46 @@ def megatron_sources(model_chunks: Sequence[torch.nn.Module], info: HFModelInfo)
     return out
 
 
-def check_tensors(specs: Sequence[ShardSpec], tensors: Mapping[str, Any], what: str) -> list[str]:
-    """Problems (one line each) if `tensors` (name → tensor or shape) do not match `specs`."""
-    problems = []
-    want = {s.name: s.shape for s in specs}
-    for name, shape in want.items():
-        if name not in tensors:
-            problems.append(f"{what} lacks parameter '{name}' (plan shape {list(shape)})")
-            continue
-        have = tuple(getattr(tensors[name], "shape", tensors[name]))
-        if have != tuple(shape):
-            problems.append(f"{what} '{name}' has shape {list(have)}, the plan {list(shape)}")
-    problems += [
-        f"{what} parameter '{name}' is not in the plan" for name in tensors if name not in want
+# Unwrapped chunk → (info, its sources, [(module ref, leaf, parameter)]). Walking a
+# Megatron chunk's modules and mapping their names takes ~1 ms on a 16-layer model; a
+# check by identity, ~0.3 µs a parameter, shows the table still holds.
+_SOURCE_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def actor_sources(model_chunks: Sequence[torch.nn.Module], info: HFModelInfo) -> dict:
+    """`megatron_sources`, kept per chunk while each parameter is its module's same object.
+
+    Parameters replaced since the last call (`module.weight = ...`, `load_state_dict(...,
+    assign=True)`) or modules freed rebuild a chunk's table; in-place changes (training,
+    offload and reload of storages) keep it. A module *added* to a chunk after its first
+    sync is not seen: build a new chunk instead. Treat the result as read-only.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for chunk in model_chunks:
+        model = unwrap(chunk)
+        table = _SOURCE_TABLES.get(model)
+        if table is None or table[0] != info or not _still_owned(table[2]):
+            table = (info, megatron_sources([model], info), _owners(model))
+            _SOURCE_TABLES[model] = table
+        out.update(table[1])
+    return out
+
+
+def _owners(model: torch.nn.Module) -> list[tuple[weakref.ref, str, torch.nn.Parameter]]:
+    return [
+        (weakref.ref(module), leaf, param)
+        for module in model.modules()
+        for leaf, param in module._parameters.items()
+        if param is not None
     ]
-    return problems
+
+
+def _still_owned(owners: list[tuple[weakref.ref, str, torch.nn.Parameter]]) -> bool:
+    for ref, leaf, param in owners:
+        module = ref()
+        if module is None or module._parameters.get(leaf) is not param:
+            return False
+    return True
 
 
 # ---------------------------------------------------------------------- execute
@@ -172,6 +218,31 @@ def _program(plan: ReshardPlan, local: int) -> CopyProgram:
         cached = (plan, compile_program(plan, local))
         _PROGRAMS[(id(plan), local)] = cached
     return cached[1]
+
+
+# Target → {id(program): (program, geometry of its bases, bound `local` ops per round)}.
+# Keyed by the target, so the views (which keep their tensors' storage alive) go with it.
+_BOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+
+
+def _bound_local(program: CopyProgram, tensors: Tensors, target: WriteTarget) -> list[Bound]:
+    """Each round's `local` ops bound to this sync's tensors: the last sync's views when
+    every tensor they view is where and what it was (engines may reallocate weights on
+    wake, trainers reload offloaded ones elsewhere)."""
+    geometry = [_geometry(tensors.full(ref)) for ref in program.bases]
+    by_program = _BOUND.setdefault(target, {})
+    cached = by_program.get(id(program))
+    if cached is not None and cached[0] is program and cached[1] == geometry:
+        return cached[2]
+    bound = [bind(r.local, tensors) for r in program.rounds]
+    if len(by_program) >= 8:
+        by_program.clear()
+    by_program[id(program)] = (program, geometry, bound)
+    return bound
 
 
 def _copy_local_by_block(rnd, sources, target, arena, remaining: dict[str, int]) -> None:
@@ -241,26 +312,28 @@ def execute_plan(
         torch.cuda.reset_peak_memory_stats(device)
         start_alloc = torch.cuda.memory_allocated(device)
     t0 = time.perf_counter()
+    program = _program(plan, local)
     # One arena for the whole sync, sized to this rank's fullest round (≤ one bucket):
     # every round's send and receive buffers are slices of it, so the extra memory is
     # one allocation, whatever the number of rounds.
-    arena_numel = max((r.staging_numel() for r in plan.rounds[local]), default=0)
-    arena = tracker.alloc(arena_numel, dtype, device) if arena_numel else None
-    program = _program(plan, local)
+    numel = program.arena_numel
+    arena = tracker.alloc(numel, dtype, device) if numel else None
     # Targets that buffer each parameter until it is complete (vLLM's CPU build) hear of
     # a parameter as soon as its last rows land, so few buffers are alive at once: they
     # take the block-by-block path. In-place targets run the compiled program.
     by_block = getattr(target, "buffers_params", False)
-    remaining = dict(plan.writes[local])
+    remaining = dict(plan.writes[local]) if by_block else {}
     tensors = Tensors(sources, target.writable, arena)
-    for rnd, prog in zip(plan.rounds[local], program.rounds):
+    bound = [None] * len(program.rounds) if by_block else _bound_local(program, tensors, target)
+    for rnd, prog, local_ops in zip(plan.rounds[local], program.rounds, bound):
         stats.rounds += 1
         stats.bytes_local += prog.local_numel * elem
         stats.bytes_filled += prog.filled_numel * elem
         if by_block:
             _copy_local_by_block(rnd, sources, target, arena, remaining)
         else:
-            run_ops(prog.local, tensors)  # send buffers are packed before they are posted
+            issue(local_ops)
+            run_ops(prog.pack, tensors)  # send buffers are packed before they are posted
         ops = []
         for peer, start, n in prog.sends:
             ops.append(dist.P2POp(dist.isend, arena[start : start + n],
@@ -279,14 +352,13 @@ def execute_plan(
             _unpack_by_block(rnd, prog, target, arena, remaining)
         else:
             run_ops(prog.unpack, tensors)  # the arena is reused by the next round
-            for name in prog.completed:
+            for name in prog.completed:  # all of them, over the rounds (`compile_program`)
                 target.param_done(name)
-                remaining[name] = 0
     if any(remaining.values()):
         raise AssertionError(f"rank {rank}: plan left parameters unfinished")
     if arena is not None:
         tracker.free(arena)
-        del arena
+        del arena, tensors
     stats.wall_s = time.perf_counter() - t0
     stats.peak_staging_bytes = tracker.peak_bytes
     if cuda:
@@ -297,15 +369,8 @@ def execute_plan(
 # ------------------------------------------------------------------------- sync
 
 
-class SyncTarget(WriteTarget, Protocol):
+class SyncTarget(WriteTarget, CheckedTarget, Protocol):
     """The part of `targets.ReshardTarget` that `sync_weights` drives."""
-
-    kind: str
-    layout: GenerationLayout
-
-    def padded_vocab(self) -> int: ...
-
-    def check(self, specs: Sequence[ShardSpec], info: HFModelInfo) -> list[str]: ...
 
     def begin(self, version: int) -> None: ...
 
@@ -314,88 +379,6 @@ class SyncTarget(WriteTarget, Protocol):
     def abort(self, why: str) -> None: ...
 
     def staging_peak_bytes(self) -> int: ...
-
-
-def _padded_vocab_of(sources: Mapping[str, torch.Tensor], tp: int) -> int:
-    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
-        if name in sources:
-            return sources[name].shape[0] * tp
-    return 0
-
-
-def _reduce(values: list[int], op: dist.ReduceOp, group: dist.ProcessGroup | None) -> list[int]:
-    """Element-wise `op` (MAX / MIN) of small integers over the group."""
-    t = torch.tensor(values, dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=op, group=group)
-    return t.cpu().tolist()
-
-
-def _raise_together(problems: list[str], rank: int, group: dist.ProcessGroup | None) -> None:
-    """Raise on every rank if any rank found a problem; each names its own or the first."""
-    failing = _reduce([1 if problems else 0], dist.ReduceOp.MAX, group)[0]
-    if not failing:
-        return
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise ValueError(f"weight sync refused on rank {rank}: {problems[0]}{more}")
-    raise ValueError("weight sync refused: another rank found a mismatch (see its error)")
-
-
-def prepare_plan(
-    sources: Mapping[str, torch.Tensor],
-    target: SyncTarget,
-    *,
-    info: HFModelInfo,
-    training: TrainingLayout,
-    bucket_mb: float,
-    group: dist.ProcessGroup | None = None,
-) -> ReshardPlan:
-    """Agree on the plan's inputs, build (or fetch) it, and check both sides against it.
-
-    Collective over `group`; raises on every rank, before anything is written, when the
-    trainer's parameters, the target's parameters or the configs disagree with the plan.
-    """
-    rank = dist.get_rank()
-    dtypes = {t.dtype for t in sources.values()}
-    problems = []
-    if len(dtypes) > 1:
-        problems.append(f"training parameters mix dtypes {sorted(map(str, dtypes))}")
-    elem = next(iter(sources.values())).element_size() if sources else 0
-    mine = [_padded_vocab_of(sources, training.tp), target.padded_vocab(), elem]
-    high = _reduce(mine, dist.ReduceOp.MAX, group)
-    low = _reduce(mine, dist.ReduceOp.MIN, group)
-    # Middle pipeline stages hold no vocabulary (0); everyone else must agree.
-    if mine[0] and mine[0] != high[0]:
-        problems.append(f"training padded vocabulary {mine[0]} != another rank's {high[0]}")
-    if low[1] != high[1]:
-        problems.append(f"engine padded vocabularies differ across ranks ({low[1]}…{high[1]})")
-    if elem and elem != high[2]:
-        problems.append(f"training dtype has {elem}-byte elements, another rank {high[2]}")
-    key = PlanKey(
-        info=info,
-        training=training,
-        generation=target.layout,
-        target=target.kind,
-        training_padded_vocab=high[0],
-        generation_padded_vocab=high[1],
-        bucket_bytes=int(bucket_mb * MIB),
-        elem_size=high[2],
-    )
-    plan = None
-    if not problems:
-        try:
-            plan = build_plan(key)
-        except ValueError as exc:
-            problems.append(str(exc))
-    if plan is not None:
-        local = plan.local_rank(rank)
-        problems += check_tensors(plan.sources[local], sources, "trainer")
-        problems += target.check(plan.targets[local], info)
-    _raise_together(problems, rank, group)
-    assert plan is not None
-    return plan
 
 
 def sync_weights(
@@ -420,28 +403,35 @@ def sync_weights(
         group: the whole world's process group (None: the default group); transfers
             name global ranks.
     Returns:
-        this rank's `SyncStats`.
+        this rank's `SyncStats` (`prepare_s`, `begin_s`, `wall_s`, `finish_s`: host time
+        of each phase).
     """
-    sources = megatron_sources(model_chunks, info)
+    rank = dist.get_rank()
+    t0 = time.perf_counter()
+    sources = actor_sources(model_chunks, info)
     plan = prepare_plan(
         sources, target, info=info, training=training, bucket_mb=bucket_mb, group=group
     )
+    t1 = time.perf_counter()
     begin_failed = []
     try:
         target.begin(version)
     except (RuntimeError, ValueError) as exc:  # asleep, older version, ...
         begin_failed.append(f"the engine refused the update: {exc}")
     try:
-        _raise_together(begin_failed, dist.get_rank(), group)
+        raise_together(begin_failed, rank, group)
     except ValueError:
         if not begin_failed:
             target.abort("another rank's engine refused the update")
         raise
+    t2 = time.perf_counter()
     try:
-        stats = execute_plan(plan, dist.get_rank(), sources, target, group=group)
+        stats = execute_plan(plan, rank, sources, target, group=group)
     except BaseException as exc:
         target.abort(f"transfer failed: {exc}")
         raise
+    t3 = time.perf_counter()
     target.finish()
+    stats.prepare_s, stats.begin_s, stats.finish_s = t1 - t0, t2 - t1, time.perf_counter() - t3
     stats.target_staging_bytes = target.staging_peak_bytes()
     return stats

@@ -29,7 +29,8 @@ import torch
 
 from rl_megatron.models.hf_config import HFModelInfo, parse_hf_config
 from rl_megatron.resharding import shards
-from rl_megatron.resharding.executor import check_tensors, megatron_sources
+from rl_megatron.resharding.agreement import check_tensors
+from rl_megatron.resharding.executor import megatron_sources
 from rl_megatron.resharding.layouts import GenerationLayout, TrainingLayout
 from rl_megatron.resharding.shards import ShardSpec
 
