@@ -101,6 +101,30 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+class GcPauses:
+    """Python garbage-collector pauses (count, seconds) since `reset`, via `gc.callbacks`.
+
+    A collection stops the host wherever it strikes; on a launch-bound step the GPU waits.
+    """
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._start = 0, 0.0, 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._start
+
+    def reset(self) -> None:
+        self.count, self.seconds = 0, 0.0
+
+
+GC_PAUSES = GcPauses()
+
+
 def _gib(nbytes: float) -> float:
     return nbytes / 2**30
 
@@ -223,11 +247,20 @@ def plain_loop(config, info, args, masked: bool = False) -> dict:
     _sync()
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
+    # The trainer's garbage-collection policy (`trainer.manual_gc`) holds here too.
+    automatic_gc = gc.isenabled()
+    if config.trainer.manual_gc:
+        gc.collect()
+        gc.disable()
+    GC_PAUSES.reset()
     start = time.perf_counter()
     last_loss = 0.0
     for _ in range(args.plain_iters):
         last_loss = iteration()
     _sync()
+    gc_pauses = {"count": GC_PAUSES.count, "seconds": GC_PAUSES.seconds}
+    if automatic_gc:
+        gc.enable()
     seconds = time.perf_counter() - start
     peak_gb = _gib(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0
     profile_path, device_idle, sync_sites = None, None, None
@@ -265,6 +298,7 @@ def plain_loop(config, info, args, masked: bool = False) -> dict:
         "profile": str(profile_path) if profile_path else None,
         "device_idle": device_idle,
         "sync_sites": sync_sites,
+        "gc_pauses": gc_pauses,
     }
     model_config.finalize_model_grads_func = None
     return out  # the model and optimizer go with this frame (the caller measures that)
@@ -336,10 +370,12 @@ def run_trainer(config, run, log, args, plain_tok_s: float | None, save: bool) -
     try:
         for i in range(args.warmup_steps + args.steps):
             _sync()
+            GC_PAUSES.reset()
             start = time.perf_counter()
             metrics = trainer.train_step()
             _sync()
             wall = time.perf_counter() - start
+            gc_count, gc_seconds = GC_PAUSES.count, GC_PAUSES.seconds
             trainer.step += 1
             trainer.metrics.log(trainer.step, metrics)
             phases = sum(v for k, v in metrics.items() if k.startswith("timing_s/"))
@@ -355,6 +391,8 @@ def run_trainer(config, run, log, args, plain_tok_s: float | None, save: bool) -
             row.update(
                 {
                     "bench/step_wall_s": wall,
+                    "bench/gc_collections": gc_count,
+                    "bench/gc_pause_s": gc_seconds,
                     "timing_s/other": wall - phases,
                     "bench/tokens": tokens,
                     "bench/actor_update_tokens": tokens * config.actor.ppo_epochs,

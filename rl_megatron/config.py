@@ -227,6 +227,12 @@ class TrainerConfig:
     experiment_name: str = "default"
     val_interval: int = 0  # steps between evaluations; 0 = off
     dry_run: bool = False  # resolve, initialise, print the layout, exit
+    # Python's automatic garbage collection off while training, a collection every
+    # manual_gc_interval steps instead (0: only before the first), as Megatron-LM's
+    # --manual-gc: an automatic collection pauses the host at a random point of a step,
+    # and a launch-bound GPU waits for it.
+    manual_gc: bool = False
+    manual_gc_interval: int = 0
 
 
 @dataclass

@@ -270,6 +270,7 @@ def _check_run(t: TrainerConfig, c: CheckpointConfig, log: LoggingConfig) -> Non
     _require(t.total_epochs >= 1, "trainer.total_epochs", "must be >= 1")
     _require(t.total_steps is None or t.total_steps >= 1, "trainer.total_steps", "must be >= 1")
     _require(t.val_interval >= 0, "trainer.val_interval", "must be >= 0")
+    _require(t.manual_gc_interval >= 0, "trainer.manual_gc_interval", "must be >= 0")
     _require(c.save_interval >= 0, "checkpoint.save_interval", "must be >= 0")
     _require(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     _require(log.log_interval >= 1, "logging.log_interval", "must be >= 1")

@@ -14,6 +14,7 @@ is a statistic of the batch (whitening, loss normalisation, metrics) is reduced 
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 
 import torch
@@ -107,11 +108,14 @@ class PPOTrainer:
             if stop:
                 self.log.info("SIGTERM: stopped after step %d (checkpoint saved)", self.step)
                 break
+        if cfg.trainer.manual_gc:
+            gc.enable()
         self.metrics.close()
 
     def train_step(self) -> dict[str, float]:
         """One PPO iteration; returns this step's metrics (identical on every rank)."""
         roles, cfg = self.roles, self.config
+        self._collect_garbage()
         indices = self.sampler.next_batch()
         prompts = [self.data.train.input_ids[i] for i in indices]
 
@@ -196,6 +200,18 @@ class PPOTrainer:
         metrics.update(self.phases.pop())
         metrics.update(throughput(metrics, self.info, self.config.actor.ppo_epochs))
         return metrics
+
+    def _collect_garbage(self) -> None:
+        """With `trainer.manual_gc`: automatic collection off from the first step on, and a
+        timed collection (`timing_s/gc`) before it and every `manual_gc_interval` steps."""
+        t = self.config.trainer
+        if not t.manual_gc:
+            return
+        first = gc.isenabled()
+        gc.disable()
+        if first or (t.manual_gc_interval and self.step % t.manual_gc_interval == 0):
+            with self.phases.time("gc"):
+                gc.collect()
 
     # ------------------------------------------------------------------ rollout
 

@@ -228,3 +228,9 @@ def test_calculate_log_probs_defaults_on_and_takes_only_booleans():
     assert message == "rollout.calculate_log_probs: expected true or false, got str 'maybe'"
     message = _error(TINY, ["rollout.calculate_log_probs=1"])
     assert message == "rollout.calculate_log_probs: expected true or false, got int 1"
+
+
+def test_manual_gc_interval_cannot_be_negative():
+    assert load_config(TINY, ["trainer.manual_gc=true"]).trainer.manual_gc is True
+    message = _error(TINY, ["trainer.manual_gc_interval=-1"])
+    assert message == "trainer.manual_gc_interval: must be >= 0"

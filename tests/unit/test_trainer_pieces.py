@@ -174,3 +174,29 @@ def test_console_line_shows_what_the_step_has():
     )
     m.update({"critic/loss": 0.08, "critic/explained_variance": -0.4, "actor/kl_to_ref": 0.01})
     assert " | vloss 0.0800 ev -0.40 | kl 0.0100 | " in console_line(12, 30, m)
+
+
+def test_manual_gc_collects_before_the_first_step_and_every_interval():
+    import gc
+    from types import SimpleNamespace
+
+    from rl_megatron.config import TrainerConfig
+    from rl_megatron.trainer.ppo_trainer import PPOTrainer
+    from rl_megatron.utils.timers import PhaseTimer
+
+    fake = SimpleNamespace(
+        config=SimpleNamespace(trainer=TrainerConfig(manual_gc=True, manual_gc_interval=3)),
+        phases=PhaseTimer(),
+        step=1,
+    )
+    collected = []
+    try:
+        for step in range(1, 8):
+            fake.step = step
+            PPOTrainer._collect_garbage(fake)
+            collected.append("timing_s/gc" in fake.phases.pop())
+            assert not gc.isenabled(), "automatic collection stays off while training"
+    finally:
+        gc.enable()
+    # The first call (automatic collection still on) and steps 3 and 6.
+    assert collected == [True, False, True, False, False, True, False]
