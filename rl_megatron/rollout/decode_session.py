@@ -16,6 +16,7 @@ when any parameter's storage moved (offload and reload). Captures stop at a memo
 
 from __future__ import annotations
 
+import gc
 import warnings
 
 import torch
@@ -113,6 +114,13 @@ class DecodeSession:
         # The eager step just run was the warm-up (kernels chosen, workspaces allocated).
         # Capturing records kernels without running them, so the cache is untouched.
         graph = torch.cuda.CUDAGraph()
+        # No cyclic garbage collection inside the capture: a collection there may free an
+        # unreachable older session, whose graphs' teardown is not permitted while a stream
+        # captures ("operation not permitted when stream is capturing (function reset)",
+        # seen in the GPU test, which builds several engines). torch.cuda.graph collects on
+        # entry, so nothing accumulates.
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 self._step(step)
@@ -122,5 +130,8 @@ class DecodeSession:
             warnings.warn(f"megatron rollout engine: CUDA graph capture failed ({exc}); "
                           f"decoding eagerly", stacklevel=2)  # fmt: skip
             return
+        finally:
+            if collecting:
+                gc.enable()
         self.graphs[step] = graph
         self.graph_bytes += max(0, torch.cuda.memory_reserved() - reserved)
