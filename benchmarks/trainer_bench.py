@@ -459,27 +459,43 @@ def _profiled(fn, path: Path, write: bool):
     return out
 
 
+def _step_with_actor_update(trainer, around) -> None:
+    """One more training step whose actor-update phase runs as `around(update)`, where
+    `update()` is the phase itself (the critic's and the other phases run as usual)."""
+    original = trainer._update
+
+    def patched(role, batch, loss_fn, name):
+        if name != "actor":
+            return original(role, batch, loss_fn, name)
+        return around(lambda: original(role, batch, loss_fn, name))
+
+    trainer._update = patched
+    try:
+        trainer.train_step()
+        trainer.step += 1
+    finally:
+        trainer._update = original
+
+
 def _trace_actor_update(trainer, stem: Path) -> dict:
     """One more step with its actor update (every mini-batch, and the work around them)
     under torch.profiler: a Chrome trace (`stem`.json.gz, rank 0) and the device's idle time.
 
-    The actor update runs at 0.8x the plain loop's tokens/s in wall time but 0.95x in
-    device time: the difference is time the GPU waits for the host. The summary lists the
+    Wall time above device time is time the GPU waits for the host; the summary lists the
     longest waits with the host ops that ran in them.
     """
     from torch.profiler import ProfilerActivity, profile
 
     summary: dict = {}
-    original = trainer._update
 
-    def traced(role, batch, loss_fn, name):
-        if name != "actor" or not torch.cuda.is_available():
-            return original(role, batch, loss_fn, name)
+    def traced(update):
+        if not torch.cuda.is_available():
+            return update()
         _sync()
         # No wall time here: it would include the profiler's own start and stop. The
         # phase's span is the first to the last kernel (`_device_idle`).
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            out = original(role, batch, loss_fn, name)
+            out = update()
             _sync()
         summary.update(_device_idle(prof.events()))
         if dist.get_rank() == 0:
@@ -489,33 +505,20 @@ def _trace_actor_update(trainer, stem: Path) -> dict:
             summary["trace"] = str(trace) + ".gz"
         return out
 
-    trainer._update = traced
-    try:
-        trainer.train_step()
-        trainer.step += 1
-    finally:
-        trainer._update = original
+    _step_with_actor_update(trainer, traced)
     return summary
 
 
 def _actor_update_sync_sites(trainer) -> dict:
     """One more step; the host-device syncs of its actor-update phase (`_sync_sites`)."""
     sites: dict = {}
-    original = trainer._update
 
-    def counted(role, batch, loss_fn, name):
-        if name != "actor":
-            return original(role, batch, loss_fn, name)
+    def counted(update):
         box = []
-        sites.update(_sync_sites(lambda: box.append(original(role, batch, loss_fn, name))) or {})
+        sites.update(_sync_sites(lambda: box.append(update())) or {})
         return box[0]
 
-    trainer._update = counted
-    try:
-        trainer.train_step()
-        trainer.step += 1
-    finally:
-        trainer._update = original
+    _step_with_actor_update(trainer, counted)
     return sites
 
 
