@@ -50,7 +50,8 @@ Frozen roles (no optimizer) store and load weights only.
 megatron-core 0.16.1 needs a few workarounds (`mcore_compat.py`): with torch's Adam it
 cannot save or load a fresh optimizer and loses or aliases Adam's `step` on load; its
 checkpoint writer forks helper processes. RNG streams: `rng_state.py`; the step-directory
-protocol (tmp / old / del names, commit, fsync order): `step_dirs.py`.
+protocol (tmp / old / del names, commit, fsync order): `step_dirs.py`; the checks on a
+checkpoint and its layout before loading: `state_checks.py`.
 """
 
 from __future__ import annotations
@@ -68,9 +69,8 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
-from megatron.core import parallel_state as ps
 
-from rl_megatron.checkpoint import hf_loader, step_dirs
+from rl_megatron.checkpoint import step_dirs
 from rl_megatron.checkpoint.hf_export import HF_AUX_FILES
 from rl_megatron.checkpoint.hf_loader import unwrap
 from rl_megatron.checkpoint.mcore_compat import (
@@ -80,25 +80,22 @@ from rl_megatron.checkpoint.mcore_compat import (
     tolerate_missing_adam_step,
 )
 from rl_megatron.checkpoint.rng_state import read_rng, restore_rng, save_rng
+from rl_megatron.checkpoint.state_checks import (
+    FORMAT_VERSION,
+    CheckpointError,
+    check_checkpoint,
+    check_role_layout,
+    current_layout,
+    rank_coordinates,
+)
 from rl_megatron.checkpoint.step_dirs import STATE_FILE
 from rl_megatron.config import DTYPE_NAMES
 
-FORMAT_VERSION = 1
 SIDECAR_FILE = "rl_megatron.json"  # checkpoints_tools/_common.py META_FILE
 HF_SUBDIR = "hf"  # checkpoints_tools/_common.py HF_SUBDIR
 RNG_DIR = "rng"
 OptimizerSharding = Literal["dp_reshardable", "fully_reshardable"]
 log = logging.getLogger(__name__)
-
-
-class CheckpointError(hf_loader.CheckpointError, RuntimeError):
-    """A missing, incomplete or incompatible training checkpoint; the message is one line.
-
-    A subclass of the conversion tools' `CheckpointError`, so one `except` covers both.
-    """
-
-
-# ---- the manager -------------------------------------------------------------------------
 
 
 class CheckpointManager:
@@ -165,13 +162,13 @@ class CheckpointManager:
         for name in sorted(roles):
             with _on_device(roles[name]):
                 self._save_role(tmp / name, roles[name], (sidecar or {}).get(name))
-        save_rng(tmp / RNG_DIR, dist.get_rank(), _coordinates())
+        save_rng(tmp / RNG_DIR, dist.get_rank(), rank_coordinates())
         dist.barrier(group=self.group)
         if self._is_leader():
             meta = {
                 "format_version": FORMAT_VERSION,
                 "step": step,
-                "layout": _layout(),
+                "layout": current_layout(),
                 "roles": {
                     name: _role_meta(role, self.optimizer_sharding) for name, role in roles.items()
                 },
@@ -251,7 +248,7 @@ class CheckpointManager:
         meta, problem = None, None
         if self._is_leader():
             try:
-                meta = _check_checkpoint(path, sorted(roles))
+                meta = check_checkpoint(path, sorted(roles))
             except CheckpointError as exc:
                 problem = str(exc)
             except Exception as exc:  # never leave the other ranks waiting in the broadcast
@@ -261,14 +258,14 @@ class CheckpointManager:
         meta, problem = box
         if problem:
             raise CheckpointError(problem)
-        same_layout = meta["layout"] == _layout()
+        same_layout = meta["layout"] == current_layout()
         rng = None
         try:
             for name, role in roles.items():
                 saved = meta["roles"][name]
-                _check_role_layout(path / name, meta["layout"], saved, role, allow_reshard)
+                check_role_layout(path / name, meta["layout"], saved, role, allow_reshard)
             if same_layout:
-                rng = read_rng(path / RNG_DIR, dist.get_rank(), _coordinates())
+                rng = read_rng(path / RNG_DIR, dist.get_rank(), rank_coordinates())
         except (CheckpointError, ValueError) as exc:
             problem = str(exc)
         self._agree(problem)
@@ -398,111 +395,3 @@ def _write_sidecar(role_dir: Path, sidecar: dict) -> None:
                 if (source / name).is_file():
                     shutil.copy2(source / name, role_dir / HF_SUBDIR / name)
             return
-
-
-# ---- layout ----------------------------------------------------------------------------------
-
-
-def _layout() -> dict:
-    """This run's parallel layout, identical on every rank."""
-    return {
-        "world_size": dist.get_world_size(),
-        "tp": ps.get_tensor_model_parallel_world_size(),
-        "pp": ps.get_pipeline_model_parallel_world_size(),
-        "cp": ps.get_context_parallel_world_size(),
-        "dp": ps.get_data_parallel_world_size(),
-    }
-
-
-def _coordinates() -> dict:
-    """This rank's place in the layout (the rank order decides it)."""
-    return {
-        "rank": dist.get_rank(),
-        "tp": ps.get_tensor_model_parallel_rank(),
-        "pp": ps.get_pipeline_model_parallel_rank(),
-        "cp": ps.get_context_parallel_rank(),
-        "dp": ps.get_data_parallel_rank(),
-    }
-
-
-def _check_role_layout(
-    role_dir: Path, saved_layout: dict, saved: dict, role: Any, allow_reshard: bool
-) -> None:
-    """Refuse what megatron-core cannot load, before it fails half-way on some rank."""
-    layout, vpp = _layout(), len(role.model)
-    if saved_layout == layout and saved["vpp"] == vpp:
-        return
-    then = f"{_describe(saved_layout)} vpp={saved['vpp']}"
-    now = f"{_describe(layout)} vpp={vpp}"
-    if not allow_reshard:
-        raise CheckpointError(
-            f"{role_dir}: saved at {then}, this run is {now} (load with allow_reshard=True)"
-        )
-    same_model_parallel = all(saved_layout[k] == layout[k] for k in ("tp", "pp", "cp"))
-    if saved["optimizer"] == "dp_reshardable" and not (same_model_parallel and saved["vpp"] == vpp):
-        raise CheckpointError(
-            f"{role_dir}: optimizer state saved as dp_reshardable at {then} cannot be "
-            f"loaded at {now} (only DP may change; save with fully_reshardable)"
-        )
-
-
-def _describe(layout: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in layout.items())
-
-
-# ---- checking a checkpoint -------------------------------------------------------------------
-
-
-def _check_checkpoint(path: Path, names: list[str]) -> dict:
-    """Check that `path` is a complete checkpoint holding `names`; return its metadata."""
-    state_file = path / STATE_FILE
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: not a directory")
-    if not state_file.is_file():
-        raise CheckpointError(f"{state_file}: not found (incomplete or not a training checkpoint)")
-    try:
-        meta = json.loads(state_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{state_file}: unreadable ({exc})") from None
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{state_file}: format_version={meta.get('format_version')} is not {FORMAT_VERSION}"
-        )
-    lacking = [k for k in ("step", "layout", "roles", "trainer_state") if k not in meta]
-    if lacking:
-        raise CheckpointError(f"{state_file}: no '{lacking[0]}' field")
-    missing = [n for n in names if n not in meta.get("roles", {})]
-    if missing:
-        raise CheckpointError(
-            f"{path}: no role '{missing[0]}' in this checkpoint (has {sorted(meta['roles'])})"
-        )
-    for name in names:
-        _check_dist_checkpoint(path / name)
-    return meta
-
-
-def _check_dist_checkpoint(role_dir: Path) -> None:
-    """Every file the dist checkpoint's index names exists and is long enough.
-
-    Catches deleted or truncated files on rank 0 before any rank starts reading, so no
-    rank fails alone inside dist_checkpointing's collectives.
-    """
-    from torch.distributed.checkpoint import FileSystemReader
-
-    for name in ("metadata.json", ".metadata", "common.pt"):
-        if not (role_dir / name).is_file():
-            raise CheckpointError(f"{role_dir}: incomplete dist checkpoint ({name} missing)")
-    try:
-        index = FileSystemReader(str(role_dir)).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(f"{role_dir / '.metadata'}: unreadable ({exc})") from None
-    needed: dict[str, int] = {}
-    for info in index.storage_data.values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for rel, size in sorted(needed.items()):
-        file = role_dir / rel
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing")
-        if file.stat().st_size < size:
-            raise CheckpointError(f"{file}: truncated ({file.stat().st_size} of {size} bytes)")
