@@ -65,6 +65,7 @@ class PPOTrainer:
         # the device through generation; vLLM has its own copy (the actor may go away).
         self.generates_with_actor = config.rollout.engine == "megatron"
         self.roles, self.engine, self.total_steps, self.log = roles, engine, total_steps, logger
+        self._engine_target = None  # the vLLM engine's resharding target, made at first sync
         self.dp_group = ps.get_data_parallel_group()
         self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.sampler = PromptSampler.from_config(
@@ -264,9 +265,12 @@ class PPOTrainer:
             # vLLM loaded model.hf_path, the actor's own starting point: nothing to move.
             return {}
         self.engine.wake(["weights"])
+        # One target for the engine's life: the sync keeps its copy views per target.
+        if self._engine_target is None:
+            self._engine_target = VllmEngineTarget(self.engine)
         stats = sync_weights(
             self.roles.actor.model,
-            VllmEngineTarget(self.engine),
+            self._engine_target,
             info=self.info,
             training=self.run.layout,
             version=version,

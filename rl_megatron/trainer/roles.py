@@ -398,14 +398,9 @@ class MegatronRole:
         batches and DP ranks), the loss_fn's metrics averaged over micro-batches and DP
         ranks, `grad_norm` (before clipping), `lr`, `update_successful`.
         """
-        rows = list(range(mini_batch["prompts"].shape[0]))
-        return self.train_steps(
-            mini_batch,
-            [rows],
-            loss_fn,
-            with_entropy=with_entropy,
-            micro_batch_size=micro_batch_size,
-        )[0]
+        self._check_trainable()
+        step = self._optimizer_step(mini_batch, None, loss_fn, with_entropy, micro_batch_size)
+        return self._resolve([step])[0]
 
     def train_steps(
         self,
@@ -425,9 +420,7 @@ class MegatronRole:
         are read together at the end (`step_metrics`); in between, the host prepares and
         launches the next step while the device still runs the last optimizer update.
         """
-        if self.optimizer is None:
-            raise RuntimeError("train_step on a frozen role (built with optim=None)")
-        self._check_loaded()
+        self._check_trainable()
         host_mask = None if self.pack or self.interleaved else batch["attention_mask"].cpu()
         pending = []
         for rows in steps:
@@ -436,6 +429,14 @@ class MegatronRole:
             pending.append(
                 self._optimizer_step(mini_batch, rows_mask, loss_fn, with_entropy, micro_batch_size)
             )
+        return self._resolve(pending)
+
+    def _check_trainable(self) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a frozen role (built with optim=None)")
+        self._check_loaded()
+
+    def _resolve(self, pending: list[step_metrics.PendingMetrics]) -> list[dict[str, float]]:
         return step_metrics.resolve(
             pending,
             is_pp_last=self.is_pp_last,
