@@ -99,10 +99,12 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory vLLM may use (weights + KV)
     enable_sleep_mode: bool = True  # free vLLM's KV cache and weights while training runs
     enforce_eager: bool = False  # no CUDA graphs in generation (vLLM's, Megatron engine's)
-    # Ask vLLM for each sampled token's log-prob. They feed only the rollout/logprob_diff_*
-    # metrics (PPO recomputes old log-probs); vLLM builds them in Python on every decode
-    # step. The Megatron engine has them from its logits and always reports them.
-    calculate_log_probs: bool = True
+    # Ask vLLM for each sampled token's log-prob (verl's key and default: off). They feed
+    # only the rollout/logprob_diff_* metrics (PPO recomputes old log-probs), and vLLM
+    # builds them in Python on every decode step: 0.77-0.81x the tokens/s of the same
+    # engine without them on an H200 (benchmarks/RESULTS.md, fifth run). The Megatron
+    # engine has them from its logits and always reports them.
+    calculate_log_probs: bool = False
     weight_sync_bucket_mb: int = 512  # transfer bucket for 3D resharding, MiB
     # Further vllm.LLM arguments, passed as given (e.g. disable_custom_all_reduce: true,
     # compilation_config: {...}); the ones the trainer sets itself are refused here.

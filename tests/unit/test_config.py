@@ -219,10 +219,10 @@ def test_engine_kwargs_pass_through_but_cannot_override_the_trainer():
     assert message == "rollout.engine_kwargs: expected a mapping with string keys, got list [1]"
 
 
-def test_calculate_log_probs_defaults_on_and_takes_only_booleans():
-    assert load_config(TINY, []).rollout.calculate_log_probs is True
-    config = load_config(TINY, ["rollout.calculate_log_probs=false"])
-    assert config.rollout.calculate_log_probs is False
+def test_calculate_log_probs_defaults_off_and_takes_only_booleans():
+    assert load_config(TINY, []).rollout.calculate_log_probs is False  # verl's default
+    config = load_config(TINY, ["rollout.calculate_log_probs=true"])
+    assert config.rollout.calculate_log_probs is True
     validate(config, world_size=4)
     message = _error(TINY, ["rollout.calculate_log_probs=maybe"])
     assert message == "rollout.calculate_log_probs: expected true or false, got str 'maybe'"

@@ -6,8 +6,8 @@ If a sync put any weight in the wrong place, vLLM's sampling log-probs would dri
 actor's recomputed ones; the fp32 CPU parity of the two is ~1e-6 (tests/vllm), so the
 mismatch bound below (1e-3) catches any wrong row while the weights change every step.
 
-A second run (1 rank, 2 steps) turns the engine's log-probs off
-(`rollout.calculate_log_probs=false`): the trainer must train as before, without the
+That run asks vLLM for its log-probs (`rollout.calculate_log_probs=true`); a second run
+(1 rank, 2 steps) keeps the default, none: the trainer must train as before, without the
 mismatch metrics.
 """
 
@@ -63,6 +63,7 @@ def run_trainer(tmp_path, nproc: int, steps: int, overrides: list[str]) -> list[
 @pytest.mark.slow
 def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
     overrides = ["parallel.tp=1", "parallel.pp=2", "trainer.val_interval=2"]
+    overrides.append("rollout.calculate_log_probs=true")  # the mismatch metric (off by default)
     rows = run_trainer(tmp_path, nproc=2, steps=STEPS, overrides=overrides)
     for row in rows:
         assert row["rollout/logprob_diff_max"] < 1e-3, row["rollout/logprob_diff_max"]
@@ -79,7 +80,7 @@ def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_without_engine_log_probs(tmp_path):
-    overrides = ["parallel.tp=1", "trainer.val_interval=0", "rollout.calculate_log_probs=false"]
+    overrides = ["parallel.tp=1", "trainer.val_interval=0"]  # calculate_log_probs: false
     rows = run_trainer(tmp_path, nproc=1, steps=2, overrides=overrides)
     for row in rows:
         assert not any(key.startswith("rollout/logprob_diff") for key in row), row
