@@ -2,7 +2,8 @@
 
 Two measurements on the same model shape, builder and parallel layout (issue 8):
 
-* `plain_loop`: megatron-core alone, none of our role code. `build_gpt_chunks` → Megatron
+* `plain_loop`: megatron-core alone, none of our role code (and `plain_loop_after`, the
+  same once more after the trainers, to bracket the host's drift over the run). `build_gpt_chunks` → Megatron
   DDP (distributed optimizer, fp32 grad reduce, as the roles use) → `get_megatron_optimizer`
   (Adam); each iteration runs `get_forward_backward_func` over `--plain-micro-batches` fixed
   `[micro_batch, seq]` random-token batches with GPTModel's own cross-entropy (labels =
@@ -12,8 +13,10 @@ Two measurements on the same model shape, builder and parallel layout (issue 8):
 * `trainer`: `build_trainer(config, run, log)` then `trainer.train_step()` for each
   algorithm (GRPO; PPO+GAE with the critic on), `--warmup-steps` excluded from the summary.
   Per phase: seconds (`timing_s/*`, the trainer's own timers) and peak GPU memory
-  (`memory_gb/*_peak`); the step's wall time; tokens/s per GPU over the wall time; the
-  actor update's tokens/s and MFU, and its ratio to the plain loop's tokens/s.
+  (`memory_gb/*_peak`); per phase, garbage-collector pauses and CUDA allocator calls
+  (`bench/<phase>_*`, `phase_probes.py`); the step's wall time; tokens/s per GPU over the
+  wall time; the actor update's tokens/s per GPU and MFU (mean and median step), and their
+  ratios to both plain loops' tokens/s.
 
 The trainer counts real tokens (prompt + response lengths, no padding) in its throughput;
 the plain loop's batches have no padding, so both count the same kind of token. Its
@@ -55,6 +58,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -63,6 +67,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from phase_probes import GC_PAUSES, probed_phases  # benchmarks/, this script's directory
 
 from rl_megatron.utils.flops import TransformerShape, device_peak_tflops
 
@@ -101,30 +106,6 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-class GcPauses:
-    """Python garbage-collector pauses (count, seconds) since `reset`, via `gc.callbacks`.
-
-    A collection stops the host wherever it strikes; on a launch-bound step the GPU waits.
-    """
-
-    def __init__(self) -> None:
-        self.count, self.seconds, self._start = 0, 0.0, 0.0
-        gc.callbacks.append(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.count += 1
-            self.seconds += time.perf_counter() - self._start
-
-    def reset(self) -> None:
-        self.count, self.seconds = 0, 0.0
-
-
-GC_PAUSES = GcPauses()
-
-
 def _gib(nbytes: float) -> float:
     return nbytes / 2**30
 
@@ -142,7 +123,7 @@ def _free_memory() -> None:
 # ------------------------------------------------------------------------- plain loop
 
 
-def plain_loop(config, info, args, masked: bool = False) -> dict:
+def plain_loop(config, info, args, masked: bool = False, profile: bool = True) -> dict:
     """Megatron-core forward/backward + Adam on fixed batches; tokens/s, MFU, peak memory.
 
     masked: pass an explicit causal `[b, 1, s, s]` mask (no padding in it) instead of None,
@@ -264,7 +245,7 @@ def plain_loop(config, info, args, masked: bool = False) -> dict:
     seconds = time.perf_counter() - start
     peak_gb = _gib(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0
     profile_path, device_idle, sync_sites = None, None, None
-    if args.profile_update and args.profile_dir is not None:
+    if profile and args.profile_update and args.profile_dir is not None:
         profile_path = args.profile_dir / f"profile_{'plain_masked' if masked else 'plain'}.txt"
         iterations = config.actor.ppo_epochs * config.data.train_batch_size * config.rollout.n
         iterations //= config.actor.mini_batch_size  # the actor's optimizer steps per phase
@@ -326,8 +307,14 @@ def load_bench_config(args, algorithm: str):
     return config
 
 
-def _summarise(steps: list[dict], flops_tok: float | None, plain_tok_s: float | None) -> dict:
-    """Means over the timed steps (peaks: max), and the actor update vs the plain loop."""
+def _summarise(steps: list[dict], flops_tok: float | None, plain: dict[str, float]) -> dict:
+    """Means over the timed steps (peaks: max), and the actor update vs the plain loops.
+
+    plain: tokens/s per GPU of each plain loop by name (`plain_loop`, measured before the
+    trainers; `plain_loop_after`, after them). The actor update's tokens/s is per GPU like
+    theirs: the step's tokens are global (summed over DP), so they are divided by the world
+    size. `..._median` is the median step's, which a single slow step does not move.
+    """
     keys = sorted({k for s in steps for k in s})
     out: dict = {}
     for key in keys:
@@ -337,21 +324,32 @@ def _summarise(steps: list[dict], flops_tok: float | None, plain_tok_s: float | 
         else:
             out[key] = sum(values) / len(values)
     update_s = out.get("timing_s/update_actor")
-    if update_s:
-        out["actor_update_tokens_per_s_per_gpu"] = out["bench/actor_update_tokens"] / update_s
-        peak = device_peak_tflops()
-        if peak and flops_tok:
-            out["actor_update_mfu"] = (
-                out["actor_update_tokens_per_s_per_gpu"] * flops_tok / (peak * 1e12)
-            )
-        if plain_tok_s:
-            out["actor_update_vs_plain_loop"] = (
-                out["actor_update_tokens_per_s_per_gpu"] / plain_tok_s
-            )
+    if not update_s:
+        return out
+    world = dist.get_world_size()
+    per_step = [
+        s["bench/actor_update_tokens"] / s["timing_s/update_actor"] / world
+        for s in steps
+        if s.get("timing_s/update_actor")
+    ]
+    rates = {
+        "actor_update_tokens_per_s_per_gpu": out["bench/actor_update_tokens"] / update_s / world,
+        "actor_update_tokens_per_s_per_gpu_median": statistics.median(per_step),
+    }
+    out.update(rates)
+    peak = device_peak_tflops()
+    if peak and flops_tok:
+        out["actor_update_mfu"] = (
+            rates["actor_update_tokens_per_s_per_gpu"] * flops_tok / (peak * 1e12)
+        )
+    mean_rate, median_rate = rates.values()
+    for name, tok_s in plain.items():
+        out[f"actor_update_vs_{name}"] = mean_rate / tok_s
+        out[f"actor_update_vs_{name}_median"] = median_rate / tok_s
     return out
 
 
-def run_trainer(config, run, log, args, plain_tok_s: float | None, save: bool) -> dict:
+def run_trainer(config, run, log, args, plain: dict[str, float], save: bool) -> dict:
     """Build the trainer, run warm-up + timed steps; per-step and summary metrics."""
     from rl_megatron.config import to_dict
     from rl_megatron.trainer.ppo_trainer import build_trainer
@@ -372,7 +370,8 @@ def run_trainer(config, run, log, args, plain_tok_s: float | None, save: bool) -
             _sync()
             GC_PAUSES.reset()
             start = time.perf_counter()
-            metrics = trainer.train_step()
+            with probed_phases(trainer.phases):
+                metrics = trainer.train_step()
             _sync()
             wall = time.perf_counter() - start
             gc_count, gc_seconds = GC_PAUSES.count, GC_PAUSES.seconds
@@ -385,7 +384,7 @@ def run_trainer(config, run, log, args, plain_tok_s: float | None, save: bool) -
             row = {
                 k: float(v)
                 for k, v in metrics.items()
-                if k.startswith(("timing_s/", "memory_gb/", "perf/", "rollout/"))
+                if k.startswith(("timing_s/", "memory_gb/", "perf/", "rollout/", "bench/"))
                 or k in ("reward/mean", "actor/grad_norm", "actor/pg_loss", "critic/loss")
             }
             row.update(
@@ -414,7 +413,8 @@ def run_trainer(config, run, log, args, plain_tok_s: float | None, save: bool) -
                 )
         result["warmup_steps"] = steps[: args.warmup_steps]
         result["timed_steps"] = steps[args.warmup_steps :]
-        result["summary"] = _summarise(result["timed_steps"] or steps, flops_tok, plain_tok_s)
+        result["flops_per_token"] = flops_tok
+        result["summary"] = _summarise(result["timed_steps"] or steps, flops_tok, plain)
         if args.profile_update and args.profile_dir is not None:
             # One more step; its actor update (every optimizer step) is profiled, the same
             # work as the plain loop's profiled iterations.
@@ -687,6 +687,9 @@ def print_summary(result: dict) -> None:
             f"{plain['micro_batches_per_step']}), MFU {mfu if mfu is None else f'{mfu:.3f}'},"
             f" peak {plain['peak_memory_gb']:.1f} GiB"
         )
+    after = result.get("plain_loop_after", {})
+    if "tokens_per_s_per_gpu" in after:
+        print(f"plain loop after the trainers: {after['tokens_per_s_per_gpu']:.0f} tok/s/GPU")
     masked = result.get("plain_loop_masked", {})
     if "tokens_per_s_per_gpu" in masked:
         print(
@@ -703,7 +706,10 @@ def print_summary(result: dict) -> None:
               f"{s['bench/tokens_per_s_per_gpu_wall']:.0f} tok/s/GPU, actor update "
               f"{s.get('actor_update_tokens_per_s_per_gpu', 0):.0f} tok/s "
               f"(MFU {s.get('actor_update_mfu', float('nan')):.3f}, "
-              f"x{s.get('actor_update_vs_plain_loop', float('nan')):.2f} of plain)")  # fmt: skip
+              f"x{s.get('actor_update_vs_plain_loop', float('nan')):.2f} of plain, "
+              f"median step x{s.get('actor_update_vs_plain_loop_median', float('nan')):.2f}; "
+              f"of the plain loop after: x{s.get('actor_update_vs_plain_loop_after', float('nan')):.2f}, "
+              f"median x{s.get('actor_update_vs_plain_loop_after_median', float('nan')):.2f})")  # fmt: skip
         for k in phases:
             mem = s.get(f"memory_gb/{k[9:]}_peak")
             print(f"  {k[9:]:>15}: {s[k]:7.3f} s" + (f"  peak {mem:6.1f} GiB" if mem else ""))
@@ -766,24 +772,25 @@ def main(argv: list[str] | None = None) -> int:
                 args.out_json.parent.mkdir(parents=True, exist_ok=True)
                 args.out_json.write_text(json.dumps(result, indent=2, default=str) + "\n")
 
-        plain_tok_s = None
+        def measure_plain(key: str, masked: bool = False, profile: bool = True) -> None:
+            result[key] = plain_loop(first, info, args, masked=masked, profile=profile)
+            _free_memory()
+            result[key]["allocated_after_return_gb"] = _allocated_gb()
+            if run.env.rank == 0:
+                print(f"{key}: {result[key]}", flush=True)
+            write()
+
+        plain: dict[str, float] = {}
         if not args.no_plain:
-            variants = [("plain_loop", False)]
+            measure_plain("plain_loop")
             if not args.no_plain_masked:
-                variants.append(("plain_loop_masked", True))
-            for key, masked in variants:
-                result[key] = plain_loop(first, info, args, masked=masked)
-                _free_memory()
-                result[key]["allocated_after_return_gb"] = _allocated_gb()
-                if run.env.rank == 0:
-                    print(f"{key}: {result[key]}", flush=True)
-                write()
-            plain_tok_s = result["plain_loop"]["tokens_per_s_per_gpu"]
+                measure_plain("plain_loop_masked", masked=True)
+            plain["plain_loop"] = result["plain_loop"]["tokens_per_s_per_gpu"]
         result["trainer"] = {}
         for i, (name, config) in enumerate(configs.items()):
             try:
                 result["trainer"][name] = run_trainer(
-                    config, run, log, args, plain_tok_s, save=args.save and i == 0
+                    config, run, log, args, plain, save=args.save and i == 0
                 )
             except Exception:  # noqa: BLE001 - one failing algorithm must not lose the rest
                 if dist.get_world_size() > 1:
@@ -791,6 +798,16 @@ def main(argv: list[str] | None = None) -> int:
                 result["trainer"][name] = {"error": traceback.format_exc()[-4000:]}
             _free_memory()
             result["trainer"][name]["allocated_after_return_gb"] = _allocated_gb()
+            write()
+        if not args.no_plain:
+            # The plain loop once more, after the trainers: the host and the GPU may not run
+            # at the speed they ran at first (the ratio is given against both).
+            measure_plain("plain_loop_after", profile=False)
+            plain["plain_loop_after"] = result["plain_loop_after"]["tokens_per_s_per_gpu"]
+            for res in result["trainer"].values():
+                if "timed_steps" in res:
+                    steps = res["timed_steps"] or res["warmup_steps"]
+                    res["summary"] = _summarise(steps, res["flops_per_token"], plain)
             write()
         if run.env.rank == 0:
             print_summary(result)

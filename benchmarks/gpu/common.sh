@@ -18,6 +18,12 @@ HALF_7B=(model.num_layers=16 model.hidden_size=4096 model.num_attention_heads=32
 SUITE=${SUITE:-results}
 TAG=${TAG:-run}  # suffix of the JSON names: one per GPU run (RESULTS.md cites them)
 
+# Every GPU's power, temperature, utilisation and clocks once a second while the suite
+# runs: whether a slow phase ran at lower clocks, or the GPU waited at full ones.
+nvidia-smi dmon -s puc -d 1 -o T >"$RES/dmon_$SUITE.txt" 2>&1 &
+DMON_PID=$!
+trap 'kill $DMON_PID 2>/dev/null' EXIT
+
 finish() {  # pack $RES into $OUT/$SUITE.tgz (after every step: a call cut short keeps it)
   nvidia-smi >"$RES/nvidia-smi.txt" 2>&1
   # Per-process temporary name: both chains of a suite pack concurrently. Profiler traces

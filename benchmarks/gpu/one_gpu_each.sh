@@ -6,11 +6,11 @@ SUITE=one_gpu
 source "$(dirname "$0")/common.sh"
 gpu0() {
   export CUDA_VISIBLE_DEVICES=0
-  # 0.85B: plain megatron-core loop (with and without an explicit mask), GRPO and
-  # PPO+GAE with a KL loss (reference on), one actor step and one plain step profiled.
-  step trainer_1b 230 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_1b.yaml \
-    --steps 3 --profile-dir "$RES" --profile-update --out-json "$RES/trainer_h200_1b_$TAG.json" \
-    actor.use_kl_loss=true
+  # 0.85B: plain megatron-core loop (before and after the trainers), GRPO and PPO+GAE
+  # with a KL loss (reference on), one actor step and one plain step profiled.
+  step trainer_1b 290 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_1b.yaml \
+    --steps "${TRAINER_STEPS:-6}" --no-plain-masked --profile-dir "$RES" --profile-update \
+    --out-json "$RES/trainer_h200_1b_$TAG.json" actor.use_kl_loss=true
   # ~7B layer shape at 16 layers: actor update vs the plain loop, GRPO.
   step trainer_7b_half 150 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_1b.yaml \
     --algorithms grpo --steps 1 --plain-iters 4 --plain-warmup 2 --no-plain-masked \
@@ -25,7 +25,7 @@ gpu0() {
   fi
 }
 gpu1() {
-  export CUDA_VISIBLE_DEVICES=1
+  export CUDA_VISIBLE_DEVICES=${SECOND_GPU:-1}
   for model in llama-1b llama2-7b; do
     step "reshard_1gpu_$model" 45 $TR1 benchmarks/reshard_bench.py --model $model \
       --dtype bfloat16 --bucket-mb 512 --repeats 10 --out-json "$RES/reshard_h200_${model}_$TAG.json"
@@ -34,7 +34,7 @@ gpu1() {
   # One process for both, so the ratio is measured within one run.
   step rollout_vllm 300 $TR1 benchmarks/rollout_bench.py $SHAPE_085B --dtype bfloat16 \
     --batches 64,256 --prompt-len 128 --max-new 256 --engines vllm-standalone,vllm \
-    --gpu-memory-utilization 0.3 --repeats "${ROLLOUT_REPEATS:-1}" \
+    --gpu-memory-utilization 0.3 --repeats "${ROLLOUT_REPEATS:-5}" \
     --out-json "$RES/rollout_h200_vllm_$TAG.json"
   if ! grep -q "^rollout_vllm: rc=0" "$RES/steps.txt"; then
     # Should the standalone engine fail again, the in-trainer engine on its own still
@@ -44,7 +44,15 @@ gpu1() {
       --gpu-memory-utilization 0.3 --out-json "$RES/rollout_h200_vllm_trainer_$TAG.json"
   fi
 }
-gpu0 &
-gpu1 &
-wait
+# On a one-GPU machine (nvidia-h200) the chains run one after the other.
+if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+  gpu0 &
+  CHAIN0=$!
+  gpu1 &
+  CHAIN1=$!
+  wait $CHAIN0 $CHAIN1  # not a bare wait: the GPU monitor (common.sh) runs in the background
+else
+  gpu0
+  SECOND_GPU=0 gpu1
+fi
 finish
