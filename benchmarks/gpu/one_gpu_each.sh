@@ -44,8 +44,9 @@ gpu1() {
       --gpu-memory-utilization 0.3 --out-json "$RES/rollout_h200_vllm_trainer_$TAG.json"
   fi
 }
-# On a one-GPU machine (nvidia-h200) the chains run one after the other.
-if [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
+# On a one-GPU machine (nvidia-h200), or with SERIAL=1, the chains run one after the
+# other: the host-bound measurements lose up to 10 % beside another chain (RESULTS.md, run 5).
+if [ "${SERIAL:-0}" != 1 ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   gpu0 &
   CHAIN0=$!
   gpu1 &
