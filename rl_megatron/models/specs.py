@@ -47,12 +47,16 @@ def gpt_layer_spec(use_te: bool | None = None) -> ModuleSpec:
 
 
 def local_sdpa_layer_spec() -> ModuleSpec:
-    """megatron-core's local layer spec with `SDPAttention` as the core attention."""
+    """megatron-core's local layer spec with `SDPAttention` as the core attention, in a
+    `SelfAttention` whose inference KV cache holds keys rotated once (`RopeOnceSelfAttention`:
+    the same parameters and checkpoint keys, a faster Megatron-engine decode)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    from rl_megatron.models.rope_once_attention import RopeOnceSelfAttention
     from rl_megatron.models.sdpa_attention import SDPAttention
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     # The getter builds a fresh spec on every call, so editing it in place is safe.
+    spec.submodules.self_attention.module = RopeOnceSelfAttention
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
     return spec
