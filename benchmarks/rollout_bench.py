@@ -553,8 +553,11 @@ def int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(extra: tuple[tuple[str, dict], ...] | list = ()) -> argparse.Namespace:
+    """The flags; `extra`: (flag, add_argument keywords) pairs of a script reusing them."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    for flag, kwargs in extra:
+        parser.add_argument(flag, **kwargs)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--heads", type=int, default=8)

@@ -1,0 +1,82 @@
+"""Where the Megatron engine's generate spends device time: torch.profiler tables per batch.
+
+The same random Llama checkpoint, prompts and greedy settings as `rollout_bench.py` (whose
+shape flags it takes); per batch size, one warm-up call, one timed call and one profiled
+call, with and without the engine's CUDA graphs. Each profiled call's top kernels by
+device time and top ops by host time go to `--out-dir/decode_graphs{0,1}_b{batch}.txt`.
+This is how the sixth GPU run found megatron-core re-rotating the whole KV cache at every
+decode step (RESULTS.md).
+
+    torchrun --standalone --nproc_per_node 1 benchmarks/decode_profile.py \
+        --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --ffn 5632 --vocab 32000 \
+        --dtype bfloat16 --batches 64,256 --prompt-len 128 --max-new 256 --out-dir $OUT
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import rollout_bench as rb  # benchmarks/, this script's directory
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+
+def main() -> None:
+    args = rb.parse_args(extra=[("--out-dir", {"type": Path, "default": Path(".")})])
+    if torch.cuda.is_available():
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    from rl_megatron.models.hf_config import load_hf_config
+    from rl_megatron.rollout.megatron_engine import MegatronEngine
+
+    generator = torch.Generator().manual_seed(1)
+    prompts = torch.randint(
+        3, args.vocab, (max(args.batches), args.prompt_len), generator=generator
+    ).tolist()
+    sampling = rb.greedy(args)
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
+    device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = Path(tmp) / "ckpt"
+        rb.make_checkpoint(ckpt, args)
+        chunks = rb.build_megatron_actor(ckpt, args)
+        for graphs in (True, False):
+            engine = MegatronEngine(
+                chunks,
+                load_hf_config(ckpt),
+                max_model_len=rb.max_model_len(args),
+                max_batch_size=max(args.batches),
+                use_cuda_graphs=graphs,
+            )
+            for b in args.batches:
+                engine.generate(prompts[:b], sampling)
+                rb.sync()
+                start = time.perf_counter()
+                engine.generate(prompts[:b], sampling)
+                rb.sync()
+                seconds = time.perf_counter() - start
+                print(f"graphs={graphs} batch={b}: {seconds:.3f} s", flush=True)
+                with profile(activities=activities) as prof:
+                    engine.generate(prompts[:b], sampling)
+                    rb.sync()
+                events = prof.key_averages()
+                args.out_dir.mkdir(parents=True, exist_ok=True)
+                (args.out_dir / f"decode_graphs{int(graphs)}_b{b}.txt").write_text(
+                    f"one generate, batch {b}, {args.max_new} new tokens, graphs={graphs}\n"
+                    + events.table(sort_by=device_key, row_limit=45)
+                    + "\n\n"
+                    + events.table(sort_by="self_cpu_time_total", row_limit=30)
+                )
+            del engine
+            rb.release_memory()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    start = time.perf_counter()
+    main()
+    print(f"done in {time.perf_counter() - start:.0f} s", file=sys.stderr)
