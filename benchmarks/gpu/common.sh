@@ -12,8 +12,10 @@ TR2="python3 -m torch.distributed.run --standalone --nproc_per_node 2"
 SHAPE_085B="--layers 16 --hidden 2048 --heads 32 --kv-heads 8 --ffn 5632 --vocab 32000"
 # Llama-2-7B's layer shape at half its depth: 3.4B parameters, whose weights, fp32 grads,
 # master copy and Adam state (61 GB) fit one H200 without offload.
+# Micro-batches of 16, as measured in runs 4 and 5 (peak 81 GiB in the actor update).
 HALF_7B=(model.num_layers=16 model.hidden_size=4096 model.num_attention_heads=32
-         model.num_query_groups=32 model.ffn_hidden_size=11008)
+         model.num_query_groups=32 model.ffn_hidden_size=11008 actor.micro_batch_size=16
+         critic.micro_batch_size=16 reference.micro_batch_size=16)
 
 SUITE=${SUITE:-results}
 TAG=${TAG:-run}  # suffix of the JSON names: one per GPU run (RESULTS.md cites them)
