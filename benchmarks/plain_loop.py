@@ -1,0 +1,178 @@
+"""The plain megatron-core training loop `trainer_bench.py` compares the trainer's actor
+update against: the same model shape, builder and parallel layout, none of our role code.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import torch
+import torch.distributed as dist
+from bench_utils import allocated_gb, gib, sync  # benchmarks/, on sys.path in the scripts
+from phase_probes import GC_PAUSES
+from update_traces import device_idle_of, profiled, sync_sites_of
+
+from rl_megatron.utils.flops import TransformerShape, device_peak_tflops
+
+
+def plain_loop(config, info, args, masked: bool = False, profile: bool = True) -> dict:
+    """Megatron-core forward/backward + Adam on fixed batches; tokens/s, MFU, peak memory.
+
+    masked: pass an explicit causal `[b, 1, s, s]` mask (no padding in it) instead of None,
+        which is what the trainer's micro-batches pass whenever a row is left-padded:
+        it takes SDPA off the causal fast path (explicit mask, K/V expanded for GQA).
+    """
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from rl_megatron.models.builders import build_gpt_chunks
+    from rl_megatron.trainer.build import DTYPES
+    from rl_megatron.utils.flops import flops_per_token
+
+    p, m = config.parallel, config.model
+    dtype = DTYPES[m.dtype]
+    micro_batch = args.plain_micro_batch or config.actor.micro_batch_size
+    seq = args.plain_seq or (config.rollout.max_prompt_length + config.rollout.max_response_length)
+    dp = dist.get_world_size() // (p.tp * p.pp)
+    num_micro = args.plain_micro_batches or (
+        config.actor.mini_batch_size // (config.actor.micro_batch_size * dp)
+    )
+    before_gb = allocated_gb()
+    chunks = build_gpt_chunks(
+        info,
+        tp=p.tp,
+        pp=p.pp,
+        dtype=dtype,
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+    )
+    model_config = chunks[0].config
+    ddp_config = DistributedDataParallelConfig(
+        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
+    )
+    model = [DistributedDataParallel(model_config, ddp_config, c) for c in chunks]
+    model_config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=1e-6,
+            weight_decay=0.0,
+            clip_grad=1.0,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
+            use_distributed_optimizer=True,
+        ),
+        model,
+    )
+    device = next(chunks[0].parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, info.vocab_size, (micro_batch, seq + 1), generator=gen).to(device)
+    batch = {
+        "input_ids": tokens[:, :-1].contiguous(),
+        "labels": tokens[:, 1:].contiguous(),
+        "position_ids": torch.arange(seq, device=device).expand(micro_batch, seq).contiguous(),
+        "attention_mask": None,
+    }
+    if masked:
+        from rl_megatron.models.sdpa_attention import causal_padding_mask
+
+        ones = torch.ones(micro_batch, seq, dtype=torch.bool, device=device)
+        batch["attention_mask"] = causal_padding_mask(ones)
+
+    def loss_func(per_token_loss: torch.Tensor):
+        loss = per_token_loss.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    def forward_step(data_iterator, chunk):
+        b = next(data_iterator)
+        # attention_mask None: the causal fast path of SDPAttention. With labels, GPTModel
+        # returns the per-token vocab-parallel cross-entropy `[b, s]`.
+        out = chunk(b["input_ids"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+        return out, loss_func
+
+    forward_backward = get_forward_backward_func()
+
+    def iteration() -> float:
+        for chunk in model:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        losses = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=iter([batch] * num_micro),
+            model=model,
+            num_microbatches=num_micro,
+            seq_length=seq,
+            micro_batch_size=micro_batch,
+            forward_only=False,
+        )
+        optimizer.step()
+        return float(torch.stack([x["loss"] for x in losses]).mean())
+
+    for chunk in model:
+        chunk.train()
+    first_loss = iteration()  # warm-up: kernel selection, optimizer state allocation
+    for _ in range(args.plain_warmup - 1):
+        iteration()
+    sync()
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    # The trainer's garbage-collection policy (`trainer.manual_gc`) holds here too.
+    automatic_gc = gc.isenabled()
+    if config.trainer.manual_gc:
+        gc.collect()
+        gc.disable()
+    GC_PAUSES.reset()
+    start = time.perf_counter()
+    last_loss = 0.0
+    for _ in range(args.plain_iters):
+        last_loss = iteration()
+    sync()
+    gc_pauses = {"count": GC_PAUSES.count, "seconds": GC_PAUSES.seconds}
+    if automatic_gc:
+        gc.enable()
+    seconds = time.perf_counter() - start
+    peak_gb = gib(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0
+    profile_path, device_idle, sync_sites = None, None, None
+    if profile and args.profile_update and args.profile_dir is not None:
+        profile_path = args.profile_dir / f"profile_{'plain_masked' if masked else 'plain'}.txt"
+        iterations = config.actor.ppo_epochs * config.data.train_batch_size * config.rollout.n
+        iterations //= config.actor.mini_batch_size  # the actor's optimizer steps per phase
+        profiled(
+            lambda: [iteration() for _ in range(iterations)], profile_path, dist.get_rank() == 0
+        )
+        # Two iterations traced like the actor-update phase (`trace_actor_update`, two
+        # optimizer steps), so that their device idle times compare directly.
+        device_idle = device_idle_of(lambda: [iteration() for _ in range(2)])
+        sync_sites = sync_sites_of(lambda: [iteration() for _ in range(2)])
+    tokens_total = args.plain_iters * num_micro * micro_batch * seq
+    tok_s = tokens_total / seconds / dist.get_world_size()
+    peak = device_peak_tflops()
+    mfu = tok_s * flops_per_token(TransformerShape.of(info), seq) / (peak * 1e12) if peak else None
+    out = {
+        "attention_mask": "explicit causal [b,1,s,s]" if masked else "None (is_causal)",
+        "micro_batch_size": micro_batch,
+        "seq_length": seq,
+        "micro_batches_per_step": num_micro,
+        "warmup_iters": args.plain_warmup,
+        "timed_iters": args.plain_iters,
+        "seconds": seconds,
+        "seconds_per_iter": seconds / args.plain_iters,
+        "tokens_per_s_per_gpu": tok_s,
+        "mfu": mfu,
+        "flops_per_token": flops_per_token(TransformerShape.of(info), seq),
+        "peak_memory_gb": peak_gb,
+        "allocated_before_gb": before_gb,
+        "loss_first": first_loss,
+        "loss_last": last_loss,
+        "profile": str(profile_path) if profile_path else None,
+        "device_idle": device_idle,
+        "sync_sites": sync_sites,
+        "gc_pauses": gc_pauses,
+    }
+    model_config.finalize_model_grads_func = None
+    return out  # the model and optimizer go with this frame (the caller measures that)
