@@ -45,11 +45,24 @@ class RopeOnceSelfAttention(SelfAttention):
         inference_params=None,
     ):
         context = inference_context if inference_context is not None else inference_params
-        adjust = super()._adjust_key_value_for_inference
-        args = (rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, sequence_len_offset)
-        if not self._rotates_on_write(context, rotary_pos_emb, *args[:3]):
-            return adjust(context, query, key, value, rotary_pos_emb, *args)
-        q_pos_emb, k_pos_emb = rotary_pos_emb
+
+        def adjust(key, rotary_pos_emb):  # megatron-core's own method, the other arguments as given
+            return super(RopeOnceSelfAttention, self)._adjust_key_value_for_inference(
+                context, query, key, value, rotary_pos_emb,
+                rotary_pos_cos, rotary_pos_sin, rotary_pos_cos_sin, sequence_len_offset,
+            )  # fmt: skip
+
+        # RoPE from the embedding table (not cos/sin tensors), the key half still to apply.
+        rope_by_table = (
+            rotary_pos_emb is not None
+            and rotary_pos_emb[1] is not None
+            and rotary_pos_cos is None
+            and rotary_pos_sin is None
+            and rotary_pos_cos_sin is None
+        )
+        if not (rope_by_table and self._static_decode(context)):
+            return adjust(key, rotary_pos_emb)
+        k_pos_emb = rotary_pos_emb[1]
         start = context.sequence_len_offset
         key = apply_rotary_pos_emb(
             key,
@@ -58,23 +71,17 @@ class RopeOnceSelfAttention(SelfAttention):
             mscale=_yarn_get_concentration_factor_from_config(self.config),
             cp_group=self.pg_collection.cp,
         )
-        query, key, value, rotary_pos_emb, mask_type, block_table = adjust(
-            context, query, key, value, (q_pos_emb, k_pos_emb), *args
-        )
-        # megatron-core rotates the key half of what it gets back over the whole cache;
-        # the cached keys already are.
+        query, key, value, rotary_pos_emb, mask_type, block_table = adjust(key, rotary_pos_emb)
+        # megatron-core's forward rotates the key half of what it gets back over the whole
+        # cache; the cached keys already are.
         return query, key, value, (rotary_pos_emb[0], None), mask_type, block_table
 
-    def _rotates_on_write(self, context, rotary_pos_emb, cos, sin, cos_sin) -> bool:
+    def _static_decode(self, context) -> bool:
+        """Static-batching inference that megatron-core does without flash decode or CP."""
         return (
             context is not None
             and not self.training
             and context.is_static_batching()
             and not self.config.flash_decode
-            and isinstance(rotary_pos_emb, tuple)
-            and rotary_pos_emb[1] is not None
-            and cos is None
-            and sin is None
-            and cos_sin is None
             and self.pg_collection.cp.size() == 1
         )
