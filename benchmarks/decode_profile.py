@@ -23,8 +23,30 @@ import rollout_bench as rb  # benchmarks/, this script's directory
 import rollout_common as common
 import torch
 import torch.distributed as dist
+from bench_utils import free_memory, sync
 from rollout_engines_megatron import build_megatron_actor
 from torch.profiler import ProfilerActivity, profile
+
+
+def _profile_generate(engine, prompts, sampling, graphs: bool, out_dir: Path) -> None:
+    """One warm-up, one timed and one profiled `engine.generate(prompts)`; tables to a file."""
+    engine.generate(prompts, sampling)
+    seconds, _ = common.timed(lambda: engine.generate(prompts, sampling))
+    print(f"graphs={graphs} batch={len(prompts)}: {seconds:.3f} s", flush=True)
+    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
+    with profile(activities=activities) as prof:
+        engine.generate(prompts, sampling)
+        sync()
+    device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    events = prof.key_averages()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"decode_graphs{int(graphs)}_b{len(prompts)}.txt").write_text(
+        f"one generate, batch {len(prompts)}, {sampling.max_new_tokens} new tokens, "
+        f"graphs={graphs}\n"
+        + events.table(sort_by=device_key, row_limit=45)
+        + "\n\n"
+        + events.table(sort_by="self_cpu_time_total", row_limit=30)
+    )
 
 
 def main() -> None:
@@ -40,8 +62,6 @@ def main() -> None:
         3, args.vocab, (max(args.batches), args.prompt_len), generator=generator
     ).tolist()
     sampling = common.greedy(args)
-    activities = [ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * torch.cuda.is_available()
-    device_key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = Path(tmp) / "ckpt"
         rb.make_checkpoint(ckpt, args)
@@ -55,26 +75,9 @@ def main() -> None:
                 use_cuda_graphs=graphs,
             )
             for b in args.batches:
-                engine.generate(prompts[:b], sampling)
-                common.sync()
-                start = time.perf_counter()
-                engine.generate(prompts[:b], sampling)
-                common.sync()
-                seconds = time.perf_counter() - start
-                print(f"graphs={graphs} batch={b}: {seconds:.3f} s", flush=True)
-                with profile(activities=activities) as prof:
-                    engine.generate(prompts[:b], sampling)
-                    common.sync()
-                events = prof.key_averages()
-                args.out_dir.mkdir(parents=True, exist_ok=True)
-                (args.out_dir / f"decode_graphs{int(graphs)}_b{b}.txt").write_text(
-                    f"one generate, batch {b}, {args.max_new} new tokens, graphs={graphs}\n"
-                    + events.table(sort_by=device_key, row_limit=45)
-                    + "\n\n"
-                    + events.table(sort_by="self_cpu_time_total", row_limit=30)
-                )
+                _profile_generate(engine, prompts[:b], sampling, graphs, args.out_dir)
             del engine
-            common.release_memory()
+            free_memory()
     dist.destroy_process_group()
 
 

@@ -8,7 +8,6 @@ settings and token rows (`VllmEngine`, `MegatronEngine`).
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import sys
 import time
@@ -17,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from bench_utils import sync
 from phase_probes import GC_PAUSES  # benchmarks/, this script's directory
 
 # Per-batch result keys (the first three existed before batches did).
@@ -39,11 +39,6 @@ def max_model_len(args: argparse.Namespace) -> int:
     return args.prompt_len + args.max_new + 16
 
 
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     sync()
     start = time.perf_counter()
@@ -57,12 +52,6 @@ def free_gib() -> float | None:
     if not torch.cuda.is_available():
         return None
     return torch.cuda.mem_get_info()[0] / 2**30
-
-
-def release_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def error_text(exc: BaseException) -> str:

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from rollout_common import KEYS, bench_batches, device, free_gib, release_memory
+from bench_utils import free_memory
+from rollout_common import KEYS, bench_batches, device, free_gib
 
 
 def bench_transformers(ckpt: Path, prompt_ids: torch.Tensor, args, result, static: bool):
@@ -47,7 +48,7 @@ def bench_transformers(ckpt: Path, prompt_ids: torch.Tensor, args, result, stati
             info["graph_breaks"] = sum(torch._dynamo.utils.counters["graph_break"].values())
             torch._dynamo.reset()
         model = None  # the closure holds the name; this drops the weights
-        release_memory()
+        free_memory()
     info["free_gib_after"] = free_gib()
     result[name] = info
     return tokens

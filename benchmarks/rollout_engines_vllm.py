@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from bench_utils import free_memory
 from rollout_common import (
     KEYS,
     VLLM_NO_LOGPROBS,
@@ -20,7 +21,6 @@ from rollout_common import (
     free_gib,
     greedy,
     max_model_len,
-    release_memory,
     rows_equal,
     timed,
 )
@@ -89,7 +89,7 @@ def bench_vllm_standalone(ckpt: Path, prompts: list[list[int]], args, result):
         tokens = bench_batches(KEYS["vllm-standalone"], run, args, result)
     finally:
         llm = None  # its engine-core process exits and gives its GPU memory back
-        release_memory()
+        free_memory()
         wait_for_memory(free_before)
     info["free_gib_after"] = free_gib()
     result[KEYS["vllm-standalone"]] = info
