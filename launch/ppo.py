@@ -28,8 +28,18 @@ def user_errors() -> tuple[type[Exception], ...]:
     from rl_megatron.data.datasets import DataError
     from rl_megatron.models.hf_config import HFConfigError
     from rl_megatron.rewards.registry import RewardError
+    from rl_megatron.trainer.optimizer_step import NonFiniteUpdateError
 
-    return (ConfigError, DataError, HFConfigError, RewardError, CheckpointError)
+    # NonFiniteUpdateError is no bad input, but it is one line too: every rank stops at
+    # the same optimizer step, and the traceback would only show the optimizer's call.
+    return (
+        ConfigError,
+        DataError,
+        HFConfigError,
+        RewardError,
+        CheckpointError,
+        NonFiniteUpdateError,
+    )
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

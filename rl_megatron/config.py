@@ -235,6 +235,10 @@ class TrainerConfig:
     # and a launch-bound GPU waits for it.
     manual_gc: bool = False
     manual_gc_interval: int = 0
+    # A NaN/inf loss (any rank) or gradient norm: `stop` ends the run before the optimizer
+    # step, with one line naming the step and the role; `skip` drops that optimizer step
+    # (weights unchanged, counted as `<role>/steps_skipped`) and trains on.
+    on_nonfinite: Literal["stop", "skip"] = "stop"
 
 
 @dataclass

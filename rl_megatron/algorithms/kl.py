@@ -15,8 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
-from rl_megatron.algorithms.aggregation import BatchTotals, aggregate, masked_mean
+from rl_megatron.algorithms.aggregation import BatchTotals, aggregate
 
 KL_KINDS = ("k1", "k2", "k3")
 
@@ -88,15 +89,17 @@ def apply_kl_penalty(
     response_mask: torch.Tensor,
     kl_coef: float,
     kind: str = "k1",
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Subtract `kl_coef * KL` from every valid token's reward (Ziegler et al. 2019).
 
     token_level_scores: `[batch, response_len]` reward-model/rule scores per token.
     old_log_prob, ref_log_prob, response_mask: `[batch, response_len]`.
     kl_coef: the controller's current value.
+    group: the ranks holding the rest of the batch (data parallel); None: this batch only.
     Returns (token_level_rewards, metrics). "actor/reward_kl_penalty" is the mean KL per valid
-    token (nats/token) of this batch: feed it to the KL controller, whose target_kl is in the
-    same unit. Rewards at masked positions are set to 0.
+    token (nats/token) of the whole batch (all ranks of `group`): feed it to the KL
+    controller, whose target_kl is in the same unit. Rewards at masked positions are 0.
     """
     for name, t in (("old_log_prob", old_log_prob), ("ref_log_prob", ref_log_prob)):
         if t.shape != token_level_scores.shape or t.shape != response_mask.shape:
@@ -110,8 +113,13 @@ def apply_kl_penalty(
         torch.where(valid, old_log_prob, 0.0), torch.where(valid, ref_log_prob, 0.0), kind
     )
     rewards = torch.where(valid, token_level_scores - kl_coef * per_token, 0.0)
+    # Token sum and count over the group: a mean of per-rank means would weigh a token of
+    # a rank with fewer tokens more.
+    total = torch.stack([torch.where(valid, per_token, 0.0).sum().double(), valid.sum().double()])
+    if group is not None:
+        dist.all_reduce(total, group=group)
     metrics = {
-        "actor/reward_kl_penalty": masked_mean(per_token, valid),
+        "actor/reward_kl_penalty": (total[0] / total[1].clamp(min=1)).float(),
         "actor/reward_kl_penalty_coeff": torch.tensor(float(kl_coef)),
     }
     return rewards, metrics

@@ -2,8 +2,12 @@
 
 Every loss takes `[batch, response_len]` tensors and a 0/1 `response_mask`, reduces with
 `aggregate` (see aggregation.py for the global-batch normalisation; pass `totals`) and
-returns `(loss, metrics)`. Metrics are detached 0-d tensors averaged over the valid tokens
-of the call's micro-batch, so that logging costs no host sync here.
+returns `(loss, metrics)`. Metrics are detached 0-d tensors (no host sync here), and each is
+the call's *share* of the mini-batch's value, as the loss is: a loss metric is the loss
+itself, a per-token fraction or mean is the sum over this micro-batch's valid tokens
+divided by the mini-batch's token count (`totals.num_tokens`). Summing a metric over the
+micro-batches of all DP ranks therefore gives the mini-batch's value whatever the split;
+without `totals` the call is its own mini-batch and the shares are plain means.
 
 Positions where the mask is 0 are selected away before any arithmetic: padding may hold
 -inf or NaN log-probs, and they reach neither the loss nor the gradient.
@@ -16,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from rl_megatron.algorithms.aggregation import BatchTotals, aggregate, masked_mean
+from rl_megatron.algorithms.aggregation import BatchTotals, aggregate
 from rl_megatron.algorithms.kl import kl, kl_loss
 
 __all__ = [
@@ -53,6 +57,12 @@ def _check_shapes(fn: str, response_mask: torch.Tensor, **tensors: torch.Tensor)
             )
 
 
+def _token_count(valid: torch.Tensor, totals: BatchTotals | None) -> torch.Tensor:
+    """The denominator of a per-token metric's share: the mini-batch's valid tokens."""
+    count = valid.sum() if totals is None else totals.num_tokens
+    return torch.as_tensor(count, device=valid.device).clamp(min=1).float()
+
+
 def policy_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -81,7 +91,7 @@ def policy_loss(
     advantages, response_mask: `[batch, response_len]`.
     agg_mode, totals, norm_len: see `aggregation.aggregate`.
 
-    Returns (loss, metrics) with metrics (fractions of valid tokens):
+    Returns (loss, metrics) with metrics (fractions of valid tokens, as shares; module doc):
         actor/pg_loss; actor/pg_clipfrac: the clipped term is the active one;
         actor/pg_clipfrac_upper: A > 0 and r > 1 + high; actor/pg_clipfrac_lower: A < 0 and
         r < 1 - low; actor/pg_clipfrac_dual: the dual clip is active;
@@ -124,9 +134,9 @@ def policy_loss(
         per_token = torch.stack(
             [(upper | lower).float(), upper.float(), lower.float(), dual.float(), -log_ratio]
         )
-        means = torch.where(valid, per_token, 0.0).sum(dim=(1, 2)) / valid.sum().clamp(min=1)
+        shares = torch.where(valid, per_token, 0.0).sum(dim=(1, 2)) / _token_count(valid, totals)
         metrics = {"actor/pg_loss": loss.detach()}
-        metrics.update(zip(_POLICY_MEANS, means.unbind()))
+        metrics.update(zip(_POLICY_MEANS, shares.unbind()))
     return loss, metrics
 
 
@@ -153,8 +163,9 @@ def value_loss(
     returns, response_mask: `[batch, response_len]`.
     agg_mode, totals, norm_len: see `aggregation.aggregate`.
 
-    Returns (loss, metrics): critic/vf_loss, critic/vf_clipfrac (clipped term active),
-    critic/vpred_mean, critic/vf_explained_var (of this micro-batch).
+    Returns (loss, metrics), shares as in the module doc: critic/vf_loss, critic/vf_clipfrac
+    (clipped term active), critic/vpred_mean. The explained variance is a statistic of the
+    whole batch, not a sum of shares: `explained_variance`.
     """
     _check_shapes(
         "value_loss", response_mask, values=values, old_values=old_values, returns=returns
@@ -171,14 +182,17 @@ def value_loss(
         v_clipped = old + (v - old).clamp(-cliprange_value, cliprange_value)
         err_clipped = (v_clipped - ret).square()
         loss_mat = torch.maximum(err, err_clipped)
-        clipped = (err_clipped > err).detach()
+        # Inside the clip range the two errors are equal up to rounding: count a token only
+        # where V left the range, else the fraction would be rounding noise at the first
+        # mini-batch (V = old values up to float error).
+        clipped = ((err_clipped > err) & ((v - old).abs() > cliprange_value)).detach()
     loss = 0.5 * aggregate(loss_mat, response_mask, agg_mode, totals, norm_len)
     with torch.no_grad():
+        count = _token_count(valid, totals)
         metrics = {
             "critic/vf_loss": loss.detach(),
-            "critic/vf_clipfrac": masked_mean(clipped.float(), valid),
-            "critic/vpred_mean": masked_mean(v, valid),
-            "critic/vf_explained_var": explained_variance(v, ret, response_mask),
+            "critic/vf_clipfrac": torch.where(valid, clipped.float(), 0.0).sum() / count,
+            "critic/vpred_mean": torch.where(valid, v.detach(), 0.0).sum() / count,
         }
     return loss, metrics
 

@@ -187,6 +187,7 @@ def build_roles(config: Config, info: HFModelInfo, total_steps: int) -> Roles:
                 chunk.requires_grad_(False)
         reference = MegatronRole(
             ref_chunks,
+            name="reference",
             pack_sequences=m.pack_sequences,
             micro_batch_size=ref.micro_batch_size,
             temperature=temperature,
@@ -205,6 +206,8 @@ def build_roles(config: Config, info: HFModelInfo, total_steps: int) -> Roles:
             _copy_trunk(actor_chunks, critic_chunks)
         critic = MegatronRole(
             critic_chunks,
+            name="critic",
+            on_nonfinite=config.trainer.on_nonfinite,
             pack_sequences=m.pack_sequences,
             optim=cr.optim,
             micro_batch_size=cr.micro_batch_size,
@@ -216,12 +219,15 @@ def build_roles(config: Config, info: HFModelInfo, total_steps: int) -> Roles:
         rm_chunks = build_reward_model(config.reward.model_path, **layout, **extra)
         reward_model = MegatronRole(
             rm_chunks,
+            name="reward model",
             pack_sequences=m.pack_sequences,
             micro_batch_size=config.reward.micro_batch_size,
             output_at="token",
         )
     actor = MegatronRole(
         actor_chunks,
+        name="actor",
+        on_nonfinite=config.trainer.on_nonfinite,
         pack_sequences=m.pack_sequences,
         optim=act.optim,
         micro_batch_size=act.micro_batch_size,

@@ -34,6 +34,7 @@ from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.trainer import checkpointing
 from rl_megatron.trainer import experience as ex
 from rl_megatron.trainer.build import Roles, TrainingData
+from rl_megatron.trainer.optimizer_step import NonFiniteUpdateError
 from rl_megatron.trainer.reporting import batch_stats, console_line, throughput
 from rl_megatron.trainer.roles import MegatronRole
 from rl_megatron.trainer.scoring import RewardScorer
@@ -153,8 +154,10 @@ class PPOTrainer:
                 mask,
                 self.kl_ctrl.value,
                 cfg.algorithm.kl_penalty,
+                group=self.dp_group,
             )
-            kl_metrics = {k: float(v) for k, v in raw.items()}
+            kl_metrics = {k: float(v) for k, v in raw.items()}  # already over all of DP
+        batch["token_level_rewards"] = rewards
         batch["advantages"], batch["returns"] = compute_advantages(
             cfg.algorithm.adv_estimator,
             rewards,
@@ -179,7 +182,7 @@ class PPOTrainer:
             actor_metrics = self._update(roles.actor, batch, self._actor_loss, "actor")
         if cfg.algorithm.use_kl_in_reward:
             # The batch's KL over all replicas, so every rank's controller stays the same.
-            kl = ex.dp_mean({"kl": kl_metrics["actor/reward_kl_penalty"]}, self.dp_group)["kl"]
+            kl = kl_metrics["actor/reward_kl_penalty"]
             self.kl_ctrl.update(kl, cfg.data.train_batch_size * cfg.rollout.n)
 
         # 5. Metrics (DP-averaged where they are per-replica statistics).
@@ -191,11 +194,11 @@ class PPOTrainer:
                 if "rollout_log_prob" in batch
                 else {}
             ),
-            **batch_stats(batch, old["entropy"]),
             **reward_metrics,
-            **kl_metrics,
         }
         metrics = ex.dp_mean(local, self.dp_group, sums=("reward/errors", "rollout/num_samples"))
+        # Token statistics of the whole batch (sums over DP, not a mean of per-rank means).
+        metrics.update(batch_stats(batch, old["entropy"], self.dp_group), **kl_metrics)
         metrics.update(actor_metrics, **critic_metrics, **sync, **self.sampler.metrics())
         metrics["actor/kl_coef"] = self.kl_ctrl.value
         metrics.update(self.phases.pop())
@@ -296,6 +299,9 @@ class PPOTrainer:
     def _actor_loss(self, out: Batch, mb: Batch, totals):
         a = self.config.actor
         mask = mb["response_mask"]
+        # seq-mean-token-sum-norm's constant: the configured response length, not the
+        # micro-batch's trimmed width (which would make the loss depend on the split).
+        norm_len = self.config.rollout.max_response_length
         loss, metrics = policy_loss(
             out["log_prob"],
             mb["old_log_prob"],
@@ -306,9 +312,12 @@ class PPOTrainer:
             a.clip_ratio_c,
             a.loss_agg_mode,
             totals=totals,
+            norm_len=norm_len,
         )
         if a.entropy_coeff:
-            bonus, m = entropy_bonus(out["entropy"], mask, a.loss_agg_mode, totals=totals)
+            bonus, m = entropy_bonus(
+                out["entropy"], mask, a.loss_agg_mode, totals=totals, norm_len=norm_len
+            )
             loss = loss - a.entropy_coeff * bonus
             metrics.update(m)
         if a.use_kl_loss:
@@ -319,6 +328,7 @@ class PPOTrainer:
                 a.kl_loss_type,
                 a.loss_agg_mode,
                 totals=totals,
+                norm_len=norm_len,
             )
             loss = loss + a.kl_loss_coef * kl
             metrics.update(m)
@@ -335,7 +345,8 @@ class PPOTrainer:
         )
 
     def _update(self, role: MegatronRole, batch: Batch, loss_fn, name: str) -> dict[str, float]:
-        """PPO epochs over shuffled mini-batches; metrics averaged over optimizer steps."""
+        """PPO epochs over shuffled mini-batches; metrics averaged over optimizer steps,
+        `<name>/steps_skipped` counts the steps a non-finite loss or grad norm dropped."""
         section = self.config.actor if name == "actor" else self.config.critic
         rows = batch["prompts"].shape[0]
         per_rank = section.mini_batch_size // self.dp_size
@@ -347,11 +358,19 @@ class PPOTrainer:
             for _ in range(section.ppo_epochs)
             for mini in ex.mini_batch_rows(rows, per_rank, generator)
         ]
-        per_step = role.train_steps(batch, steps, loss_fn, with_entropy=with_entropy)
+        try:
+            per_step = role.train_steps(batch, steps, loss_fn, with_entropy=with_entropy)
+        except NonFiniteUpdateError as exc:
+            # Raised on every rank alike, before the optimizer step: the weights the
+            # engine would get next are the last finite ones. Steps count from 1 here,
+            # as on the console.
+            raise NonFiniteUpdateError(f"step {self.step + 1}: {exc}") from None
         metrics = {}
         for key in per_step[0]:
             short = key if "/" in key else f"{name}/{key}"
             metrics[short] = sum(m[key] for m in per_step) / len(per_step)
+        del metrics[f"{name}/skipped"]
+        metrics[f"{name}/steps_skipped"] = sum(m["skipped"] for m in per_step)
         return metrics
 
     # --------------------------------------------------------------- evaluation

@@ -14,21 +14,39 @@ from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.utils.flops import TransformerShape, device_peak_tflops, flops_per_token
 
 
-def batch_stats(batch: dict[str, torch.Tensor], entropy: torch.Tensor) -> dict[str, float]:
-    """Advantage, entropy, KL-to-reference and value statistics over the valid tokens."""
+def batch_stats(
+    batch: dict[str, torch.Tensor], entropy: torch.Tensor, group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
+    """Advantage, entropy, KL-to-reference and value statistics over the valid tokens of
+    the whole batch: sums over `group` (data parallel), one all-reduce."""
     valid = batch["response_mask"].bool()
-    adv = batch["advantages"][valid]
-    stats = {
-        "advantages/mean": adv.mean().item() if adv.numel() else 0.0,
-        "advantages/std": adv.std(unbiased=False).item() if adv.numel() else 0.0,
-        "actor/entropy_rollout": entropy[valid].mean().item() if valid.any() else 0.0,
+    columns = {
+        "advantages": batch["advantages"],
+        "entropy": entropy,
+        "kl": batch["old_log_prob"] - batch["ref_log_prob"] if "ref_log_prob" in batch else None,
+        "values": batch.get("values"),
+        "returns": batch["returns"] if "values" in batch else None,
     }
-    if "ref_log_prob" in batch:
-        kl = (batch["old_log_prob"] - batch["ref_log_prob"])[valid]
-        stats["actor/kl_to_ref"] = kl.mean().item() if kl.numel() else 0.0
-    if "values" in batch:
-        stats["critic/values_mean"] = batch["values"][valid].mean().item()
-        stats["critic/returns_mean"] = batch["returns"][valid].mean().item()
+    present = [k for k, v in columns.items() if v is not None]
+    x = torch.stack([torch.where(valid, columns[k], 0.0).double() for k in present])
+    adv = x[0]
+    sums = torch.cat([valid.sum().double()[None], x.sum(dim=(1, 2)), adv.square().sum()[None]])
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    count = max(sums[0].item(), 1.0)
+    mean = dict(zip(present, (sums[1:-1] / count).tolist()))
+    # Population std over all tokens, E[a^2] - E[a]^2 in float64 (whitened: ~1).
+    std = math.sqrt(max(sums[-1].item() / count - mean["advantages"] ** 2, 0.0))
+    stats = {
+        "advantages/mean": mean["advantages"],
+        "advantages/std": std,
+        "actor/entropy_rollout": mean["entropy"],
+    }
+    if "kl" in mean:
+        stats["actor/kl_to_ref"] = mean["kl"]
+    if "values" in mean:
+        stats["critic/values_mean"] = mean["values"]
+        stats["critic/returns_mean"] = mean["returns"]
     return stats
 
 

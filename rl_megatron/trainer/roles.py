@@ -66,6 +66,7 @@ from rl_megatron.trainer import micro_batches as mb
 from rl_megatron.trainer import step_metrics
 from rl_megatron.trainer.lr_schedule import lr_at
 from rl_megatron.trainer.offload import Offloader
+from rl_megatron.trainer.optimizer_step import NonFiniteUpdateError, step_if_finite
 
 Batch = Mapping[str, torch.Tensor]
 # loss_fn(outputs, micro_batch, totals) -> (loss, metrics). outputs: `log_prob` / `entropy`
@@ -124,6 +125,11 @@ class MegatronRole:
         output_at: which column a value head's output is read from for response token k:
             `prediction` (where token k is predicted: critics, V(s_k)) or `token` (token
             k's own position: reward models score a sequence at its last token).
+        name: the role's name in errors ("actor", "critic", ...).
+        on_nonfinite: a NaN/inf loss on any rank or gradient norm: `stop` raises
+            `NonFiniteUpdateError` on every rank before the parameters change; `skip`
+            leaves them unchanged, reports `skipped` = 1 and goes on
+            (`optimizer_step.step_if_finite`).
     """
 
     def __init__(
@@ -140,9 +146,14 @@ class MegatronRole:
         groups: RoleGroups | None = None,
         output_at: str = "prediction",
         pack_sequences: bool = False,
+        name: str = "role",
+        on_nonfinite: str = "stop",
     ) -> None:
         if output_at not in ("prediction", "token"):
             raise ValueError(f"output_at must be 'prediction' or 'token', got {output_at!r}")
+        if on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
+        self.name, self.on_nonfinite = name, on_nonfinite
         self.output_shift = 0 if output_at == "token" else 1
         self.groups = groups or RoleGroups.from_parallel_state()
         self.config = chunks[0].config
@@ -394,9 +405,11 @@ class MegatronRole:
             micro-batch's share of the mini-batch loss (`aggregate(..., totals=totals)`).
         with_entropy: compute `entropy` for the loss (entropy bonus).
         micro_batch_size: override the role's (fixed mode).
-        Returns, identical on every rank: `loss` (the mini-batch loss, summed over micro-
-        batches and DP ranks), the loss_fn's metrics averaged over micro-batches and DP
-        ranks, `grad_norm` (before clipping), `lr`, `update_successful`.
+        Returns, identical on every rank: `loss` (the mini-batch loss) and the loss_fn's
+        metrics, each summed over micro-batches and DP ranks (they are shares of the
+        mini-batch's value), `grad_norm` (before clipping), `lr`, `update_successful`,
+        `skipped` (1 when a non-finite loss or gradient norm dropped the step).
+        Raises `NonFiniteUpdateError` on every rank instead, with `on_nonfinite="stop"`.
         """
         self._check_trainable()
         step = self._optimizer_step(mini_batch, None, loss_fn, with_entropy, micro_batch_size)
@@ -474,20 +487,42 @@ class MegatronRole:
 
         step = partial(self._forward_step, loss_func=loss_func)
         per_micro = self._run(micro, step, forward_only=False)
-        # megatron-core's step reads the gradient norm on the host (its one sync) before
-        # it queues the update.
-        update_ok, grad_norm, _ = self.optimizer.step()
-        self.step_count += 1
+        local_loss = (
+            torch.stack([m["loss"] for m in per_micro]).sum()
+            if self.is_pp_last and per_micro
+            else torch.zeros((), device=self.device)
+        )
+        # Reads the gradient norm on the host (megatron-core's step does too) and checks
+        # every rank's loss before any parameter changes.
+        outcome = step_if_finite(self.optimizer, local_loss)
+        if outcome.nonfinite is not None and self.on_nonfinite == "stop":
+            raise NonFiniteUpdateError(
+                f"{self.name}: non-finite {outcome.nonfinite} at its optimizer step "
+                f"{self.step_count + 1} (grad norm {outcome.grad_norm}); no parameter was "
+                f"changed. trainer.on_nonfinite=skip drops such steps instead"
+            )
+        if outcome.stepped:
+            # The LR schedule advances with the updates made, as in Megatron-LM.
+            self.step_count += 1
         pending = step_metrics.reduce_step(
             per_micro if self.is_pp_last else [], self.groups.dp, self.device
         )
         pending.host.update(
-            grad_norm=float(grad_norm) if grad_norm is not None else float("nan"),
+            grad_norm=outcome.grad_norm,
             lr=lr,
-            update_successful=float(bool(update_ok)),
+            update_successful=float(outcome.stepped),
+            skipped=float(outcome.nonfinite is not None),
         )
         return pending
 
     def _set_lr(self, lr: float) -> None:
+        """This step's learning rate and weight decay in every parameter group.
+
+        megatron-core marks biases and 1-D parameters (norms) with `wd_mult` 0 but leaves
+        applying it to its `OptimizerParamScheduler`, which we do not use: without the
+        multipliers here the norms would be decayed towards 0.
+        """
+        weight_decay = self.optim_config.weight_decay
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)

@@ -7,10 +7,11 @@ forward pass. So a step's metrics stay on the device (`PendingMetrics`), summed 
 data-parallel group by a collective queued like any other kernel, and the host reads the
 metrics of all of a phase's steps in one transfer (`resolve`).
 
-Per step: `loss` is summed over micro-batches and DP ranks (each micro-batch's loss is
-its share of the mini-batch loss); every other metric is averaged over the micro-batches
-of all DP ranks. Only the last pipeline stage computes them; `resolve` sends them to the
-other stages.
+Per step, every metric is summed over micro-batches and DP ranks: a loss function reports
+each metric as its micro-batch's share of the mini-batch value (`algorithms.losses`), so
+the sum is the mini-batch's value however the mini-batch was split. (Averaging the shares
+would divide by the number of micro-batches.) Only the last pipeline stage computes them;
+`resolve` sends them to the other stages.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ class PendingMetrics:
     """One optimizer step's metrics, not yet on the host.
 
     keys: metric names (last pipeline stage; empty elsewhere).
-    sums: `[len(keys) + 1]` on the device: per-key sums over micro-batches and DP ranks,
-        then the number of micro-batches (None off the last stage).
+    sums: `[len(keys)]` on the device: per-key sums over micro-batches and DP ranks (None
+        off the last stage).
     host: values the host already has (grad norm, learning rate, ...).
     """
 
@@ -42,18 +43,16 @@ def reduce_step(
     dp_group: dist.ProcessGroup | None,
     device: torch.device,
 ) -> PendingMetrics:
-    """Sum the micro-batches' 0-d metrics of one step over micro-batches and `dp_group`.
+    """Sum the micro-batches' 0-d metric shares of one step over micro-batches and `dp_group`.
 
     per_micro: what each micro-batch's loss function reported (empty off the last stage).
-    No host sync: the sums and the count are built and all-reduced on the device.
+    No host sync: the sums are built and all-reduced on the device.
     """
     if not per_micro:
         return PendingMetrics(keys=[], sums=None)
     keys = sorted(per_micro[0])
     values = torch.stack([torch.stack([m[k].float() for m in per_micro]) for k in keys])
-    # The count travels with the sums: DP ranks may have different numbers of micro-batches.
-    count = torch.full((1,), float(len(per_micro)), device=values.device)
-    sums = torch.cat([values.sum(dim=1), count]).to(device)
+    sums = values.sum(dim=1).to(device)
     if dp_group is not None:
         dist.all_reduce(sums, group=dp_group)
     return PendingMetrics(keys=keys, sums=sums)
@@ -76,9 +75,8 @@ def resolve(
         flat = torch.cat([p.sums for p in pending]).tolist()
         steps, start = [], 0
         for p in pending:
-            *totals, count = flat[start : start + len(p.keys) + 1]
-            start += len(p.keys) + 1
-            steps.append({k: t if k == "loss" else t / count for k, t in zip(p.keys, totals)})
+            steps.append(dict(zip(p.keys, flat[start : start + len(p.keys)])))
+            start += len(p.keys)
         box[0] = steps
     if pp_group is not None and dist.get_world_size(pp_group) > 1:
         dist.broadcast_object_list(box, src=pp_last_rank, group=pp_group)
