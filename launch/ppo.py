@@ -7,7 +7,8 @@ Bad input (config, data, checkpoint, reward function) prints one line and exits 
 2 (no traceback); `--dry-run` resolves and validates the config, initialises the process
 groups, prints the rank layout and the planned generation layout, and exits 0. Without it
 the PPO/GRPO trainer runs (`rl_megatron/trainer/ppo_trainer.py`), resuming from the run
-folder's newest checkpoint when there is one.
+folder's newest checkpoint when there is one. A run folder that a live run holds is
+refused (exit 2, naming the holder); under torchrun, ranks die with their launcher.
 """
 
 from __future__ import annotations
@@ -17,9 +18,15 @@ import sys
 
 from rl_megatron.config import ConfigError, load_config, save_resolved, to_dict
 from rl_megatron.config_checks import validate
-from rl_megatron.distributed import distributed_run, gather_rank_table, launch_env
+from rl_megatron.distributed import (
+    distributed_run,
+    exit_with_launcher,
+    gather_rank_table,
+    launch_env,
+)
 from rl_megatron.resharding.layouts import generation_layout_for, micro_dp
 from rl_megatron.utils.logging import format_config, format_layout_table, get_logger
+from rl_megatron.utils.run_lock import run_dir_lock
 
 
 def user_errors() -> tuple[type[Exception], ...]:
@@ -59,6 +66,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    exit_with_launcher()  # under torchrun: no rank outlives its launcher
     args = parse_args(argv)
     env = launch_env()
     try:
@@ -73,15 +81,23 @@ def main(argv: list[str] | None = None) -> int:
     log.info("resolved config:\n%s", format_config(to_dict(config)))
     dry_run = args.dry_run or config.trainer.dry_run
     p = config.parallel
-    with distributed_run(
-        tp=p.tp,
-        pp=p.pp,
-        cp=p.cp,
-        vpp=p.vpp,
-        seed=config.trainer.seed,
-        timeout_s=p.timeout_s,
-        deterministic=config.trainer.deterministic,
-    ) as run:
+    with (
+        distributed_run(
+            tp=p.tp,
+            pp=p.pp,
+            cp=p.cp,
+            vpp=p.vpp,
+            seed=config.trainer.seed,
+            timeout_s=p.timeout_s,
+            deterministic=config.trainer.deterministic,
+        ) as run,
+        run_dir_lock(config.run_dir, log) as lock,
+    ):
+        # One run per run directory (utils/run_lock.py); every rank learns the refusal.
+        if lock.refusal:
+            if env.rank == 0:
+                print(f"error: {lock.refusal}", file=sys.stderr, flush=True)
+            return 2
         generation = generation_layout_for(run.layout, config.rollout.tp)
         rows = gather_rank_table(run)
         if env.rank == 0:

@@ -7,6 +7,8 @@ Kept apart from `config.py` so that the schema there reads as a list of fields.
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
+
 from rl_megatron.config import (
     TRAINER_SET_LLM_ARGS,
     ActorConfig,
@@ -77,6 +79,11 @@ def _check_model(m: ModelConfig) -> None:
 def _check_parallel(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:
     for key in ("tp", "pp", "cp", "ep"):
         _require(getattr(p, key) >= 1, f"parallel.{key}", f"must be >= 1, got {getattr(p, key)}")
+    _require(
+        p.cp == 1,
+        "parallel.cp",
+        f"context parallelism is not supported yet; set it to 1 (got {p.cp})",
+    )
     for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         size = getattr(m, key)
         _require(size % p.tp == 0, "parallel.tp", f"{p.tp} does not divide model.{key}={size}")
@@ -227,7 +234,11 @@ def _check_actor_critic(config: Config, dp: int) -> None:
             continue
         _check_role(role, section, sequences, dp)
     _require(0 <= act.clip_ratio_low < 1, "actor.clip_ratio_low", "must be in [0, 1)")
-    _require(act.clip_ratio_high >= 0, "actor.clip_ratio_high", "must be >= 0")
+    _require(
+        0 <= act.clip_ratio_high < 1,
+        "actor.clip_ratio_high",
+        f"must be in [0, 1), got {act.clip_ratio_high}",
+    )
     _require(act.clip_ratio_c > 1, "actor.clip_ratio_c", f"must be > 1, got {act.clip_ratio_c}")
     _require(act.max_tokens_per_micro_batch > 0, "actor.max_tokens_per_micro_batch", "must be > 0")
     _require(cr.cliprange_value > 0, "critic.cliprange_value", "must be > 0")
@@ -271,6 +282,27 @@ def _check_run(t: TrainerConfig, c: CheckpointConfig, log: LoggingConfig) -> Non
     _require(t.total_steps is None or t.total_steps >= 1, "trainer.total_steps", "must be >= 1")
     _require(t.val_interval >= 0, "trainer.val_interval", "must be >= 0")
     _require(t.manual_gc_interval >= 0, "trainer.manual_gc_interval", "must be >= 0")
+    _check_experiment_name(t.experiment_name)
     _require(c.save_interval >= 0, "checkpoint.save_interval", "must be >= 0")
     _require(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     _require(log.log_interval >= 1, "logging.log_interval", "must be >= 1")
+
+
+def _check_experiment_name(name: str) -> None:
+    """The run folder (output_dir/experiment_name) must be a folder inside output_dir:
+    a name that leaves it would write into, resume from and prune checkpoints of another
+    directory. Sub-folders (`team/exp1`) are fine; symlinks are the user's business."""
+    key = "trainer.experiment_name"
+    _require(bool(name.strip()), key, "must not be empty")
+    path = PurePosixPath(name)
+    _require(
+        not path.is_absolute() and ".." not in path.parts,
+        key,
+        f"{name!r} leaves trainer.output_dir; use a relative name without '..' "
+        "(the run folder is trainer.output_dir/trainer.experiment_name)",
+    )
+    _require(
+        bool(path.parts),  # "." and "./" have none
+        key,
+        f"{name!r} names trainer.output_dir itself; give the run a folder of its own",
+    )

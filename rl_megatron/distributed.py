@@ -7,11 +7,13 @@
 `distributed_run` makes failures clean: a failing rank prints its error once, with its
 (tp, pp, dp, cp) coordinates, and the process group is torn down on normal exit, on an
 exception and on SIGTERM (which only sets `stop_requested`, so the trainer can checkpoint).
+`exit_with_launcher()` makes a torchrun rank die with its launcher (no orphan ranks).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
 import random
@@ -78,6 +80,46 @@ def launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
     return LaunchEnv(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=29500)
 
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def exit_with_launcher(environ: dict[str, str] | None = None) -> bool:
+    """Have the kernel SIGKILL this rank when its torchrun agent dies; True when armed.
+
+    torchrun starts every rank in a session of its own, so when the agent itself is
+    SIGKILLed (by a user, the OOM killer, a dying job step) nothing stops the ranks: they
+    would train on as orphans, writing checkpoints nobody asked for. Decisions:
+
+    * `prctl(PR_SET_PDEATHSIG)` rather than a thread polling `os.getppid()`: the kernel
+      delivers it at once, even while the interpreter is stuck in a C call (a collective)
+      that never lets a Python thread run. The signal fires when the thread that forked
+      the rank exits; torchrun's agent starts its workers from its main thread, whose exit
+      is the agent's exit.
+    * SIGKILL, not SIGTERM: with the agent gone, so is the rendezvous store it hosts and
+      its teardown of the other ranks; a graceful "finish the step and save" would need
+      every rank's collectives and could hang until `parallel.timeout_s`. The run resumes
+      from its last checkpoint, and the run-directory lock goes with the process.
+    * Armed only under torchrun (`TORCHELASTIC_RUN_ID` set): a rank started by srun or
+      from a shell (`nohup python launch/ppo.py &`) must outlive that parent.
+    * Linux only (prctl); elsewhere nothing is armed. Called first thing in
+      `launch/ppo.py`; a launcher that dies in the rank's first seconds, before the call,
+      is not caught (checking `os.getppid() == 1` instead would kill every rank of a
+      container whose PID 1 is torchrun itself).
+    """
+    env = os.environ if environ is None else environ
+    if "TORCHELASTIC_RUN_ID" not in env or not sys.platform.startswith("linux"):
+        return False
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        warnings.warn(
+            f"prctl(PR_SET_PDEATHSIG) failed ({os.strerror(err)}); a rank may outlive its launcher",
+            stacklevel=2,
+        )
+        return False
+    return True
+
+
 @dataclass
 class DistributedRun:
     env: LaunchEnv
@@ -118,7 +160,10 @@ def init_process_group(env: LaunchEnv, timeout_s: int) -> torch.device:
 
 
 def init_megatron(layout: TrainingLayout, timeout_s: int) -> None:
-    """Megatron's parallel_state with our rank order (each DP replica = consecutive ranks)."""
+    """Megatron's parallel_state with our rank order (each DP replica = consecutive ranks).
+
+    Every subgroup gets `timeout_s` seconds, as the world group does.
+    """
     from megatron.core import parallel_state
 
     parallel_state.initialize_model_parallel(
@@ -126,9 +171,16 @@ def init_megatron(layout: TrainingLayout, timeout_s: int) -> None:
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
-        distributed_timeout_minutes=max(1, timeout_s // 60),
+        # megatron-core makes this timedelta(minutes=...): a fraction keeps the seconds exact.
+        distributed_timeout_minutes=timeout_s / 60,
         order=MEGATRON_RANK_ORDER,
     )
+    # megatron-core 0.16.1 creates the expert-DP gloo group without a timeout (torch's
+    # 30-minute default); set it on every group it made, as its own update_pg_timeout does.
+    timeout = datetime.timedelta(seconds=timeout_s)
+    for group in parallel_state._global_process_group_list or []:
+        if group is not None:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def seed_everything(seed: int, layout: TrainingLayout, rank: int, deterministic: bool) -> None:

@@ -5,9 +5,10 @@ A record is one JSON object (JSONL line) or one row (Parquet) holding the prompt
 dicts — plus whatever fields the reward needs (e.g. `answer`), kept as they are and handed
 to the reward function as its `sample` dict.
 
-Every record is read or the load fails: a malformed record raises `DataError` with one
-line naming the file and the line (JSONL, 1-based) or row (Parquet, 0-based). Nothing is
-skipped silently; the only lines not read as records are blank ones in JSONL files.
+Every record is read or the load fails: a malformed record, or text that is not UTF-8,
+raises `DataError` with one line naming the file and the line (JSONL, 1-based) or row
+(Parquet, 0-based). Nothing is skipped silently; the only lines not read as records are
+blank ones in JSONL files.
 """
 
 from __future__ import annotations
@@ -192,11 +193,20 @@ def _check_record(record: Any, where: str, prompt_key: str, required_keys: Seque
 
 def _read_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
     """Yield (`"file:line"`, parsed object) for every non-blank line."""
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    # Bytes, decoded line by line: a text-mode file would raise UnicodeDecodeError from
+    # inside the iteration, with no line number. Lines end at b"\n" (as `sed -n Np` counts).
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{where}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at byte "
+                    f"{exc.start + 1} of the line); JSON Lines files must be UTF-8, re-encode it"
+                ) from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as exc:
@@ -217,12 +227,34 @@ def _read_parquet(path: Path) -> Iterator[tuple[str, Any]]:
         # Batches keep memory bounded for large files; rows come back as plain Python
         # objects (nested message structs become dicts), the same shape JSONL gives.
         for batch in parquet.iter_batches():
-            for record in batch.to_pylist():
+            try:
+                records = batch.to_pylist()
+            except UnicodeDecodeError:
+                # A string column holding bytes that are not UTF-8 (writers that skip
+                # validation produce them): name the row, found one row at a time.
+                bad = _first_undecodable_row(batch)
+                raise DataError(
+                    f"{path} row {row + bad}: not UTF-8 text in a string column; "
+                    "re-write the file with UTF-8 strings"
+                ) from None
+            for record in records:
                 yield f"{path} row {row}", record
                 row += 1
+    except DataError:
+        raise
     except Exception as exc:  # pyarrow raises several types for a corrupt file
         first = str(exc).splitlines()[0] if str(exc) else ""
         raise DataError(f"{path}: cannot read Parquet ({type(exc).__name__}: {first})") from None
+
+
+def _first_undecodable_row(batch: Any) -> int:
+    """Index in `batch` (a pyarrow RecordBatch) of the first row that does not decode."""
+    for i in range(batch.num_rows):
+        try:
+            batch.slice(i, 1).to_pylist()
+        except UnicodeDecodeError:
+            return i
+    return 0
 
 
 def _keys(record: dict) -> str:

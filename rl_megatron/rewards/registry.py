@@ -76,7 +76,7 @@ def _import_user_function(spec: str) -> RewardFn:
             module = importlib.import_module(module_name)
     except RewardError:
         raise
-    except Exception as exc:  # a user module can fail to import in any way
+    except (Exception, SystemExit) as exc:  # a user module can fail to import in any way
         raise RewardError(
             f"reward.function: cannot import {module_name!r} for {spec!r} "
             f"({type(exc).__name__}: {_first_line(exc)})"

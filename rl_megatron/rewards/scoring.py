@@ -1,9 +1,10 @@
 """Apply a reward function to a batch of responses without letting one sample kill the run.
 
-A call that raises, or returns something that is not a finite number, is an *error*:
-with `on_error="score"` the sample gets `error_score` and is counted in `reward/errors`
-(and a summary line is logged); with `on_error="raise"` the batch stops with a one-line
-`RewardError` naming the sample. Nothing is skipped silently.
+A call that raises (or calls `sys.exit`), or returns something that is not a finite
+number, is an *error*: with `on_error="score"` the sample gets `error_score` and is counted
+in `reward/errors` (and a summary line is logged); with `on_error="raise"` the batch stops
+with a one-line `RewardError` naming the function and the sample. Nothing is skipped
+silently; KeyboardInterrupt is not an error of the sample and propagates.
 """
 
 from __future__ import annotations
@@ -63,9 +64,13 @@ def score_batch(
     for i, (response, sample) in enumerate(zip(responses, samples)):
         try:
             value = _as_score(fn(response, sample))
-        except Exception as exc:  # any failure of user code is the sample's error
+        # Any failure of user code is the sample's error, `sys.exit` included (SystemExit
+        # is a BaseException; uncaught it would end this rank alone and leave the others
+        # waiting in a collective). KeyboardInterrupt is the user's, not the function's:
+        # it still stops the run.
+        except (Exception, SystemExit) as exc:
             where = f"sample {i}" + (f" ({names[i]})" if names is not None else "")
-            message = f"{where}: {type(exc).__name__}: {_one_line(exc)}"
+            message = f"{where}: {_describe(exc)}"
             if on_error == "raise":
                 raise RewardError(
                     f"reward function {fn_name!r} failed on {message} "
@@ -106,6 +111,12 @@ def _as_score(value: Any) -> float:
     if not math.isfinite(score):
         raise ValueError(f"returned {score}, not a finite number")
     return score
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, SystemExit):
+        return f"called sys.exit({exc.code!r})"
+    return f"{type(exc).__name__}: {_one_line(exc)}"
 
 
 def _one_line(exc: BaseException) -> str:

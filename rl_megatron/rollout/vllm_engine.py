@@ -43,11 +43,14 @@ are passed by reference, never serialised.
 Caveats of running vLLM in-process: deleting the `LLM` runs `EngineCore.shutdown`, which
 destroys torch.distributed's default group (vllm/v1/engine/core.py,
 `cleanup_dist_env_and_memory`), so an engine lives as long as its processes; and the CPU
-worker replaces `torch.set_num_threads` with a no-op after binding its threads.
+worker replaces `torch.set_num_threads` with a no-op after binding its threads. The CPU
+build's shared-memory segments get per-run names and lose them once mapped
+(`vllm_cpu_shm.py`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Sequence
@@ -67,6 +70,7 @@ from rl_megatron.rollout.engine import (
 )
 from rl_megatron.rollout.replicas import ReplicaLayout
 from rl_megatron.rollout.sampling import SamplingParams, fit_prompts
+from rl_megatron.rollout.vllm_cpu_shm import run_shm_names
 from rl_megatron.rollout.vllm_io import convert_sample, to_vllm_sampling_params
 
 logger = logging.getLogger(__name__)
@@ -236,7 +240,10 @@ class VllmEngine(RolloutEngine):
         if args.block_size is not None:
             kwargs["block_size"] = args.block_size
         kwargs.update(args.extra)
-        self._llm = vllm.LLM(**kwargs)
+        # The CPU build's TP groups talk through /dev/shm: per-run names, removed once mapped.
+        with run_shm_names() if on_cpu else contextlib.nullcontext() as shm_ident:
+            self._llm = vllm.LLM(**kwargs)
+        self.shm_ident: str | None = shm_ident  # prefix of this run's /dev/shm names (CPU)
 
         model_config = self._llm.llm_engine.model_config
         self.max_model_len: int = model_config.max_model_len

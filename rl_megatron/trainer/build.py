@@ -45,6 +45,13 @@ class TrainingData:
     train: TokenizedPrompts
     val: TokenizedPrompts | None
 
+    def metrics(self) -> dict[str, float]:
+        """What the length policy did to the training prompts at load, for every step's
+        metrics (constant over the run). The engines apply the same limit to what they are
+        given, so after the load policy their own per-batch count is always 0: this value
+        replaces it under the same key."""
+        return {"rollout/prompts_truncated": float(self.train.num_truncated)}
+
 
 def build_data(config: Config, logger: logging.Logger) -> TrainingData:
     """Tokenizer, training and validation prompts after the length policy (counts logged)."""

@@ -139,8 +139,9 @@ class PPOTrainer:
                 batch["values"] = roles.critic.forward_only(batch)["values"]
         with self.phases.time("reward"):
             samples = [indices[int(g)] for g in rollout.group_index]
+            # The step as the console numbers it (from 1), for the error message.
             scores, reward_metrics = self.scorer.score(
-                rollout, self.data.train.dataset, samples, batch, self.step
+                rollout, self.data.train.dataset, samples, batch, self.step + 1
             )
 
         # 3. Advantages.
@@ -200,6 +201,7 @@ class PPOTrainer:
         # Token statistics of the whole batch (sums over DP, not a mean of per-rank means).
         metrics.update(batch_stats(batch, old["entropy"], self.dp_group), **kl_metrics)
         metrics.update(actor_metrics, **critic_metrics, **sync, **self.sampler.metrics())
+        metrics.update(self.data.metrics())  # rollout/prompts_truncated: counted at load
         metrics["actor/kl_coef"] = self.kl_ctrl.value
         metrics.update(self.phases.pop())
         metrics.update(throughput(metrics, self.info, self.config.actor.ppo_epochs))

@@ -1,7 +1,7 @@
 """Sequence rewards of a rollout (the "score" phase's rewards, DESIGN.md §2).
 
     scorer = RewardScorer(config, roles.reward_model, tokenizer, replica_group, device, log)
-    scores, metrics = scorer.score(rollout, dataset, rows, batch, step)  # collective
+    scores, metrics = scorer.score(rollout, dataset, rows, batch, step)  # collective; step 1-based
 
 A reward model's value at each response's last token, or the rule function
 (`reward.function`) run on the first rank of each replica and copied to the others. Every
@@ -74,7 +74,9 @@ class RewardScorer:
             dataset: the records the prompts came from (the rule function's `sample`).
             rows: `dataset` index of each rollout row, `[b]`.
             batch: the rollout's training batch on the device (the reward model's input).
-            step: the step being scored, for the error message.
+            step: the number of the step being scored as the console prints it (1-based:
+                `train_step` passes `self.step + 1`; the evaluation after step N passes N),
+                for the error message.
 
         Returns:
             scores `[b]` on the CPU, and `reward/mean`, `reward/std` (and `reward/errors`

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from rl_megatron.config import load_config
+from rl_megatron.data.synthetic import synthetic_dataset
 from tests.e2e.test_launcher import ROOT, TINY, _run
 
 # Mean reward of the last steps minus that of the first steps must exceed this. A random
@@ -250,8 +252,19 @@ def test_all_prompts_too_long(tmp_path):
 
 
 REWARDS = """
+import sys
+
 def always_raises(response, sample):
     raise KeyError("score_me")
+
+CALLS = 0
+
+def exits_after_step_1(response, sample):
+    global CALLS
+    CALLS += 1
+    if CALLS > 64:  # one step on one rank: 16 prompts x 4 samples
+        sys.exit(1)
+    return 1.0
 
 def raises_on_odd_answers(response, sample):
     if int(sample["answer"]) % 2:
@@ -277,6 +290,21 @@ def test_raising_reward_function(tmp_path):
     rows = _metrics(tmp_path / "b" / "tiny_cpu")
     assert all(0 < r["reward/errors"] < 64 for r in rows), [r["reward/errors"] for r in rows]
     assert "samples failed in 'raises_on_odd_answers'" in result.stdout  # the log
-    # ...but a function that fails on every sample stops the run instead of training on it.
-    line = _one_error_line(_one_rank(tmp_path / "c", f"reward.function={module}:always_raises"))
-    assert "always_raises' failed on every sample of step 0 (64 samples)" in line
+    # ...but a function that fails on every sample stops the run instead of training on it,
+    # naming the step as the console does. `sys.exit` in it is such a failure, not an exit.
+    # (The run also truncates prompts at load, counted in every step's metrics.)
+    result = _one_rank(
+        tmp_path / "c",
+        f"reward.function={module}:exits_after_step_1",
+        "rollout.max_prompt_length=7",
+        "rollout.prompt_overflow=truncate_left",
+    )
+    line = _one_error_line(result)
+    assert "step 1/2 |" in result.stdout
+    assert "exits_after_step_1' failed on every sample of step 2 (64 samples)" in line
+    (row,) = _metrics(tmp_path / "c" / "tiny_cpu")
+    # digit_echo prompts are 3-6 digits and spaces, one token per character.
+    config = load_config(ROOT / TINY)
+    prompts = synthetic_dataset("digit_echo", config.data.synthetic_size, config.trainer.seed)
+    truncated = sum(len(p["prompt"]) > 7 for p in prompts.samples)
+    assert row["rollout/prompts_truncated"] == truncated > 0

@@ -234,3 +234,36 @@ def test_manual_gc_interval_cannot_be_negative():
     assert load_config(TINY, ["trainer.manual_gc=true"]).trainer.manual_gc is True
     message = _error(TINY, ["trainer.manual_gc_interval=-1"])
     assert message == "trainer.manual_gc_interval: must be >= 0"
+
+
+@pytest.mark.parametrize("value", ["-0.1", "1.0", "28", "inf"])
+def test_clip_ratio_high_is_bounded_like_clip_ratio_low(value):
+    message = _error(TINY, [f"actor.clip_ratio_high={value}"])
+    assert message == f"actor.clip_ratio_high: must be in [0, 1), got {float(value)}"
+
+
+def test_context_parallelism_is_refused_until_supported():
+    message = _error(TINY, ["parallel.cp=2"], world_size=2)
+    assert message.startswith("parallel.cp: context parallelism is not supported yet")
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("../x", "'../x' leaves trainer.output_dir"),
+        ("a/../../b", "'a/../../b' leaves trainer.output_dir"),
+        ("/tmp/elsewhere", "'/tmp/elsewhere' leaves trainer.output_dir"),
+        ("''", "must not be empty"),  # YAML's empty string
+        ("' '", "must not be empty"),
+        (".", "'.' names trainer.output_dir itself"),
+    ],
+)
+def test_experiment_name_cannot_leave_output_dir(name, expected):
+    message = _error(TINY, [f"trainer.experiment_name={name}"])
+    assert message.startswith(f"trainer.experiment_name: {expected}"), message
+
+
+def test_experiment_name_may_be_a_sub_folder():
+    config = load_config(TINY, [*ONE_RANK, "trainer.experiment_name=team/exp1"])
+    validate(config, world_size=1)
+    assert config.run_dir == Path("runs/team/exp1")

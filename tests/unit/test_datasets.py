@@ -91,6 +91,36 @@ def test_malformed_json_line_names_file_and_line(tmp_path):
     assert "\n" not in message
 
 
+def test_non_utf8_jsonl_names_file_and_line(tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    text = '{"prompt": "one"}\n\n{"prompt": "caf\u00e9"}\n'
+    path.write_bytes(text.encode("latin-1"))  # é is the single byte 0xe9 in Latin-1
+    with pytest.raises(DataError) as info:
+        load_prompt_dataset([path])
+    assert str(info.value) == (
+        f"{path}:3: not UTF-8 text (byte 0xe9 at byte 16 of the line); "
+        "JSON Lines files must be UTF-8, re-encode it"
+    )
+    path.write_bytes(text.encode("utf-8"))  # the same text as UTF-8 reads
+    assert load_prompt_dataset([path]).prompt(1) == "caf\u00e9"
+
+
+def test_non_utf8_parquet_string_names_the_row(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    # pyarrow refuses such strings when building them, but not a binary column cast
+    # without validation (other writers do not validate at all).
+    prompts = pa.array([b"one", b"two", b"caf\xe9"], pa.binary()).cast(pa.string(), safe=False)
+    path = tmp_path / "d.parquet"
+    pq.write_table(pa.table({"prompt": prompts}), path, row_group_size=2)
+    with pytest.raises(DataError) as info:
+        load_prompt_dataset([path])
+    assert str(info.value) == (
+        f"{path} row 2: not UTF-8 text in a string column; re-write the file with UTF-8 strings"
+    )
+
+
 @pytest.mark.parametrize(
     ("line", "expected"),
     [

@@ -232,6 +232,43 @@ def test_raise_mode_names_the_sample_in_one_line():
     assert isinstance(info.value.__cause__, KeyError)  # the traceback is kept for debugging
 
 
+def exits(response_text, sample):
+    sys.exit(sample.get("code"))
+
+
+def test_sys_exit_in_the_function_is_a_failed_sample():
+    """SystemExit is a BaseException: uncaught, it would end one rank and leave the others
+    waiting in a collective. It is counted (score) or stops the run in one line (raise)."""
+    samples = [{"code": 3}, {}]
+    scores, metrics = score_batch(exits, ["a", "b"], samples, error_score=-1.0)
+    assert scores.tolist() == [-1.0, -1.0] and metrics["reward/errors"] == 2.0
+    with pytest.raises(RewardError) as info:
+        score_batch(exits, ["a"], samples[:1], on_error="raise", names=["t.jsonl:4"])
+    assert str(info.value) == (
+        "reward function 'exits' failed on sample 0 (t.jsonl:4): called sys.exit(3) "
+        "(set reward.on_error=score to score such samples reward.error_score)"
+    )
+
+
+def test_keyboard_interrupt_in_the_function_is_not_swallowed():
+    def interrupted(response_text, sample):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        score_batch(interrupted, ["a"], [{}])
+
+
+def test_sys_exit_when_importing_a_user_module_is_one_line(tmp_path):
+    module = tmp_path / "exits_on_import.py"
+    module.write_text("import sys\nsys.exit('no GPU here')\n\ndef score(r, s):\n    return 1.0\n")
+    with pytest.raises(RewardError) as info:
+        get_reward_fn(f"{module}:score")
+    assert str(info.value) == (
+        f"reward.function: cannot import {str(module)!r} for '{module}:score' "
+        "(SystemExit: no GPU here)"
+    )
+
+
 @pytest.mark.parametrize(
     ("value", "reason"),
     [

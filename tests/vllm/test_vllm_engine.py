@@ -260,3 +260,18 @@ def test_update_without_prefix_reset_is_stale(run, ref):
         new = ref["greedy"]["b"]
         assert [stale[i] for i in fresh] == [new[i] for i in fresh]
         assert all(stale[i] != new[i] for i in cached)
+
+
+def test_cpu_shared_memory_is_named_per_run_and_removed(run):
+    """The CPU build's TP=2 group talks through /dev/shm segments named after the run, and
+    none is left once the engine has started (the script ends by os._exit, which would
+    otherwise leave them and make the next run fail with `errno: 17`)."""
+    if torch.cuda.is_available() or run[0]["layout"]["num_replicas"] != 1:
+        pytest.skip("shared memory is the CPU build's, at rollout TP = 2")
+    shm = [res["cpu_shm"] for res in run]
+    ident = shm[0]["ident"]
+    assert ident and all(s["ident"] == ident for s in shm)
+    for s in shm:
+        assert s["group_name"] and s["group_name"].startswith(f"{ident}-tp"), s
+        assert s["left_after_start"] == [], s
+    assert sorted(p.name for p in Path("/dev/shm").glob(f"{ident}*")) == []

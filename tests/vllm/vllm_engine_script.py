@@ -69,6 +69,23 @@ def error_of(fn) -> str | None:
     return None
 
 
+def shm_names(engine: VllmEngine) -> dict[str, Any]:
+    """The run's shared-memory ident, the name vLLM gave its TP group's segments (None
+    when the group does without) and what /dev/shm holds under the ident right now."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    from rl_megatron.rollout.vllm_cpu_shm import run_segments
+
+    communicator = get_tp_group().device_communicator
+    group_name = getattr(getattr(communicator, "dist_module", None), "group_name", None)
+    ident = engine.shm_ident
+    return {
+        "ident": ident,
+        "group_name": group_name,
+        "left_after_start": [p.name for p in run_segments(ident)] if ident else [],
+    }
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     res: dict[str, Any] = {}
     t0 = time.perf_counter()
@@ -85,6 +102,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         )
     )
     res["startup_s"] = time.perf_counter() - t0
+    res["cpu_shm"] = shm_names(engine)
     res["layout"] = {
         "num_replicas": engine.layout.num_replicas,
         "replica_index": engine.layout.replica_index,
