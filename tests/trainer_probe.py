@@ -132,6 +132,35 @@ def replay_engine(vocab_size: int, eos_id: int):
     return ReplayEngine()
 
 
+def probe_config(tmp_path: Path, layout: dict, overrides: Sequence[str]):
+    """tiny_cpu.yaml with `BASE`, the layout (tp, pp default 1) and `overrides`."""
+    from rl_megatron.config import load_config
+
+    layout = {"tp": 1, "pp": 1, **layout}
+    return load_config(
+        TINY,
+        [
+            *BASE,
+            f"trainer.output_dir={tmp_path}",
+            *(f"parallel.{k}={v}" for k, v in layout.items()),
+            *overrides,
+        ],
+    )
+
+
+def build_probe_trainer(config, run, total_steps: int):
+    """The trainer `launch/ppo.py` builds, with `replay_engine` as its rollout engine."""
+    from rl_megatron.trainer.build import build_data, build_roles, model_info
+    from rl_megatron.trainer.ppo_trainer import PPOTrainer
+
+    log = logging.getLogger("trainer_probe")
+    data = build_data(config, log)
+    info = model_info(config)
+    roles = build_roles(config, info, total_steps=total_steps)
+    engine = replay_engine(config.model.vocab_size, data.tokenizer.eos_token_id)
+    return PPOTrainer(config, run, data, info, roles, engine, total_steps, log)
+
+
 # ---------------------------------------------------------------------------- recorder
 
 
@@ -396,20 +425,10 @@ def check_trainer_against_reference(
     from megatron.core import parallel_state as ps
 
     from rl_megatron.algorithms.kl import build_kl_controller
-    from rl_megatron.config import load_config
     from rl_megatron.distributed import distributed_run
-    from rl_megatron.trainer.build import build_data, build_roles, model_info, random_init_hf_config
-    from rl_megatron.trainer.ppo_trainer import PPOTrainer
+    from rl_megatron.trainer.build import random_init_hf_config
 
-    log = logging.getLogger("trainer_probe")
-    layout = {"tp": 1, "pp": 1, **layout}
-    common = [
-        *BASE,
-        f"trainer.output_dir={tmp_path}",
-        *(f"parallel.{k}={v}" for k, v in layout.items()),
-        *base,
-    ]
-    config = load_config(TINY, common)
+    config = probe_config(tmp_path, layout, base)
     with distributed_run(
         tp=config.parallel.tp,
         pp=config.parallel.pp,
@@ -417,17 +436,14 @@ def check_trainer_against_reference(
         seed=config.trainer.seed,
         timeout_s=config.parallel.timeout_s,
     ) as run:
-        data = build_data(config, log)
-        info = model_info(config)
-        roles = build_roles(config, info, total_steps=len(cases))
-        engine = replay_engine(config.model.vocab_size, data.tokenizer.eos_token_id)
-        trainer = PPOTrainer(config, run, data, info, roles, engine, len(cases), log)
+        trainer = build_probe_trainer(config, run, total_steps=len(cases))
+        roles, info = trainer.roles, trainer.info
         hf_config = random_init_hf_config(config)
         dp_group = ps.get_data_parallel_group()
         adam = {"actor": ref.AdamState(), "critic": ref.AdamState()}
         heads = {"actor": "lm", "critic": "value"}
         for case in cases:
-            trainer.config = load_config(TINY, [*common, *case])
+            trainer.config = probe_config(tmp_path, layout, [*base, *case])
             kl = trainer.config.algorithm.kl_ctrl
             trainer.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
             kl_coef = trainer.kl_ctrl.value
@@ -469,4 +485,6 @@ def check_trainer_against_reference(
             try:
                 compare(s, result, replicas, metrics, grads, after, critic)
             except AssertionError as exc:
-                raise AssertionError(f"case {list(case)} at layout {layout}: {exc}") from None
+                raise AssertionError(
+                    f"case {list(case)} at layout {config.parallel}: {exc}"
+                ) from None

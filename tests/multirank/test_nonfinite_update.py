@@ -1,0 +1,90 @@
+"""A NaN loss on one rank never reaches the weights, nor the engine (`trainer.on_nonfinite`).
+
+Two DP ranks train GRPO with the replayed rollout of `tests/trainer_probe.py`; from the
+second step on, rank 1's actor loss is multiplied by NaN. `stop`: `fit` ends on every rank
+with one `NonFiniteUpdateError` naming the step, the role and the rank, with the actor's
+weights those of the last finite step and the engine never given newer ones. `skip`: that
+step leaves the weights as they were and is counted; the run trains on.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.spawn import run_on_ranks
+from tests.trainer_probe import build_probe_trainer, probe_config
+
+
+def _actor_weights(trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for chunk in trainer.roles.actor.model for p in chunk.parameters()]
+
+
+def _poison(trainer, rank: int, from_step: int) -> None:
+    """Rank `rank`'s actor loss is NaN from training step index `from_step` on."""
+    original = trainer._actor_loss
+
+    def loss(out, mb, totals):
+        value, metrics = original(out, mb, totals)
+        if trainer.step >= from_step and torch.distributed.get_rank() == rank:
+            value = value * float("nan")
+        return value, metrics
+
+    trainer._actor_loss = loss
+
+
+def _record_syncs(trainer) -> list[int]:
+    versions: list[int] = []
+    original = trainer.engine.update_weights
+
+    def update_weights(weights, version):
+        versions.append(version)
+        return original(weights, version)
+
+    trainer.engine.update_weights = update_weights
+    return versions
+
+
+def _body(rank, world_size, tmp_path, mode):
+    from rl_megatron.distributed import distributed_run
+    from rl_megatron.trainer.optimizer_step import NonFiniteUpdateError
+
+    config = probe_config(
+        tmp_path,
+        {},
+        ["algorithm.adv_estimator=grpo", f"trainer.on_nonfinite={mode}", "trainer.total_steps=3"],
+    )
+    with distributed_run(seed=config.trainer.seed, timeout_s=120) as run:
+        trainer = build_probe_trainer(config, run, total_steps=3)
+        syncs = _record_syncs(trainer)
+        _poison(trainer, rank=1, from_step=1)
+        if mode == "stop":
+            trainer.train_step()  # step 1, finite
+            trainer.step += 1
+            finite = _actor_weights(trainer)
+            with pytest.raises(NonFiniteUpdateError) as raised:
+                trainer.train_step()
+            message = str(raised.value)
+            assert message.startswith("step 2: actor: non-finite loss on rank 1"), message
+            assert "\n" not in message
+            assert all(torch.equal(a, b) for a, b in zip(finite, _actor_weights(trainer)))
+            # The engine got the weights of steps 0 and 1 only: nothing after the NaN.
+            assert syncs == [0, 1], syncs
+            return
+        first = trainer.train_step()
+        trainer.step += 1
+        before = _actor_weights(trainer)
+        skipped = trainer.train_step()
+        trainer.step += 1
+        assert first["actor/steps_skipped"] == 0 and skipped["actor/steps_skipped"] == 1
+        assert skipped["actor/update_successful"] == 0
+        assert all(torch.equal(a, b) for a, b in zip(before, _actor_weights(trainer)))
+        trainer._actor_loss = type(trainer)._actor_loss.__get__(trainer)  # healthy again
+        healthy = trainer.train_step()
+        assert healthy["actor/steps_skipped"] == 0
+        assert not all(torch.equal(a, b) for a, b in zip(before, _actor_weights(trainer)))
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_nan_loss_on_one_rank(tmp_path, mode):
+    run_on_ranks(_body, world_size=2, tmp_path=tmp_path, mode=mode)
