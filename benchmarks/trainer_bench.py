@@ -391,15 +391,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.out_json is None and os.environ.get("OUT"):
         args.out_json = Path(os.environ["OUT"]) / "trainer_bench.json"
 
-    from rl_megatron.distributed import distributed_run
+    from rl_megatron.distributed import distributed_run, launch_env
+    from rl_megatron.parallel import ParallelLayout
     from rl_megatron.trainer.build import model_info
     from rl_megatron.utils.logging import get_logger
 
     configs = {name: load_bench_config(args, name) for name in args.algorithms}
     first = next(iter(configs.values()))
-    p = first.parallel
+    layout = ParallelLayout.from_config(first.parallel, launch_env().world_size)
     result: dict = {"benchmark": "trainer_step", "args": vars(args) | {"out_json": None}}
-    with distributed_run(tp=p.tp, pp=p.pp, cp=p.cp, vpp=p.vpp, seed=first.trainer.seed) as run:
+    with distributed_run(layout, seed=first.trainer.seed) as run:
         log = get_logger(run.env.rank, "WARNING")
         result["environment"] = environment()
         info = model_info(first)

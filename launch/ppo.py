@@ -24,8 +24,9 @@ from rl_megatron.distributed import (
     gather_rank_table,
     launch_env,
 )
-from rl_megatron.resharding.layouts import generation_layout_for, micro_dp
-from rl_megatron.utils.logging import format_config, format_layout_table, get_logger
+from rl_megatron.parallel import ParallelLayout
+from rl_megatron.resharding.layouts import format_layout_table, generation_layout_for, micro_dp
+from rl_megatron.utils.logging import format_config, get_logger
 from rl_megatron.utils.run_lock import run_dir_lock
 
 
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = load_config(args.config, args.overrides)
         validate(config, env.world_size)
+        layout = ParallelLayout.from_config(config.parallel, env.world_size)
     except ConfigError as exc:
         # Every rank sees the same config error; one line from rank 0 is enough.
         if env.rank == 0:
@@ -80,15 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     log = get_logger(env.rank, config.logging.level)
     log.info("resolved config:\n%s", format_config(to_dict(config)))
     dry_run = args.dry_run or config.trainer.dry_run
-    p = config.parallel
     with (
         distributed_run(
-            tp=p.tp,
-            pp=p.pp,
-            cp=p.cp,
-            vpp=p.vpp,
+            layout,
             seed=config.trainer.seed,
-            timeout_s=p.timeout_s,
+            timeout_s=config.parallel.timeout_s,
             deterministic=config.trainer.deterministic,
         ) as run,
         run_dir_lock(config.run_dir, log) as lock,

@@ -24,6 +24,7 @@ from rl_megatron.config import (
     RolloutConfig,
     TrainerConfig,
 )
+from rl_megatron.parallel import ParallelLayout, check_degrees
 
 __all__ = ["validate"]
 
@@ -77,13 +78,7 @@ def _check_model(m: ModelConfig) -> None:
 
 
 def _check_parallel(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:
-    for key in ("tp", "pp", "cp", "ep"):
-        _require(getattr(p, key) >= 1, f"parallel.{key}", f"must be >= 1, got {getattr(p, key)}")
-    _require(
-        p.cp == 1,
-        "parallel.cp",
-        f"context parallelism is not supported yet; set it to 1 (got {p.cp})",
-    )
+    check_degrees(p)  # the layout's own checks, before any division by a degree
     for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         size = getattr(m, key)
         _require(size % p.tp == 0, "parallel.tp", f"{p.tp} does not divide model.{key}={size}")
@@ -92,27 +87,14 @@ def _check_parallel(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:
         "parallel.pp",
         f"{p.pp} does not divide model.num_layers={m.num_layers}",
     )
-    model_parallel = p.tp * p.pp * p.cp
-    _require(
-        world_size % model_parallel == 0,
-        "parallel",
-        f"world size {world_size} is not divisible by tp·pp·cp = {p.tp}·{p.pp}·{p.cp}",
-    )
     if p.vpp is not None:
-        _require(p.vpp >= 2, "parallel.vpp", f"must be >= 2 or null, got {p.vpp}")
-        _require(p.pp >= 2, "parallel.vpp", "interleaved pipelining needs parallel.pp >= 2")
         _require(
             m.num_layers % (p.pp * p.vpp) == 0,
             "parallel.vpp",
             f"pp·vpp = {p.pp * p.vpp} does not divide model.num_layers={m.num_layers}",
         )
-    _require(
-        not p.sequence_parallel or p.tp > 1, "parallel.sequence_parallel", "needs parallel.tp > 1"
-    )
-    _require(
-        p.ep == 1, "parallel.ep", "expert parallelism needs an MoE model; none is supported yet"
-    )
     _require(p.timeout_s > 0, "parallel.timeout_s", "must be > 0")
+    ParallelLayout.from_config(p, world_size)  # and against the world size
 
 
 def _check_rollout(r: RolloutConfig, p: ParallelConfig, m: ModelConfig) -> None:

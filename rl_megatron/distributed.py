@@ -1,8 +1,9 @@
 """Process groups from torchrun or Slurm, Megatron initialisation, seeding and teardown.
 
     env = launch_env()                         # torchrun variables, else Slurm's
-    with distributed_run(config.parallel, config.trainer.seed) as run:
-        ...                                     # run.layout, run.coordinates, run.stop_requested
+    with distributed_run(ParallelLayout.from_config(config.parallel, env.world_size),
+                         seed=config.trainer.seed) as run:
+        ...                  # run.layout, run.groups, run.coordinates, run.stop_requested
 
 `distributed_run` makes failures clean: a failing rank prints its error once, with its
 (tp, pp, dp, cp) coordinates, and the process group is torn down on normal exit, on an
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from rl_megatron.resharding.layouts import MEGATRON_RANK_ORDER, TrainingLayout
+from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelGroups, ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -123,9 +124,10 @@ def exit_with_launcher(environ: dict[str, str] | None = None) -> bool:
 @dataclass
 class DistributedRun:
     env: LaunchEnv
-    layout: TrainingLayout
-    coordinates: dict[str, int]
+    layout: ParallelLayout
+    coordinates: dict[str, int]  # this rank's, from the layout
     device: torch.device
+    groups: ParallelGroups | None = None  # megatron-core's, once initialised
     stop_requested: bool = False  # set by SIGTERM; the trainer checkpoints and exits
     _previous_handlers: dict = field(default_factory=dict, repr=False)
 
@@ -159,7 +161,7 @@ def init_process_group(env: LaunchEnv, timeout_s: int) -> torch.device:
     return device
 
 
-def init_megatron(layout: TrainingLayout, timeout_s: int) -> None:
+def init_megatron(layout: ParallelLayout, timeout_s: int) -> None:
     """Megatron's parallel_state with our rank order (each DP replica = consecutive ranks).
 
     Every subgroup gets `timeout_s` seconds, as the world group does.
@@ -171,6 +173,8 @@ def init_megatron(layout: TrainingLayout, timeout_s: int) -> None:
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
+        expert_model_parallel_size=layout.ep,
+        expert_tensor_parallel_size=layout.etp,
         # megatron-core makes this timedelta(minutes=...): a fraction keeps the seconds exact.
         distributed_timeout_minutes=timeout_s / 60,
         order=MEGATRON_RANK_ORDER,
@@ -183,7 +187,7 @@ def init_megatron(layout: TrainingLayout, timeout_s: int) -> None:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
-def seed_everything(seed: int, layout: TrainingLayout, rank: int, deterministic: bool) -> None:
+def seed_everything(seed: int, layout: ParallelLayout, rank: int, deterministic: bool) -> None:
     """Megatron-LM's seeding: stage-dependent base seed, model-parallel RNG tracker.
 
     Pipeline stages get different seeds (different layers); data-parallel replicas share
@@ -208,20 +212,6 @@ def seed_everything(seed: int, layout: TrainingLayout, rank: int, deterministic:
         torch.backends.cudnn.benchmark = False
 
 
-def _check_megatron_coordinates(run: DistributedRun) -> None:
-    """Our rank arithmetic must agree with Megatron's groups; a mismatch is an internal bug."""
-    from megatron.core import parallel_state as ps
-
-    theirs = {
-        "tp": ps.get_tensor_model_parallel_rank(),
-        "pp": ps.get_pipeline_model_parallel_rank(),
-        "dp": ps.get_data_parallel_rank(),
-        "cp": ps.get_context_parallel_rank(),
-    }
-    if theirs != run.coordinates:
-        raise RuntimeError(f"rank {run.env.rank}: layout {run.coordinates} != megatron {theirs}")
-
-
 def gather_rank_table(run: DistributedRun) -> list[dict] | None:
     """Every rank's (node, coordinates), on rank 0 (None elsewhere)."""
     row = {"rank": run.env.rank, "node": socket.gethostname(), **run.coordinates}
@@ -232,24 +222,27 @@ def gather_rank_table(run: DistributedRun) -> list[dict] | None:
 
 @contextlib.contextmanager
 def distributed_run(
-    tp: int = 1,
-    pp: int = 1,
-    cp: int = 1,
-    vpp: int | None = None,
+    layout: ParallelLayout | None = None,
+    *,
     seed: int = 1234,
     timeout_s: int = 1800,
     deterministic: bool = False,
 ) -> Iterator[DistributedRun]:
-    """Initialise torch.distributed + Megatron; tear down on every way out."""
+    """Initialise torch.distributed + Megatron at `layout`; tear down on every way out.
+
+    layout: from `ParallelLayout.from_config`; None = data parallelism over every rank.
+    """
     env = launch_env()
     device = init_process_group(env, timeout_s)
-    dp = env.world_size // (tp * pp * cp)
-    layout = TrainingLayout(tp=tp, pp=pp, dp=dp, cp=cp, vpp=vpp)
+    if layout is None:
+        layout = ParallelLayout(tp=1, pp=1, dp=env.world_size)
+    if layout.world_size != env.world_size:
+        raise RuntimeError(f"layout {layout.describe()} is not for {env.world_size} ranks")
     run = DistributedRun(
         env=env, layout=layout, coordinates=layout.coordinates(env.rank), device=device
     )
     init_megatron(layout, timeout_s)
-    _check_megatron_coordinates(run)
+    run.groups = ParallelGroups.from_megatron(layout)  # checks megatron-core's coordinates
     seed_everything(seed, layout, env.rank, deterministic)
 
     def on_sigterm(signum, frame):

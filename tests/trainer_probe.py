@@ -156,7 +156,7 @@ def build_probe_trainer(config, run, total_steps: int):
     log = logging.getLogger("trainer_probe")
     data = build_data(config, log)
     info = model_info(config)
-    roles = build_roles(config, info, total_steps=total_steps)
+    roles = build_roles(config, info, total_steps=total_steps, groups=run.groups)
     engine = replay_engine(config.model.vocab_size, data.tokenizer.eos_token_id)
     return PPOTrainer(config, run, data, info, roles, engine, total_steps, log)
 
@@ -426,13 +426,12 @@ def check_trainer_against_reference(
 
     from rl_megatron.algorithms.kl import build_kl_controller
     from rl_megatron.distributed import distributed_run
+    from rl_megatron.parallel import ParallelLayout
     from rl_megatron.trainer.build import random_init_hf_config
 
     config = probe_config(tmp_path, layout, base)
     with distributed_run(
-        tp=config.parallel.tp,
-        pp=config.parallel.pp,
-        vpp=config.parallel.vpp,
+        ParallelLayout.from_config(config.parallel, world_size),
         seed=config.trainer.seed,
         timeout_s=config.parallel.timeout_s,
     ) as run:

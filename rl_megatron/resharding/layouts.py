@@ -1,8 +1,7 @@
-"""Training and generation layouts as small frozen dataclasses (rank arithmetic lives here).
+"""Generation layouts, paired with the training layout (`rl_megatron.parallel.ParallelLayout`).
 
-Training layout: Megatron's (tp, pp, dp, cp), ranks ordered tp fastest, then cp, then pp,
-then dp (`order="tp-cp-ep-pp-dp"`), so each training data-parallel replica is one block of
-tp·cp·pp consecutive ranks.
+Training layout: the run's `ParallelLayout` (ranks ordered tp fastest, then cp, then pp,
+then dp, so each training data-parallel replica is one block of tp·cp·pp consecutive ranks).
 
 Generation layout: tp_g-sized tensor-parallel groups of consecutive ranks (how vLLM's
 in-process engine forms them), PP = 1. A training replica of tp·pp ranks holds
@@ -14,28 +13,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MEGATRON_RANK_ORDER = "tp-cp-ep-pp-dp"
+from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelLayout
 
+__all__ = [
+    "MEGATRON_RANK_ORDER",
+    "GenerationLayout",
+    "TrainingLayout",
+    "format_layout_table",
+    "generation_layout_for",
+    "hybridflow_generation_layout",
+    "micro_dp",
+]
 
-@dataclass(frozen=True)
-class TrainingLayout:
-    tp: int
-    pp: int
-    dp: int
-    cp: int = 1
-    vpp: int | None = None
-
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp * self.cp
-
-    def coordinates(self, rank: int) -> dict[str, int]:
-        """(tp, cp, pp, dp) ranks of a global rank, in MEGATRON_RANK_ORDER."""
-        tp_rank = rank % self.tp
-        cp_rank = (rank // self.tp) % self.cp
-        pp_rank = (rank // (self.tp * self.cp)) % self.pp
-        dp_rank = rank // (self.tp * self.cp * self.pp)
-        return {"tp": tp_rank, "cp": cp_rank, "pp": pp_rank, "dp": dp_rank}
+# The training side of a resharding pair is the run's own layout (`rl_megatron.parallel`).
+TrainingLayout = ParallelLayout
 
 
 @dataclass(frozen=True)
@@ -91,3 +82,16 @@ def hybridflow_generation_layout(training: TrainingLayout, rollout_tp: int) -> G
 def micro_dp(training: TrainingLayout, generation: GenerationLayout) -> int:
     """Generation replicas per training replica: d_g = tp·pp / t_g."""
     return training.tp * training.pp // generation.tp
+
+
+def format_layout_table(rows: list[dict], generation: GenerationLayout) -> str:
+    """One line per rank: node, training coordinates, generation coordinates."""
+    header = f"{'rank':>5} {'node':<20} {'tp':>3} {'pp':>3} {'dp':>3} {'cp':>3} | {'gen_tp':>6} {'gen_dp':>6}"
+    lines = [header, "-" * len(header)]
+    for row in sorted(rows, key=lambda r: r["rank"]):
+        gen = generation.coordinates(row["rank"])
+        lines.append(
+            f"{row['rank']:>5} {row['node'][:20]:<20} {row['tp']:>3} {row['pp']:>3} "
+            f"{row['dp']:>3} {row['cp']:>3} | {gen['gen_tp']:>6} {gen['gen_dp']:>6}"
+        )
+    return "\n".join(lines)

@@ -30,6 +30,7 @@ from rl_megatron.models.builders import (
     build_reward_model,
 )
 from rl_megatron.models.hf_config import HFModelInfo, load_hf_config, parse_hf_config
+from rl_megatron.parallel import ParallelGroups
 from rl_megatron.rollout.engine import RolloutEngine
 from rl_megatron.trainer.roles import MegatronRole
 
@@ -162,8 +163,13 @@ def _copy_trunk(src: list, dst: list) -> None:
                 param.copy_(theirs[name])
 
 
-def build_roles(config: Config, info: HFModelInfo, total_steps: int) -> Roles:
-    """Actor, and critic / reference / reward model where the config enables them."""
+def build_roles(
+    config: Config, info: HFModelInfo, total_steps: int, groups: ParallelGroups | None = None
+) -> Roles:
+    """Actor, and critic / reference / reward model where the config enables them.
+
+    groups: the run's process groups (`DistributedRun.groups`); None: megatron-core's.
+    """
     p, m = config.parallel, config.model
     dtype = DTYPES[m.dtype]
     layout = dict(tp=p.tp, pp=p.pp, vpp=p.vpp, dtype=dtype)
@@ -195,6 +201,7 @@ def build_roles(config: Config, info: HFModelInfo, total_steps: int) -> Roles:
         reference = MegatronRole(
             ref_chunks,
             name="reference",
+            groups=groups,
             pack_sequences=m.pack_sequences,
             micro_batch_size=ref.micro_batch_size,
             temperature=temperature,
@@ -214,6 +221,7 @@ def build_roles(config: Config, info: HFModelInfo, total_steps: int) -> Roles:
         critic = MegatronRole(
             critic_chunks,
             name="critic",
+            groups=groups,
             on_nonfinite=config.trainer.on_nonfinite,
             pack_sequences=m.pack_sequences,
             optim=cr.optim,
@@ -227,6 +235,7 @@ def build_roles(config: Config, info: HFModelInfo, total_steps: int) -> Roles:
         reward_model = MegatronRole(
             rm_chunks,
             name="reward model",
+            groups=groups,
             pack_sequences=m.pack_sequences,
             micro_batch_size=config.reward.micro_batch_size,
             output_at="token",
@@ -234,6 +243,7 @@ def build_roles(config: Config, info: HFModelInfo, total_steps: int) -> Roles:
     actor = MegatronRole(
         actor_chunks,
         name="actor",
+        groups=groups,
         on_nonfinite=config.trainer.on_nonfinite,
         pack_sequences=m.pack_sequences,
         optim=act.optim,
@@ -288,8 +298,7 @@ def build_engine(
             (Path(model_dir) / "config.json").write_text(text + "\n")
         dist.barrier()
 
-    replica = run.layout.tp * run.layout.pp * run.layout.cp
-    groups = [list(range(k * replica, (k + 1) * replica)) for k in range(run.layout.dp)]
+    groups = [run.layout.replica_ranks(k) for k in range(run.layout.dp)]
     args = VllmEngineArgs(
         model=model_dir,
         load_format=load_format,

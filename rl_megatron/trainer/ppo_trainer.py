@@ -58,8 +58,6 @@ class PPOTrainer:
         total_steps: int,
         logger,
     ) -> None:
-        from megatron.core import parallel_state as ps
-
         self.config, self.run, self.data, self.info = config, run, data, info
         self.device = run.device  # where collectives' tensors live (NCCL needs the GPU)
         # The Megatron engine generates with the actor's modules, so the actor stays on
@@ -67,14 +65,14 @@ class PPOTrainer:
         self.generates_with_actor = config.rollout.engine == "megatron"
         self.roles, self.engine, self.total_steps, self.log = roles, engine, total_steps, logger
         self._engine_target = None  # the vLLM engine's resharding target, made at first sync
-        self.dp_group = ps.get_data_parallel_group()
-        self.dp_rank, self.dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.dp_group = run.groups.dp
+        self.dp_rank, self.dp_size = run.coordinates["dp"], run.layout.dp
         self.sampler = PromptSampler.from_config(
             config, len(data.train), self.dp_rank, self.dp_size
         )
-        replica_group = ps.get_model_parallel_group()  # TP × PP: scores the same rows
+        # The ranks of a replica score the same rows.
         self.scorer = RewardScorer(
-            config, roles.reward_model, data.tokenizer, replica_group, self.device, logger
+            config, roles.reward_model, data.tokenizer, run.groups.replica, self.device, logger
         )
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -462,6 +460,6 @@ def build_trainer(config: Config, run: DistributedRun, logger) -> PPOTrainer:
     total_steps = config.trainer.total_steps or (
         config.trainer.total_epochs * (len(data.train) // config.data.train_batch_size)
     )
-    roles = build_roles(config, info, total_steps)
+    roles = build_roles(config, info, total_steps, run.groups)
     engine = build_engine(config, info, roles.actor, data.tokenizer, run)
     return PPOTrainer(config, run, data, info, roles, engine, total_steps, logger)

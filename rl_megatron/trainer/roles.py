@@ -32,20 +32,18 @@ averages gradients over DP and the schedule divides each micro-batch loss by the
 of micro-batches, so the role multiplies the loss by `dp_size * num_micro_batches` before
 backward: the gradient is then that of the mini-batch loss, however the mini-batch is split.
 
-Process groups are taken from `parallel_state` once, at construction, and passed to every
-collective of ours.
+Process groups (`parallel.ParallelGroups`) are given at construction, or taken from
+megatron-core's current ones, and passed to every collective of ours.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from functools import partial
 
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state
 from megatron.core.distributed import (
     DistributedDataParallel,
     DistributedDataParallelConfig,
@@ -62,6 +60,7 @@ from rl_megatron.models.vocab_parallel import (
     vocab_parallel_log_probs,
     vocab_parallel_log_probs_and_entropy,
 )
+from rl_megatron.parallel import ParallelGroups
 from rl_megatron.trainer import micro_batches as mb
 from rl_megatron.trainer import step_metrics
 from rl_megatron.trainer.lr_schedule import lr_at
@@ -78,32 +77,6 @@ LossFn = Callable[
 ]
 
 
-@dataclass(frozen=True)
-class RoleGroups:
-    """The process groups a role communicates over, fixed at construction."""
-
-    tp: dist.ProcessGroup
-    pp: dist.ProcessGroup
-    dp: dist.ProcessGroup  # data-parallel (without context parallel: cp is 1 here)
-    pp_last_rank: int  # global rank of this pipeline's last stage
-    pp_size: int
-    dp_size: int
-
-    @classmethod
-    def from_parallel_state(cls) -> RoleGroups:
-        """Read the groups of the current `initialize_model_parallel`."""
-        pp = parallel_state.get_pipeline_model_parallel_group()
-        dp = parallel_state.get_data_parallel_group()
-        return cls(
-            tp=parallel_state.get_tensor_model_parallel_group(),
-            pp=pp,
-            dp=dp,
-            pp_last_rank=parallel_state.get_pipeline_model_parallel_last_rank(),
-            pp_size=dist.get_world_size(pp),
-            dp_size=dist.get_world_size(dp),
-        )
-
-
 class MegatronRole:
     """Model chunks of one role, with DDP, the distributed optimizer and an LR schedule.
 
@@ -118,7 +91,8 @@ class MegatronRole:
         temperature: divides the logits before log-probs/entropy (the rollout's).
         total_steps: optimizer steps of the run, for linear/cosine decay.
         offload: what `offload()` moves to host memory between phases.
-        groups: process groups; default: from `parallel_state`.
+        groups: the run's process groups (`DistributedRun.groups`); default: megatron-core's
+            current ones.
         pack_sequences: run micro-batches padding-free, their rows packed into one
             sequence (`trainer/packing.py`, THD layout); needs an attention that takes
             `PackedSeqParams` (our SDPA module, Transformer Engine).
@@ -143,7 +117,7 @@ class MegatronRole:
         temperature: float = 1.0,
         total_steps: int | None = None,
         offload: OffloadConfig | None = None,
-        groups: RoleGroups | None = None,
+        groups: ParallelGroups | None = None,
         output_at: str = "prediction",
         pack_sequences: bool = False,
         name: str = "role",
@@ -155,7 +129,7 @@ class MegatronRole:
             raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {on_nonfinite!r}")
         self.name, self.on_nonfinite = name, on_nonfinite
         self.output_shift = 0 if output_at == "token" else 1
-        self.groups = groups or RoleGroups.from_parallel_state()
+        self.groups = groups or ParallelGroups.from_megatron()
         self.config = chunks[0].config
         self.device = next(chunks[0].parameters()).device
         # Only the last pipeline stage holds the head; every stage must know its kind.
@@ -184,7 +158,7 @@ class MegatronRole:
         self.pack_multiple = (
             self.config.tensor_model_parallel_size if (self.config.sequence_parallel) else 1
         )
-        self.is_pp_last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        self.is_pp_last = self.groups.is_pp_last
         self.offload_config = offload or OffloadConfig()
         if optim is None:
             self.model = list(chunks)

@@ -24,11 +24,11 @@ def _body(rank: int, world_size: int) -> None:
     from megatron.core import parallel_state
 
     from rl_megatron.distributed import init_megatron
-    from rl_megatron.resharding.layouts import TrainingLayout
+    from rl_megatron.parallel import ParallelLayout
 
     world = dist.group.WORLD
     before = set(dist.distributed_c10d._world.pg_map)
-    init_megatron(TrainingLayout(tp=2, pp=1, dp=world_size // 2), TIMEOUT_S)
+    init_megatron(ParallelLayout(tp=2, pp=1, dp=world_size // 2), TIMEOUT_S)
     created = [g for g in dist.distributed_c10d._world.pg_map if g not in before]
     assert len(created) >= 10, f"megatron created only {len(created)} groups"
     assert parallel_state.get_tensor_model_parallel_group() in created

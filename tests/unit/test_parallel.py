@@ -1,0 +1,54 @@
+"""`ParallelLayout`: the degrees from the config, their checks, and the rank arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_megatron.config import ConfigError, ParallelConfig
+from rl_megatron.parallel import ParallelLayout
+
+
+def test_from_config_derives_dp_and_sizes():
+    layout = ParallelLayout.from_config(ParallelConfig(tp=2, pp=2, vpp=2), world_size=8)
+    assert (layout.tp, layout.pp, layout.dp, layout.vpp) == (2, 2, 2, 2)
+    assert layout.world_size == 8 and layout.replica_size == 4
+    assert layout.model_parallel_size == 4 and layout.grad_dp == 2
+    assert layout.expert_tp == 2  # megatron-core's default: the dense tp
+
+
+def test_coordinates_follow_tp_cp_ep_pp_dp_order():
+    layout = ParallelLayout(tp=2, pp=2, dp=2)
+    # tp fastest, then pp, then dp: each replica is a block of consecutive ranks.
+    assert [layout.coordinates(r) for r in (0, 1, 2, 5, 7)] == [
+        {"tp": 0, "cp": 0, "pp": 0, "dp": 0},
+        {"tp": 1, "cp": 0, "pp": 0, "dp": 0},
+        {"tp": 0, "cp": 0, "pp": 1, "dp": 0},
+        {"tp": 1, "cp": 0, "pp": 0, "dp": 1},
+        {"tp": 1, "cp": 0, "pp": 1, "dp": 1},
+    ]
+    assert layout.replica_ranks(1) == [4, 5, 6, 7]
+    for rank in range(8):
+        assert rank in layout.replica_ranks(layout.coordinates(rank)["dp"])
+
+
+def test_sequence_divisor():
+    assert ParallelLayout(tp=4, pp=1, dp=1).sequence_divisor == 1
+    assert ParallelLayout(tp=4, pp=1, dp=1, sequence_parallel=True).sequence_divisor == 4
+    assert ParallelLayout(tp=2, pp=1, dp=1, cp=2, sequence_parallel=True).sequence_divisor == 8
+
+
+@pytest.mark.parametrize(
+    "fields, world, message",
+    [
+        ({"tp": 0}, 4, "parallel.tp: must be >= 1, got 0"),
+        ({"tp": 3}, 4, "parallel: world size 4 is not divisible by tp·pp·cp = 3·1·1"),
+        ({"cp": 2}, 4, "parallel.cp: context parallelism is not supported yet"),
+        ({"ep": 2}, 4, "parallel.ep: expert parallelism needs an MoE model"),
+        ({"pp": 1, "vpp": 2}, 4, "parallel.vpp: interleaved pipelining needs parallel.pp >= 2"),
+        ({"tp": 1, "sequence_parallel": True}, 4, "parallel.sequence_parallel: needs"),
+    ],
+)
+def test_bad_degrees_are_one_line_naming_the_key(fields, world, message):
+    with pytest.raises(ConfigError) as raised:
+        ParallelLayout.from_config(ParallelConfig(**fields), world_size=world)
+    assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
