@@ -7,6 +7,8 @@ A Megatron checkpoint written by `hf_to_megatron.py` is a `dist_checkpointing` d
                             source HF model, so the export can rebuild a complete HF dir
     <dir>/rl_megatron.json  {"format_version", "head", "dtype", "padded_vocab_size", "tp",
                             "pp", "vpp", "source"}: what the Megatron model looked like
+    <dir>/manifest.json     size and CRC-32 of every other file (rl_megatron/checkpoint/
+                            integrity.py), checked by megatron_to_hf.py unless --no-verify
 """
 
 from __future__ import annotations
@@ -54,15 +56,46 @@ def init_distributed() -> None:
     dist.init_process_group("gloo" if on_cpu else "nccl", rank=rank, world_size=size)
 
 
-def read_meta(ckpt_dir: Path) -> dict:
+# The fields of rl_megatron.json that megatron_to_hf.py reads, with their types (the others,
+# tp / pp / vpp / source, only record where the checkpoint came from).
+META_FIELDS = {"format_version": int, "head": str, "dtype": str, "padded_vocab_size": int}
+HEADS = ("lm", "value")
+
+
+def meta_path(ckpt_dir: Path) -> Path:
+    """The checkpoint's rl_megatron.json; its absence means it is no checkpoint of ours."""
     path = ckpt_dir / META_FILE
     if not path.is_file():
         raise CheckpointError(f"{path}: not found (not a checkpoint written by hf_to_megatron.py)")
-    meta = json.loads(path.read_text())
-    if meta.get("format_version") != FORMAT_VERSION:
+    return path
+
+
+def read_meta(ckpt_dir: Path) -> dict:
+    """The checkpoint's rl_megatron.json, checked field by field (one-line CheckpointError)."""
+    path = meta_path(ckpt_dir)
+    try:
+        meta = json.loads(path.read_bytes())
+    except (OSError, ValueError) as exc:  # JSONDecodeError and UnicodeDecodeError included
+        raise CheckpointError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path}: not a JSON object")
+    for key, kind in META_FIELDS.items():
+        if key not in meta:
+            raise CheckpointError(f"{path}: no '{key}' field")
+        value = meta[key]
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise CheckpointError(f"{path}: '{key}' is {value!r}, expected {kind.__name__}")
+    if meta["format_version"] != FORMAT_VERSION:
         raise CheckpointError(
-            f"{path}: format_version={meta.get('format_version')} is not {FORMAT_VERSION}"
+            f"{path}: format_version={meta['format_version']} is not {FORMAT_VERSION}"
         )
+    if meta["head"] not in HEADS:
+        raise CheckpointError(f"{path}: 'head' is {meta['head']!r}, not one of {list(HEADS)}")
+    names = sorted(str(dtype).split(".")[-1] for dtype in DTYPES.values())
+    if meta["dtype"] not in names:
+        raise CheckpointError(f"{path}: 'dtype' is {meta['dtype']!r}, not one of {names}")
+    if meta["padded_vocab_size"] <= 0:
+        raise CheckpointError(f"{path}: 'padded_vocab_size' is {meta['padded_vocab_size']}")
     return meta
 
 

@@ -18,8 +18,10 @@ near one Megatron parameter (plus its HF slices), whatever the size of the model
 
 Inputs are checked before anything is written: config.json, the parallel layout, the
 tokenizer's vocabulary against the embedding, and every safetensors header (names, shapes,
-truncation). User errors print one line and exit with code 2; the output is written into a
-hidden sibling directory, verified, and renamed only when complete.
+truncation); `--out` may not be, contain or lie inside `--hf-dir`. User errors print one
+line and exit with code 2; the output is written into a hidden sibling directory, verified,
+and renamed only when complete. Every file is hashed (CRC-32) as it is written; rank 0
+gathers the entries into `manifest.json`, which megatron_to_hf.py and the trainer check.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from rl_megatron.checkpoint import hf_mapping as hm  # noqa: E402
+from rl_megatron.checkpoint import integrity, safe_metadata  # noqa: E402
 from rl_megatron.checkpoint.conversions import padded_vocab_size  # noqa: E402
 from rl_megatron.checkpoint.hf_export import (  # noqa: E402
     HF_AUX_FILES,
@@ -77,12 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def preflight(args: argparse.Namespace):
     """Check every input without writing anything; return the parsed HF config."""
+    check_output_dir(args.out, args.force, src=args.hf_dir)
     info = load_hf_config(args.hf_dir)
     check_parallel_layout(info, args.tp, args.pp, args.vpp)
     check_tokenizer_vocab(args.hf_dir, info)
     with SafetensorsCheckpoint(args.hf_dir) as ckpt:
         hm.check_hf_tensors(ckpt.shapes(), hm.rules_for(info, info.head), info)
-    check_output_dir(args.out, args.force)
     _, size = common.world()
     if size not in (1, args.tp * args.pp):
         raise CheckpointError(f"WORLD_SIZE={size}: run one process or tp*pp={args.tp * args.pp}")
@@ -112,10 +115,15 @@ def convert(args: argparse.Namespace, info) -> None:
         tmp.mkdir(parents=True)
     dist.barrier()
     source = _Source(chunks, state, SafetensorsCheckpoint(args.hf_dir), info, padded)
-    dist_checkpointing.save(state, str(tmp), sharded_strategy=_streaming_save(source, rank == 0))
+    strategy = _streaming_save(source, rank == 0)
+    dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
     _verify(state, tmp)
+    per_rank: list = [None] * size  # each rank's files, hashed as they were written
+    dist.all_gather_object(per_rank, strategy.files)
     if rank == 0:
-        _write_sidecar(args, info, tmp, dtype, padded)
+        written = {rel: entry for files in per_rank for rel, entry in files.items()}
+        written.update(_write_sidecar(args, info, tmp, dtype, padded))
+        integrity.write_manifest(tmp, integrity.complete_entries(tmp, written))
         commit_output_dir(tmp, args.out)
         print(
             f"{PROG}: wrote {args.out} (tp={args.tp} pp={args.pp} vpp={args.vpp or 1}, "
@@ -304,7 +312,8 @@ def _streaming_save(source: _Source, progress: bool):
 
         `FileSystemWriterAsync.prepare_write_data` resolves (holds) every tensor of the rank
         before writing; here each tensor is resolved, written and dropped in turn, in the
-        model's order, into one file per rank, by this process (no writer processes).
+        model's order, into one file per rank, by this process (no writer processes),
+        hashed as it is written (`files`: the manifest entries of this rank's files).
         """
 
         def prepare_write_data(self, plan, planner) -> None:
@@ -323,7 +332,7 @@ def _streaming_save(source: _Source, progress: bool):
                 (it for it in self.items if it.type != WriteItemType.BYTE_IO),
                 key=lambda it: planner.source.order(it.index.fqn, tuple(it.index.offset)),
             )
-            self.results = []
+            self.results, self.files = [], {}
             if not self.items:
                 return
             bar = None
@@ -332,7 +341,7 @@ def _streaming_save(source: _Source, progress: bool):
 
                 bar = tqdm(total=len(tensors), desc="convert", unit="tensor")
             name = f"{self.prefix}0{DEFAULT_SUFFIX}"
-            with open(os.path.join(self.checkpoint_dir, name), "wb") as stream:
+            with integrity.open_hashed(os.path.join(self.checkpoint_dir, name)) as stream:
                 for item in objects + tensors:
                     data = planner.resolve_data(item)
                     self.results.append(_write_item(*transforms, stream, data, item, name, **extra))
@@ -341,6 +350,7 @@ def _streaming_save(source: _Source, progress: bool):
                         bar.update(1)
                 stream.flush()
                 os.fsync(stream.fileno())
+            self.files[name] = stream.entry()
             if bar is not None:
                 bar.close()
 
@@ -353,6 +363,7 @@ def _streaming_save(source: _Source, progress: bool):
         def __init__(self, source: _Source, progress: bool) -> None:
             super().__init__("torch_dist", 1, thread_count=1)
             self.source, self.progress = source, progress
+            self.files: dict = {}  # this rank's files → manifest entries, once saved
 
         def save(self, sharded_state_dict: dict, checkpoint_dir) -> None:
             flat, _, _ = _replace_state_dict_keys_with_sharded_keys(
@@ -366,6 +377,7 @@ def _streaming_save(source: _Source, progress: bool):
             error = None
             try:
                 writer.write_all(planner, self.progress)
+                self.files = writer.files
             except common.USER_ERRORS as exc:
                 error, writer.results = exc, _wrap_exception(exc)
             try:  # gathers every rank's results; rank 0 writes the .metadata index
@@ -391,12 +403,11 @@ def _verify(state: dict, ckpt_dir: Path) -> None:
         ShardedTensor,
         is_main_replica,
     )
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 
     problem = None
     try:
-        metadata = FileSystemReader(str(ckpt_dir)).read_metadata()
+        metadata = safe_metadata.read_metadata(ckpt_dir)
     except Exception as exc:  # an unreadable index: report it, do not hang the other ranks
         problem = f"index unreadable ({type(exc).__name__}: {exc})"
     sizes: dict[str, int] = {}
@@ -427,12 +438,15 @@ def _verify(state: dict, ckpt_dir: Path) -> None:
     common.raise_if_any(f"{ckpt_dir}: verification failed: {problem}" if problem else None)
 
 
-def _write_sidecar(args, info, tmp: Path, dtype: torch.dtype, padded: int) -> None:
+def _write_sidecar(args, info, tmp: Path, dtype: torch.dtype, padded: int) -> dict:
+    """`hf/` and rl_megatron.json; their manifest entries (hashed as written)."""
     hf = tmp / common.HF_SUBDIR
     hf.mkdir()
+    files = {}
     for name in ("config.json", *HF_AUX_FILES):
         if (args.hf_dir / name).is_file():
-            shutil.copy2(args.hf_dir / name, hf / name)
+            rel = f"{common.HF_SUBDIR}/{name}"
+            files[rel] = integrity.copy_file(args.hf_dir / name, tmp / rel)
     meta = {
         "format_version": common.FORMAT_VERSION,
         "head": info.head,
@@ -443,7 +457,9 @@ def _write_sidecar(args, info, tmp: Path, dtype: torch.dtype, padded: int) -> No
         "vpp": args.vpp,
         "source": str(args.hf_dir.resolve()),
     }
-    (tmp / common.META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    blob = (json.dumps(meta, indent=2) + "\n").encode()
+    files[common.META_FILE] = integrity.write_bytes(tmp / common.META_FILE, blob)
+    return files
 
 
 def main(argv: list[str] | None = None) -> int:

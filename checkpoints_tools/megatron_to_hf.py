@@ -1,7 +1,7 @@
 """Convert a Megatron dist checkpoint (from hf_to_megatron.py) back to a Hugging Face model.
 
     python checkpoints_tools/megatron_to_hf.py --ckpt CKPT --out HF [--dtype bf16|fp16|fp32]
-        [--force] [--max-shard-gb 2]
+        [--force] [--max-shard-gb 2] [--no-verify]
     torchrun --nproc_per_node N checkpoints_tools/megatron_to_hf.py ...   # N writers
 
 Streaming: no model is built. The safetensors shards are planned from the name table and
@@ -10,6 +10,11 @@ header first; then the checkpoint is read one layer at a time (`dist_checkpointi
 that layer's tensors only), converted to HF tensors and written at their planned offsets.
 Host memory stays near one layer's tensors, whatever the model and shard sizes. Under
 torchrun the shards are shared out among the processes, each writing its own files.
+
+Before anything is read, the checkpoint is checked against its manifest.json (every file
+there, none extra, sizes, then each file's CRC-32, the bytes shared out among the
+processes); `--no-verify` skips that (and accepts a checkpoint saved without a manifest).
+Its pickled index is read restricted either way (`rl_megatron/checkpoint/safe_metadata.py`).
 
 The result (shards + index, config.json, generation_config.json, tokenizer files) loads with
 `AutoModelForCausalLM.from_pretrained` (or *ForSequenceClassification for a reward model) and
@@ -32,6 +37,7 @@ import _common as common  # noqa: E402
 import torch  # noqa: E402
 
 from rl_megatron.checkpoint import hf_mapping as hm  # noqa: E402
+from rl_megatron.checkpoint import integrity, safe_metadata  # noqa: E402
 from rl_megatron.checkpoint.hf_export import (  # noqa: E402
     ShardPlan,
     check_output_dir,
@@ -56,6 +62,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--max-shard-gb", type=float, default=2.0, help="safetensors shard size")
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
+    p.add_argument(
+        "--no-verify",
+        dest="verify",
+        action="store_false",
+        help="skip the checksums of manifest.json (e.g. a checkpoint saved without one)",
+    )
     return p.parse_args(argv)
 
 
@@ -88,34 +100,42 @@ class _Param:
 
 
 def preflight(args: argparse.Namespace):
-    """Check the checkpoint's sidecar and index against the name table; write nothing."""
+    """Check the checkpoint's listing, sidecar and index against the name table; write
+    nothing. Returns what `convert` takes, with the manifest's files (None: --no-verify)."""
+    check_output_dir(args.out, args.force, src=args.ckpt)
+    common.meta_path(args.ckpt)  # is it a checkpoint of ours at all?
+    files = None
+    if args.verify:
+        files = integrity.read_manifest(args.ckpt)
+        integrity.check_listing(args.ckpt, files)
+        # The sidecar and the index are read next: check their bytes first (small files).
+        small = {rel: files[rel] for rel in (common.META_FILE, ".metadata") if rel in files}
+        problem = integrity.verify_share(args.ckpt, small)
+        if problem:
+            raise CheckpointError(problem)
     meta = common.read_meta(args.ckpt)
     info = load_hf_config(args.ckpt / common.HF_SUBDIR)
     if not (args.ckpt / "metadata.json").is_file():
         raise CheckpointError(f"{args.ckpt}: no dist_checkpointing metadata.json")
-    check_output_dir(args.out, args.force)
-    return meta, info, _params(args.ckpt, info, meta)
+    index = safe_metadata.read_metadata(args.ckpt)  # restricted: no code runs from it
+    safe_metadata.check_index_files(args.ckpt, index)  # missing / truncated .distcp files
+    return meta, info, _params(args.ckpt, info, meta, index), files
 
 
-def _stored_tensors(ckpt: Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+def _stored_tensors(index) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """Key → (global shape, dtype) of every tensor in a torch_dist checkpoint's index."""
-    from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    try:
-        metadata = FileSystemReader(str(ckpt)).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(f"{ckpt}/.metadata: unreadable ({type(exc).__name__})") from None
     return {
         key: (tuple(md.size), md.properties.dtype)
-        for key, md in metadata.state_dict_metadata.items()
+        for key, md in index.state_dict_metadata.items()
         if isinstance(md, TensorStorageMetadata)
     }
 
 
-def _params(ckpt: Path, info, meta: dict) -> list[_Param]:
+def _params(ckpt: Path, info, meta: dict, index) -> list[_Param]:
     """Each exported parameter in HF order, found in the checkpoint with the right shape."""
-    stored = _stored_tensors(ckpt)
+    stored = _stored_tensors(index)
     params = []
     for rule, layer in export_order(hm.rules_for(info, meta["head"]), info):
         shape = _megatron_shape(rule, info, meta["padded_vocab_size"])
@@ -146,7 +166,9 @@ def _megatron_shape(rule: hm.Rule, info, padded_vocab: int) -> tuple[int, ...]:
     return (sum(s[0] for s in shapes), *shapes[0][1:])  # QKV, GATE_UP rows; COPY: one tensor
 
 
-def convert(args: argparse.Namespace, meta: dict, info, params: list[_Param]) -> None:
+def convert(
+    args: argparse.Namespace, meta: dict, info, params: list[_Param], files: dict | None
+) -> None:
     import torch.distributed as dist
 
     from rl_megatron.checkpoint.hf_export import (
@@ -160,6 +182,8 @@ def convert(args: argparse.Namespace, meta: dict, info, params: list[_Param]) ->
     start = time.time()
     common.init_distributed()
     rank, size = common.world()
+    if files is not None:  # every file's checksum, each process a share of the bytes
+        common.raise_if_any(integrity.verify_share(args.ckpt, files, rank, size))
     out_dtype = common.DTYPES[args.dtype] if args.dtype else None
     groups = [
         [
@@ -174,7 +198,7 @@ def convert(args: argparse.Namespace, meta: dict, info, params: list[_Param]) ->
 
     tmp = partial_dir(args.out)
     if rank == 0:
-        prepare_output_dir(args.out, args.force)
+        prepare_output_dir(args.out, args.force, src=args.ckpt)
     dist.barrier()
     writer = SafetensorsShardWriter(tmp, [s for s, r in zip(shards, owners) if r == rank])
     bar = None
@@ -187,7 +211,12 @@ def convert(args: argparse.Namespace, meta: dict, info, params: list[_Param]) ->
     # Every rank loads in lockstep (each load is collective); an idle rank loads nothing.
     for step in range(max(map(len, batches))):
         batch = [params[g] for g in batches[rank][step]] if step < len(batches[rank]) else []
-        for p, tensor in zip(batch, _load(args.ckpt, batch)):
+        try:
+            tensors = _load(args.ckpt, batch)
+        except CheckpointError as exc:  # raised on every rank alike: the load is collective
+            problem = str(exc)
+            break
+        for p, tensor in zip(batch, tensors):
             for name, hf_tensor in hm.megatron_to_hf(p.rule, p.layer, [tensor], info):
                 try:
                     writer.write(name, hf_tensor.to(out_dtype or hf_tensor.dtype))
@@ -243,10 +272,15 @@ def _batches(params, groups, shards, owners, rank: int) -> list[list[int]]:
 def _load(ckpt: Path, params: list[_Param]) -> list[torch.Tensor]:
     """The global tensors of `params` from the checkpoint (collective; may be empty)."""
     from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint import CheckpointException
 
     state = {str(i): p.sharded_tensor() for i, p in enumerate(params)}
-    # Loading part of each key is the point: the whole-key coverage check does not apply.
-    loaded = dist_checkpointing.load(state, str(ckpt), validate_access_integrity=False)
+    try:
+        with safe_metadata.restricted_loading():  # no code runs from the checkpoint's pickles
+            # Loading part of each key is the point: the whole-key coverage check does not apply.
+            loaded = dist_checkpointing.load(state, str(ckpt), validate_access_integrity=False)
+    except CheckpointException as exc:  # torch's, a BaseException: raised on every rank
+        raise CheckpointError(safe_metadata.describe_failure(ckpt, exc)) from None
     return [p.unstack(loaded[str(i)]) for i, p in enumerate(params)]
 
 

@@ -248,6 +248,8 @@ class CheckpointConfig:
     resume: Literal["auto", "never"] = "auto"  # auto = from the newest in the run folder
     resume_from: str | None = None  # a specific checkpoint directory (overrides resume)
     save_on_sigterm: bool = True
+    verify: bool = True  # check every file's checksum before resuming (refuses old checkpoints)
+    allow_reshard: bool = False  # resume at another layout (dp_reshardable optimizer: DP only)
 
 
 @dataclass

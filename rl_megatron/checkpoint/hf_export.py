@@ -370,9 +370,24 @@ def _gather_tp(param: torch.Tensor, rule: hm.Rule, tp_group) -> list[torch.Tenso
     return shards
 
 
-def check_output_dir(out_dir: str | Path, force: bool) -> None:
-    """Refuse an existing non-empty `out_dir` unless `force` (one-line CheckpointError)."""
+def check_output_dir(out_dir: str | Path, force: bool, src: str | Path | None = None) -> None:
+    """Refuse an existing non-empty `out_dir` unless `force` (one-line CheckpointError).
+
+    `out_dir` may never be the input `src`, contain it (`--force` would delete it before the
+    rename) or lie inside it (the result would become part of the input).
+    """
     out_dir = Path(out_dir)
+    if src is not None:
+        out, inp = out_dir.resolve(), Path(src).resolve()
+        if out == inp or out in inp.parents:
+            raise CheckpointError(
+                f"{out_dir}: is or contains the input {src}, which writing there would delete "
+                f"(--force or not); choose another output directory"
+            )
+        if inp in out.parents:
+            raise CheckpointError(
+                f"{out_dir}: lies inside the input {src}; choose an output directory outside it"
+            )
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not force:
         raise CheckpointError(f"{out_dir}: exists and is not empty (pass --force to overwrite)")
 
@@ -383,9 +398,10 @@ def partial_dir(out_dir: str | Path) -> Path:
     return out_dir.parent / f".{out_dir.name}.partial"
 
 
-def prepare_output_dir(out_dir: str | Path, force: bool) -> Path:
-    """Check `out_dir`, then create (afresh) and return its partial sibling."""
-    check_output_dir(out_dir, force)
+def prepare_output_dir(out_dir: str | Path, force: bool, src: str | Path | None = None) -> Path:
+    """Check `out_dir` (against the input `src` too), then create (afresh) and return its
+    partial sibling."""
+    check_output_dir(out_dir, force, src)
     tmp = partial_dir(out_dir)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -419,7 +435,8 @@ def save_hf_checkpoint(
     Args:
         model_chunks: this rank's GPTModel chunks.
         info: the model's parsed HF config.
-        out_dir: target directory; must be absent or empty unless `force`.
+        out_dir: target directory; must be absent or empty unless `force`, and never
+            `src_dir`, above it or inside it.
         src_dir: the HF directory the model came from: its config.json (dtype updated) and
             tokenizer / generation files are copied.
         head: "lm" → *ForCausalLM, "value" → *ForSequenceClassification (`score.weight`).
@@ -438,7 +455,7 @@ def save_hf_checkpoint(
             for key, _, dt in plan.order
         ]
         shards = plan_shards(groups, max_shard_bytes)
-        tmp = prepare_output_dir(out_dir, force)
+        tmp = prepare_output_dir(out_dir, force, src=src_dir)
         writer = SafetensorsShardWriter(tmp, shards)
         if progress:
             from tqdm import tqdm

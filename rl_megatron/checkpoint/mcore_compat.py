@@ -5,12 +5,14 @@ Each is scoped to the call that needs it and says what it works around:
   (`ensure_adam_state`), and Adam's `step` is aliased or lost on load
   (`restore_adam_steps`, `tolerate_missing_adam_step`);
 * its checkpoint writer forks helper processes even for synchronous saves
-  (`InProcessSaveStrategy`).
+  (`InProcessSaveStrategy`, which also hashes the files it writes for the manifest).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import os
 import queue
 from collections.abc import Iterator
 from functools import partial
@@ -19,8 +21,10 @@ from typing import Any
 
 import torch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
-from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from torch.distributed.checkpoint.filesystem import _write_item
+
+from rl_megatron.checkpoint import integrity
 
 # ---- torch Adam state ---------------------------------------------------------------------
 
@@ -117,19 +121,21 @@ class InProcessSaveStrategy(TorchDistSaveShardedStrategy):
     False)` runs `FileSystemWriterAsync.write_preloaded_data_multiproc`, which forks one
     writer process per file and collects results through a spawn-context multiprocessing
     Manager (the reason for the `__main__` guard in DESIGN §5; the Manager also outlives a
-    killed rank). This strategy writes the same buckets with the same function, in order,
-    and hands the results over in a plain queue: same files, no helper processes.
+    killed rank). This strategy writes the same buckets, in order, and hands the results
+    over in a plain queue: same files, no helper processes. Each file is hashed as it is
+    written: `files` maps this rank's files (relative names) to their manifest entries.
     """
 
     def __init__(self) -> None:
         super().__init__("torch_dist", 1, thread_count=1)
+        self.files: dict[str, integrity.Entry] = {}
 
     def save(self, sharded_state_dict: dict, checkpoint_dir: str | Path) -> None:
         with _local_results_queue():
             request = self.async_save(sharded_state_dict, Path(checkpoint_dir))
         if request.async_fn is not None:
             transforms, _use_msc = request.async_fn.args
-            request = request._replace(async_fn=partial(_write_buckets, transforms))
+            request = request._replace(async_fn=partial(_write_buckets, transforms, self.files))
         request.execute_sync()  # preload to host, write, barrier, write the index
 
 
@@ -144,18 +150,32 @@ def _local_results_queue() -> Iterator[None]:
         filesystem_async._results_queue = saved
 
 
-def _write_buckets(transforms: list, rank: int, buckets: list, results: queue.Queue) -> None:
-    """`write_preloaded_data_multiproc` without the forks: each bucket, in this process."""
+def _write_buckets(
+    transforms: list, files: dict, rank: int, buckets: list, results: queue.Queue
+) -> None:
+    """`write_preloaded_data_multiproc` without the forks, hashing what it writes.
+
+    Each bucket is one file: its byte objects, then its tensors, written as megatron-core's
+    `write_preloaded_data` writes them (torch's `_write_item`), through a hashing stream;
+    then fsynced. `files` receives each file's entry; `results` the write results by bucket
+    (or the exception), as megatron-core's finalize expects.
+    """
+    extra = {}
+    if "serialization_format" in inspect.signature(_write_item).parameters:
+        from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+        extra["serialization_format"] = SerializationFormat.TORCH_SAVE
     written: dict | Exception = {}
-    for index, bucket in enumerate(buckets):
-        local, count = queue.Queue(), queue.Queue()
-        count.put(index)
-        FileSystemWriterAsync.write_preloaded_data(
-            transforms, index, bucket, local, count, use_fsync=True
-        )
-        _, out = local.get()
-        if isinstance(out, Exception):
-            written = out
-            break
-        written[index] = out
+    try:
+        for index, (path, storage_key, (bytes_data, tensor_data)) in enumerate(buckets):
+            with integrity.open_hashed(path) as stream:
+                written[index] = [
+                    _write_item(*transforms, stream, data, item, storage_key, **extra)
+                    for item, data in [*bytes_data, *tensor_data]
+                ]
+                stream.flush()
+                os.fsync(stream.fileno())
+            files[storage_key] = stream.entry()
+    except Exception as exc:  # handed to megatron-core's finalize, which raises it
+        written = exc
     results.put(written)

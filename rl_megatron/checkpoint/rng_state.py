@@ -14,11 +14,16 @@ from typing import Any
 
 import torch
 from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
+
+from rl_megatron.checkpoint import integrity
 
 
-def save_rng(rng_dir: Path, rank: int, coordinates: dict) -> None:
-    """This rank's RNG streams: tensors to safetensors, python / numpy states to JSON."""
+def save_rng(rng_dir: Path, rank: int, coordinates: dict) -> dict[str, integrity.Entry]:
+    """This rank's RNG streams: tensors to safetensors, python / numpy states to JSON.
+
+    Returns the two files' manifest entries (name in `rng_dir` → size, checksum).
+    """
     tensors = {"torch_cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
         tensors["cuda"] = torch.cuda.get_rng_state()
@@ -34,8 +39,12 @@ def save_rng(rng_dir: Path, rank: int, coordinates: dict) -> None:
         "numpy_random": _numpy_state(),
     }
     base = rng_dir / f"rank_{rank:05d}"
-    save_file(tensors, str(base.with_suffix(".safetensors")))
-    base.with_suffix(".json").write_text(json.dumps(meta) + "\n")
+    # Serialised in memory (a few KB) so the bytes are hashed as they are written.
+    blobs = {".safetensors": save(tensors), ".json": (json.dumps(meta) + "\n").encode()}
+    return {
+        base.name + suffix: integrity.write_bytes(base.with_suffix(suffix), blob)
+        for suffix, blob in blobs.items()
+    }
 
 
 def read_rng(rng_dir: Path, rank: int, coordinates: dict) -> tuple[dict[str, torch.Tensor], dict]:

@@ -1,8 +1,9 @@
 """Checks on a training checkpoint and on the layout it is loaded at, before any rank reads.
 
-A checkpoint that is incomplete, truncated, of another format or saved at a layout that
-megatron-core cannot load here is refused with a one-line `CheckpointError` on every rank
-before dist_checkpointing's collectives start, so no rank fails alone half-way.
+A checkpoint that is incomplete, truncated, of another format, not as its manifests list it
+or saved at a layout that megatron-core cannot load here (or that `checkpoint.allow_reshard`
+does not allow) is refused with a one-line `CheckpointError` on every rank before
+dist_checkpointing's collectives start, so no rank fails alone half-way.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import Any
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from rl_megatron.checkpoint import hf_loader
+from rl_megatron.checkpoint import hf_loader, integrity, safe_metadata
 from rl_megatron.checkpoint.step_dirs import STATE_FILE
 
 FORMAT_VERSION = 1
@@ -63,13 +64,15 @@ def check_role_layout(
     now = f"{_describe(layout)} vpp={vpp}"
     if not allow_reshard:
         raise CheckpointError(
-            f"{role_dir}: saved at {then}, this run is {now} (load with allow_reshard=True)"
+            f"{role_dir}: saved at {then}, this run is {now} (set checkpoint.allow_reshard=true "
+            f"to resume at another layout; the RNG streams then restart from the seed)"
         )
     same_model_parallel = all(saved_layout[k] == layout[k] for k in ("tp", "pp", "cp"))
     if saved["optimizer"] == "dp_reshardable" and not (same_model_parallel and saved["vpp"] == vpp):
         raise CheckpointError(
             f"{role_dir}: optimizer state saved as dp_reshardable at {then} cannot be "
-            f"loaded at {now} (only DP may change; save with fully_reshardable)"
+            f"loaded at {now}, even with checkpoint.allow_reshard (only DP may change: keep "
+            f"tp, pp, cp and vpp; state saved fully_reshardable would load at any layout)"
         )
 
 
@@ -80,8 +83,14 @@ def _describe(layout: dict) -> str:
 # ---- checking a checkpoint -------------------------------------------------------------------
 
 
-def check_checkpoint(path: Path, names: list[str]) -> dict:
-    """Check that `path` is a complete checkpoint holding `names`; return its metadata."""
+def check_checkpoint(path: Path, names: list[str], verify: bool) -> tuple[dict, dict]:
+    """Check that `path` is a complete checkpoint holding `names`; no tensor file is read.
+
+    With `verify`, also that `trainer_state.json` is intact and the directory holds exactly
+    the files its manifests list, at their recorded sizes (the checksums of their contents
+    are `integrity.verify_share`'s job, spread over the ranks). Returns (metadata, the
+    files to checksum: path relative to `path` → manifest entry; empty without `verify`).
+    """
     state_file = path / STATE_FILE
     if not path.is_dir():
         raise CheckpointError(f"{path}: not a directory")
@@ -89,8 +98,19 @@ def check_checkpoint(path: Path, names: list[str]) -> dict:
         raise CheckpointError(f"{state_file}: not found (incomplete or not a training checkpoint)")
     try:
         meta = json.loads(state_file.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{state_file}: unreadable ({exc})") from None
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{state_file}: unreadable ({_one_line(exc)})") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{state_file}: not a JSON object")
+    if verify:
+        intact = integrity.is_sealed_intact(meta)
+        if intact is None:
+            raise CheckpointError(
+                f"{state_file}: no checksums (saved by an older version); "
+                f"{integrity.NO_VERIFY_HINT}"
+            )
+        if not intact:
+            raise CheckpointError(f"{state_file}: checksum mismatch: the file is corrupt")
     if meta.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{state_file}: format_version={meta.get('format_version')} is not {FORMAT_VERSION}"
@@ -104,32 +124,49 @@ def check_checkpoint(path: Path, names: list[str]) -> dict:
             f"{path}: no role '{missing[0]}' in this checkpoint (has {sorted(meta['roles'])})"
         )
     for name in names:
-        _check_dist_checkpoint(path / name)
-    return meta
+        for file in ("metadata.json", ".metadata", "common.pt"):
+            if not (path / name / file).is_file():
+                raise CheckpointError(f"{path / name}: incomplete dist checkpoint ({file} missing)")
+    return meta, (_checked_files(path, meta, names) if verify else {})
 
 
-def _check_dist_checkpoint(role_dir: Path) -> None:
-    """Every file the dist checkpoint's index names exists and is long enough.
+def _checked_files(path: Path, meta: dict, names: list[str]) -> dict:
+    """Every file of the checkpoint against its manifests (step level, then each role's)."""
+    table = meta.get("files")
+    if not isinstance(table, dict):
+        raise CheckpointError(f"{path / STATE_FILE}: no 'files' table")
+    # The step level lists the RNG files and each role's manifest; a role's files are in
+    # that manifest, so the walk skips them.
+    role_files = [
+        rel
+        for rel in integrity.list_files(path)
+        if _in_role(rel, meta["roles"]) and rel.split("/", 1)[1] != integrity.MANIFEST_FILE
+    ]
+    integrity.check_listing(path, table, skip=(STATE_FILE, *role_files))
+    files = {rel: entry for rel, entry in table.items() if not _in_role(rel, meta["roles"])}
+    for name in names:
+        manifest = f"{name}/{integrity.MANIFEST_FILE}"
+        if manifest not in table:
+            raise CheckpointError(f"{path / STATE_FILE}: lists no {manifest}")
+        if integrity.hash_file(path / manifest) != table[manifest]:
+            raise CheckpointError(f"{path / manifest}: checksum mismatch: the file is corrupt")
+        role_table = integrity.read_manifest(path / name)
+        integrity.check_listing(path / name, role_table)
+        files.update((f"{name}/{rel}", entry) for rel, entry in role_table.items())
+    return files
 
-    Catches deleted or truncated files on rank 0 before any rank starts reading, so no
-    rank fails alone inside dist_checkpointing's collectives.
-    """
-    from torch.distributed.checkpoint import FileSystemReader
 
-    for name in ("metadata.json", ".metadata", "common.pt"):
-        if not (role_dir / name).is_file():
-            raise CheckpointError(f"{role_dir}: incomplete dist checkpoint ({name} missing)")
-    try:
-        index = FileSystemReader(str(role_dir)).read_metadata()
-    except Exception as exc:
-        raise CheckpointError(f"{role_dir / '.metadata'}: unreadable ({exc})") from None
-    needed: dict[str, int] = {}
-    for info in index.storage_data.values():
-        end = info.offset + info.length
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for rel, size in sorted(needed.items()):
-        file = role_dir / rel
-        if not file.is_file():
-            raise CheckpointError(f"{file}: missing")
-        if file.stat().st_size < size:
-            raise CheckpointError(f"{file}: truncated ({file.stat().st_size} of {size} bytes)")
+def _in_role(rel: str, roles: dict) -> bool:
+    return "/" in rel and rel.split("/", 1)[0] in roles
+
+
+def check_indexes(path: Path, names: list[str]) -> None:
+    """Each role's dist checkpoint index (read restricted) names files that are all there
+    and long enough, so no rank fails alone inside dist_checkpointing's collectives."""
+    for name in names:
+        safe_metadata.check_index_files(path / name)
+
+
+def _one_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

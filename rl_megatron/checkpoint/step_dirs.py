@@ -31,6 +31,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from rl_megatron.checkpoint import integrity
+
 STATE_FILE = "trainer_state.json"  # the completion marker: written last
 FINAL = re.compile(r"^step_(\d{8})(\.old-[0-9a-f]+)?$")
 PARTIAL = re.compile(r"^step_\d{8}\.(tmp|old|del)-[0-9a-f]+$")
@@ -88,14 +90,12 @@ def delete(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def write_json(path: Path, content: Any) -> None:
-    """Write JSON durably: a temporary file, fsync, rename."""
+def write_json(path: Path, content: Any) -> integrity.Entry:
+    """Write JSON durably: a temporary file, fsync, rename; its manifest entry."""
     tmp = path.with_name(f".{path.name}.partial")
-    with open(tmp, "w") as f:
-        f.write(json.dumps(content, indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    entry = integrity.write_bytes(tmp, (json.dumps(content, indent=2) + "\n").encode(), fsync=True)
     os.replace(tmp, path)
+    return entry
 
 
 def fsync_dir(path: Path) -> None:

@@ -3,14 +3,16 @@
     manager = CheckpointManager(run_dir / "checkpoints", keep_last=2)
     manager.save(step, {"actor": actor, "critic": critic}, trainer_state, sidecar)  # collective
     path = manager.latest()                           # newest complete checkpoint, or None
-    step, trainer_state = manager.load(path, roles)   # collective
+    step, trainer_state = manager.load(path, roles)   # collective; verifies checksums
 
 On disk, one directory per saved step:
 
     checkpoints/step_00000042/
       trainer_state.json    written last: format_version, step, layout, per-role step_count
-                            and optimizer format, the trainer's own state. Its presence marks
-                            the checkpoint complete.
+                            and optimizer format, the trainer's own state, `files` (size and
+                            CRC-32 of the RNG files and of each role's manifest.json) and its
+                            own `checksum`. Its presence marks the checkpoint complete.
+      actor/manifest.json   size and CRC-32 of every other file under actor/ (`integrity.py`).
       actor/                a dist_checkpointing (torch_dist) directory holding
                             {"model": ...} (`model0`, `model1`, ... with VPP) exactly as
                             checkpoints_tools writes it, plus {"optimizer": ...}: the
@@ -24,9 +26,17 @@ On disk, one directory per saved step:
                             tensors; python `random` / numpy as JSON) and its coordinates.
 
 Nothing of ours is pickled (tensors: safetensors or dist_checkpointing; the rest: JSON).
-dist_checkpointing's torch_dist format itself unpickles, on load, its `.metadata` index and
-its ShardedObjects (the model's `_extra_state`; with dp_reshardable also the optimizer's
-param groups and bucket sizes): load only checkpoints you trust.
+dist_checkpointing's torch_dist format itself pickles its `.metadata` index and its
+ShardedObjects (the model's `_extra_state`; with dp_reshardable also the optimizer's param
+groups and bucket sizes); `load` reads them through `safe_metadata.restricted_loading`,
+which admits only the classes the format is made of: no code runs from a checkpoint.
+
+Integrity. Every file is hashed (CRC-32) as it is written; rank 0 gathers every rank's
+entries into the manifests. `load(..., verify=True)` (`checkpoint.verify`) first checks
+the listing (a missing, extra or resized file is refused), then every rank re-reads an
+even share of the bytes and compares checksums, before any tensor is read: a flipped byte
+is refused with one line naming the file. A checkpoint saved without manifests (older
+versions) is refused unless `verify=False`.
 
 Atomicity. A save writes into a sibling `step_00000042.tmp-<token>/`; once every rank has
 written, rank 0 writes `trainer_state.json` and renames the directory into place. A kill
@@ -37,7 +47,7 @@ it if a kill lands between the two renames), then deletes it.
 
 Resuming. At the same layout (world size, TP, PP, CP, DP, rank order, VPP) everything is
 restored bit for bit, this rank's RNG streams included. Any other layout is refused unless
-`load(..., allow_reshard=True)`:
+`load(..., allow_reshard=True)` (the trainer's `checkpoint.allow_reshard`):
   * weights: any TP / PP / VPP / DP (the stored tensors are global);
   * optimizer state saved `dp_reshardable` (the default, as in Megatron-LM: each rank
     writes its own shard, nothing is gathered): only DP may change;
@@ -59,7 +69,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import shutil
 import time
 import uuid
 from collections.abc import Iterator, Mapping
@@ -69,10 +78,13 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from megatron.core import dist_checkpointing
+from torch.distributed.checkpoint import CheckpointException
 
-from rl_megatron.checkpoint import step_dirs
+from rl_megatron.checkpoint import integrity, step_dirs
 from rl_megatron.checkpoint.hf_export import HF_AUX_FILES
+from rl_megatron.checkpoint.hf_loader import CheckpointError as BaseCheckpointError
 from rl_megatron.checkpoint.hf_loader import unwrap
+from rl_megatron.checkpoint.integrity import MANIFEST_FILE
 from rl_megatron.checkpoint.mcore_compat import (
     InProcessSaveStrategy,
     ensure_adam_state,
@@ -80,10 +92,12 @@ from rl_megatron.checkpoint.mcore_compat import (
     tolerate_missing_adam_step,
 )
 from rl_megatron.checkpoint.rng_state import read_rng, restore_rng, save_rng
+from rl_megatron.checkpoint.safe_metadata import describe_failure, restricted_loading
 from rl_megatron.checkpoint.state_checks import (
     FORMAT_VERSION,
     CheckpointError,
     check_checkpoint,
+    check_indexes,
     check_role_layout,
     current_layout,
     rank_coordinates,
@@ -159,11 +173,16 @@ class CheckpointManager:
             raise ValueError(f"sidecar for unknown role(s) {unknown}; roles: {sorted(roles)}")
         final = self.root / f"step_{step:08d}"
         tmp = self._make_tmp(final)
+        files = {}  # the step level's manifest (rank 0): RNG files and each role's manifest
         for name in sorted(roles):
             with _on_device(roles[name]):
-                self._save_role(tmp / name, roles[name], (sidecar or {}).get(name))
-        save_rng(tmp / RNG_DIR, dist.get_rank(), rank_coordinates())
-        dist.barrier(group=self.group)
+                entry = self._save_role(tmp / name, roles[name], (sidecar or {}).get(name))
+            if entry is not None:
+                files[f"{name}/{MANIFEST_FILE}"] = entry
+        rng = save_rng(tmp / RNG_DIR, dist.get_rank(), rank_coordinates())
+        # Also the barrier before the commit: every rank has written all it writes.
+        for entries in self._gather(rng):
+            files.update((f"{RNG_DIR}/{rel}", entry) for rel, entry in entries.items())
         if self._is_leader():
             meta = {
                 "format_version": FORMAT_VERSION,
@@ -173,8 +192,9 @@ class CheckpointManager:
                     name: _role_meta(role, self.optimizer_sharding) for name, role in roles.items()
                 },
                 "trainer_state": json.loads(state_text),
+                "files": dict(sorted(files.items())),
             }
-            step_dirs.write_json(tmp / STATE_FILE, meta)
+            step_dirs.write_json(tmp / STATE_FILE, integrity.seal(meta))
             step_dirs.commit(tmp, final)
             self._cleanup(keep=final)
             log.info("checkpoint step %d: %s (%.1f s)", step, final, time.perf_counter() - started)
@@ -192,15 +212,21 @@ class CheckpointManager:
         dist.broadcast_object_list(box, src=self._leader_rank(), group=self.group)
         return box[0]
 
-    def _save_role(self, role_dir: Path, role: Any, sidecar: dict | None) -> None:
-        """One role as a dist_checkpointing directory (+ sidecar files on rank 0)."""
+    def _save_role(self, role_dir: Path, role: Any, sidecar: dict | None) -> dict | None:
+        """One role as a dist_checkpointing directory (+ sidecar files and the manifest on
+        rank 0); returns the manifest's own entry on rank 0, None elsewhere."""
         if self._is_leader():
             role_dir.mkdir()
         dist.barrier(group=self.group)
         state = _sharded_state(role, self.optimizer_sharding, is_loading=False)
-        dist_checkpointing.save(state, str(role_dir), sharded_strategy=InProcessSaveStrategy())
-        if sidecar is not None and self._is_leader():
-            _write_sidecar(role_dir, sidecar)
+        strategy = InProcessSaveStrategy()  # hashes this rank's files as it writes them
+        dist_checkpointing.save(state, str(role_dir), sharded_strategy=strategy)
+        written = {rel: e for files in self._gather(strategy.files) for rel, e in files.items()}
+        if not self._is_leader():
+            return None
+        if sidecar is not None:
+            written.update(_write_sidecar(role_dir, sidecar))
+        return integrity.write_manifest(role_dir, integrity.complete_entries(role_dir, written))
 
     def _cleanup(self, keep: Path) -> None:
         """Delete leftovers of interrupted saves and complete checkpoints past `keep_last`."""
@@ -231,7 +257,12 @@ class CheckpointManager:
     # ---- load ---------------------------------------------------------------------------
 
     def load(
-        self, path: Path, roles: Mapping[str, Any], *, allow_reshard: bool = False
+        self,
+        path: Path,
+        roles: Mapping[str, Any],
+        *,
+        allow_reshard: bool = False,
+        verify: bool = True,
     ) -> tuple[int, dict]:
         """Restore `roles` (weights, optimizer, step_count) and this rank's RNG; collective.
 
@@ -241,35 +272,49 @@ class CheckpointManager:
                 the checkpoint (it may hold more).
             allow_reshard: accept a different parallel layout (module docstring); the RNG
                 is then not restored.
+            verify: check every file against the manifests before reading any (a share of
+                the bytes per rank); refuses a checkpoint saved without them.
         Returns (step, trainer_state). Raises `CheckpointError` (the same on every rank) for
         a missing, incomplete or corrupt checkpoint, a missing role or a layout mismatch.
         """
-        path = Path(path)
-        meta, problem = None, None
+        path, names = Path(path), sorted(roles)
+        meta, files, problem = None, None, None
         if self._is_leader():
             try:
-                meta = check_checkpoint(path, sorted(roles))
-            except CheckpointError as exc:
+                meta, files = check_checkpoint(path, names, verify)
+            except BaseCheckpointError as exc:
                 problem = str(exc)
             except Exception as exc:  # never leave the other ranks waiting in the broadcast
                 problem = f"{path}: unreadable checkpoint ({_first_line(exc)})"
-        box = [meta, problem]
+        box = [meta, files, problem]
         dist.broadcast_object_list(box, src=self._leader_rank(), group=self.group)
-        meta, problem = box
+        meta, files, problem = box
         if problem:
             raise CheckpointError(problem)
-        same_layout = meta["layout"] == current_layout()
-        rng = None
-        try:
+        try:  # the layout first: cheap, and refused before reading any file
             for name, role in roles.items():
                 saved = meta["roles"][name]
                 check_role_layout(path / name, meta["layout"], saved, role, allow_reshard)
-            if same_layout:
-                rng = read_rng(path / RNG_DIR, dist.get_rank(), rank_coordinates())
-        except (CheckpointError, ValueError) as exc:
+        except CheckpointError as exc:
             problem = str(exc)
         self._agree(problem)
-        for name in sorted(roles):
+        if verify:
+            rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+            self._agree(integrity.verify_share(path, files, rank, size))
+        problem = None
+        if self._is_leader():  # the indexes are read (restricted) once their bytes are verified
+            try:
+                check_indexes(path, names)
+            except BaseCheckpointError as exc:
+                problem = str(exc)
+        rng = None
+        try:
+            if meta["layout"] == current_layout():
+                rng = read_rng(path / RNG_DIR, dist.get_rank(), rank_coordinates())
+        except ValueError as exc:
+            problem = problem or str(exc)
+        self._agree(problem)
+        for name in names:
             with _on_device(roles[name]):
                 self._load_role(path / name, roles[name], meta["roles"][name])
         if rng is not None:
@@ -289,7 +334,8 @@ class CheckpointManager:
             # weights that are views of the (grad-requiring) parameters, outside no_grad.
             with torch.no_grad():
                 state = _sharded_state(role, sharding, is_loading=True)
-                loaded = dist_checkpointing.load(state, str(role_dir))
+                with restricted_loading():  # no code runs from the checkpoint's pickles
+                    loaded = dist_checkpointing.load(state, str(role_dir))
                 for key, chunk in zip(_model_keys(role), role.model):
                     unwrap(chunk).load_state_dict(loaded[key], strict=True)
                 if role.optimizer is not None:
@@ -297,8 +343,11 @@ class CheckpointManager:
                         role.optimizer.load_state_dict(loaded["optimizer"])
                     restore_adam_steps(role.optimizer, loaded["optimizer"])
                     role.step_count = role_meta["step_count"]
-        except CheckpointError as exc:
+        except BaseCheckpointError as exc:
             problem = str(exc)
+        except CheckpointException as exc:  # torch DCP's, a BaseException: on every rank
+            problem = _dcp_failure(role_dir, exc)
+            log.debug("loading %s failed: %s", role_dir, exc)  # every rank's traceback
         except Exception as exc:  # a corrupt file can fail anywhere inside torch DCP
             problem = f"{role_dir}: cannot be loaded ({_first_line(exc)})"
             log.debug("loading %s failed", role_dir, exc_info=True)
@@ -314,6 +363,12 @@ class CheckpointManager:
         if first:
             raise CheckpointError(first)
 
+    def _gather(self, obj: Any) -> list:
+        """Every rank's `obj`, in rank order (a collective: it also synchronises)."""
+        out: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
     def _is_leader(self) -> bool:
         return dist.get_rank(self.group) == 0
 
@@ -325,6 +380,15 @@ def _first_line(exc: BaseException) -> str:
     """`Type: first line of the message`, for one-line errors."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+def _dcp_failure(role_dir: Path, exc: CheckpointException) -> str:
+    """One line for torch DCP's exception; every rank's traceback goes to the DEBUG log, so
+    a bug inside a reader is one `logging.level=DEBUG` away, not hidden."""
+    failures = sorted(exc.failures.items())
+    ours = bool(failures) and isinstance(failures[0][1][0], BaseCheckpointError)
+    line = describe_failure(role_dir, exc)
+    return line if ours else f"{line} (logging.level=DEBUG shows the traceback)"
 
 
 # ---- what a role stores ----------------------------------------------------------------------
@@ -376,22 +440,25 @@ def _on_device(role: Any) -> Iterator[None]:
             role.offload()
 
 
-def _write_sidecar(role_dir: Path, sidecar: dict) -> None:
+def _write_sidecar(role_dir: Path, sidecar: dict) -> dict[str, integrity.Entry]:
     """`rl_megatron.json`, and `hf/` copied from its `source` (an HF or converted dir).
 
     megatron_to_hf.py needs both: the sidecar for dtype / head / padded vocabulary, `hf/`
-    for config.json and the tokenizer files of the exported model.
+    for config.json and the tokenizer files of the exported model. Returns the files'
+    manifest entries (hashed as written).
     """
     meta = dict(sidecar)
     if "dtype" in meta:  # torch's name, as the tools write (megatron_to_hf: getattr(torch, ...))
         meta["dtype"] = DTYPE_NAMES.get(meta["dtype"], meta["dtype"])
-    step_dirs.write_json(role_dir / SIDECAR_FILE, meta)
+    files = {SIDECAR_FILE: step_dirs.write_json(role_dir / SIDECAR_FILE, meta)}
     if not sidecar.get("source"):
-        return
+        return files
     for source in (Path(sidecar["source"]), Path(sidecar["source"]) / HF_SUBDIR):
         if (source / "config.json").is_file():
             (role_dir / HF_SUBDIR).mkdir()
             for name in ("config.json", *HF_AUX_FILES):
                 if (source / name).is_file():
-                    shutil.copy2(source / name, role_dir / HF_SUBDIR / name)
-            return
+                    rel = f"{HF_SUBDIR}/{name}"
+                    files[rel] = integrity.copy_file(source / name, role_dir / rel)
+            break
+    return files

@@ -57,9 +57,10 @@ def resume(
 ) -> int | None:
     """Continue from `checkpoint.resume_from`, or the run's newest checkpoint (auto).
 
-    Collective. Restores the trainable roles and RNGs (through `manager`), the sampler's
-    data position and the KL coefficient; returns the checkpoint's step, or None when
-    there is nothing to resume from.
+    Collective. Restores the trainable roles and RNGs (through `manager`, which verifies
+    the files' checksums when `checkpoint.verify` and accepts another parallel layout when
+    `checkpoint.allow_reshard`), the sampler's data position and the KL coefficient;
+    returns the checkpoint's step, or None when there is nothing to resume from.
     """
     c = config.checkpoint
     path = None
@@ -69,7 +70,9 @@ def resume(
         path = manager.latest()
     if path is None:
         return None
-    step, state = manager.load(path, roles.trainable())
+    step, state = manager.load(
+        path, roles.trainable(), allow_reshard=c.allow_reshard, verify=c.verify
+    )
     sampler.load_state_dict(state["sampler"])
     kl_ctrl.load_state_dict(state["kl_ctrl"])
     logger.info("resumed from %s at step %d", path, step)

@@ -294,6 +294,8 @@ def _expect_error(manager, path: Path, roles: dict, *needles: str) -> None:
 def _check_bad_checkpoints(manager, good: Path, roles: dict) -> None:
     import torch.distributed as dist
 
+    from rl_megatron.checkpoint import integrity
+
     bad = {k: good.parent / f"bad_{k}" for k in ("marker", "truncated", "layout")}
     if dist.get_rank() == 0:
         for path in bad.values():
@@ -303,12 +305,12 @@ def _check_bad_checkpoints(manager, good: Path, roles: dict) -> None:
         os.truncate(tensor_file, tensor_file.stat().st_size // 2)
         meta = json.loads((bad["layout"] / "trainer_state.json").read_text())
         meta["layout"].update(tp=1, dp=2)
-        (bad["layout"] / "trainer_state.json").write_text(json.dumps(meta))
+        (bad["layout"] / "trainer_state.json").write_text(json.dumps(integrity.seal(meta)))
     dist.barrier()
     _expect_error(manager, bad["marker"], roles, "trainer_state.json", "not found")
     _expect_error(manager, bad["truncated"], roles, "truncated")
     _expect_error(manager, good, {"reward": roles["actor"]}, "no role 'reward'")
-    _expect_error(manager, bad["layout"], roles, "tp=1", "tp=2", "allow_reshard")
+    _expect_error(manager, bad["layout"], roles, "tp=1", "tp=2", "checkpoint.allow_reshard")
 
 
 # ---- the 2-rank body -------------------------------------------------------------------------
