@@ -1,103 +1,116 @@
-"""What a PPO checkpoint holds besides the roles, and where a run resumes from.
+"""A run's checkpoints: what each owner registered, saved and restored together.
 
-    checkpointing.save(manager, step, roles, sampler, kl_ctrl, total_steps, config, info)
-    step = checkpointing.resume(manager, config, roles, sampler, kl_ctrl, log)
+    checkpoints = RunCheckpoints(CheckpointManager(run_dir / "checkpoints"), config.checkpoint)
+    checkpoints.register_role("actor", roles.actor, sidecar=...)    # sharded: weights, optimizer
+    checkpoints.register("sampler", sampler)                        # JSON: state_dict()
+    checkpoints.save(step)                                          # collective
+    step = checkpoints.resume(log)                                  # None: nothing to resume
 
-The roles' weights, optimizers and RNGs are `checkpoint/training_state.py`'s job; here is
-the loop's own state (step, data position, KL coefficient) and the per-role sidecars that
-let `megatron_to_hf.py` export a checkpoint.
+Whoever owns state that a resumed run needs registers it once, by name: the roles (their
+weights, optimizer state and LR-schedule position, through `checkpoint/training_state.py`,
+with the sidecars that let `megatron_to_hf.py` export them) and any object with
+`state_dict()` / `load_state_dict()` whose state is small and JSON-serialisable (the
+sampler's data position, the KL controller). Nothing is passed positionally; adding state
+to a checkpoint is one `register` call where the state is made.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any, Protocol
 
-from rl_megatron.algorithms.kl import AdaptiveKLController, FixedKLController
+from rl_megatron.checkpoint.conversions import padded_vocab_size
+from rl_megatron.checkpoint.hf_loader import CheckpointError
 from rl_megatron.checkpoint.training_state import CheckpointManager
-from rl_megatron.config import Config
-from rl_megatron.data.sampler import PromptSampler
+from rl_megatron.config import CheckpointConfig, Config
 from rl_megatron.models.hf_config import HFModelInfo
-from rl_megatron.trainer.build import Roles
-
-KLController = FixedKLController | AdaptiveKLController
 
 
-def save(
-    manager: CheckpointManager,
-    step: int,
-    roles: Roles,
-    sampler: PromptSampler,
-    kl_ctrl: KLController,
-    total_steps: int,
-    config: Config,
-    info: HFModelInfo,
-) -> None:
-    """Write checkpoint `step`: the trainable roles, the trainer state, the sidecars.
+class Checkpointable(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
 
-    Collective. `step` is the number of optimizer steps taken (the next step's index).
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class RunCheckpoints:
+    """The run's checkpoint directory and the state registered to go into it.
+
+    Args:
+        manager: writes and reads the step directories (`CheckpointManager`).
+        config: `checkpoint.*` (resume policy, verification, resharding).
     """
-    # The manager reloads an offloaded role for its part of the save, one at a time,
-    # and logs where the checkpoint went.
-    manager.save(
-        step,
-        roles.trainable(),
-        trainer_state(step, sampler, kl_ctrl, total_steps),
-        sidecar=sidecars(config, info, roles),
-    )
+
+    def __init__(self, manager: CheckpointManager, config: CheckpointConfig) -> None:
+        self.manager, self.config = manager, config
+        self._roles: dict[str, Any] = {}
+        self._sidecars: dict[str, dict] = {}
+        self._states: dict[str, Checkpointable] = {}
+
+    def register_role(self, name: str, role, sidecar: dict | None = None) -> None:
+        """A trainable role: weights, optimizer state and step count, sharded; `sidecar`
+        is its `rl_megatron.json` (`sidecars`)."""
+        self._check_new(name)
+        self._roles[name] = role
+        if sidecar is not None:
+            self._sidecars[name] = sidecar
+
+    def register(self, name: str, owner: Checkpointable) -> None:
+        """An object whose `state_dict()` (JSON-serialisable, the same on every rank) is
+        saved under `name` and given back to its `load_state_dict` on resume."""
+        self._check_new(name)
+        self._states[name] = owner
+
+    def _check_new(self, name: str) -> None:
+        if name in self._roles or name in self._states:
+            raise ValueError(f"checkpoint state {name!r} is registered twice")
+
+    def save(self, step: int) -> Path:
+        """Write checkpoint `step` (optimizer steps taken = the next step's index); collective.
+
+        The manager reloads an offloaded role for its part of the save, one at a time, and
+        logs where the checkpoint went.
+        """
+        states = {name: owner.state_dict() for name, owner in self._states.items()}
+        return self.manager.save(step, self._roles, states, sidecar=self._sidecars)
+
+    def resume(self, logger: logging.Logger) -> int | None:
+        """Continue from `checkpoint.resume_from`, or the run's newest checkpoint (auto).
+
+        Collective. Restores the roles and RNGs (through the manager, which verifies the
+        files' checksums when `checkpoint.verify` and accepts another parallel layout when
+        `checkpoint.allow_reshard`) and every registered state; returns the checkpoint's
+        step, or None when there is nothing to resume from.
+        """
+        c = self.config
+        path = None
+        if c.resume_from is not None:
+            path = Path(c.resume_from)
+        elif c.resume == "auto":
+            path = self.manager.latest()
+        if path is None:
+            return None
+        step, states = self.manager.load(
+            path, self._roles, allow_reshard=c.allow_reshard, verify=c.verify
+        )
+        missing = sorted(set(self._states) - set(states))
+        if missing:
+            raise CheckpointError(f"{path}: holds no state for {', '.join(missing)}")
+        for name, owner in self._states.items():
+            owner.load_state_dict(states[name])
+        logger.info("resumed from %s at step %d", path, step)
+        return step
 
 
-def resume(
-    manager: CheckpointManager,
-    config: Config,
-    roles: Roles,
-    sampler: PromptSampler,
-    kl_ctrl: KLController,
-    logger: logging.Logger,
-) -> int | None:
-    """Continue from `checkpoint.resume_from`, or the run's newest checkpoint (auto).
+def sidecar(config: Config, info: HFModelInfo, head: str) -> dict:
+    """A role's `rl_megatron.json`, so `megatron_to_hf.py` can export its checkpoint.
 
-    Collective. Restores the trainable roles and RNGs (through `manager`, which verifies
-    the files' checksums when `checkpoint.verify` and accepts another parallel layout when
-    `checkpoint.allow_reshard`), the sampler's data position and the KL coefficient;
-    returns the checkpoint's step, or None when there is nothing to resume from.
+    head: "lm" (actor) or "value" (critic).
     """
-    c = config.checkpoint
-    path = None
-    if c.resume_from is not None:
-        path = Path(c.resume_from)
-    elif c.resume == "auto":
-        path = manager.latest()
-    if path is None:
-        return None
-    step, state = manager.load(
-        path, roles.trainable(), allow_reshard=c.allow_reshard, verify=c.verify
-    )
-    sampler.load_state_dict(state["sampler"])
-    kl_ctrl.load_state_dict(state["kl_ctrl"])
-    logger.info("resumed from %s at step %d", path, step)
-    return step
-
-
-def trainer_state(
-    step: int, sampler: PromptSampler, kl_ctrl: KLController, total_steps: int
-) -> dict:
-    """The loop's own state, stored in `trainer_state.json` (JSON-serialisable)."""
-    return {
-        "step": step,
-        "sampler": sampler.state_dict(),
-        "kl_ctrl": kl_ctrl.state_dict(),
-        "total_steps": total_steps,
-    }
-
-
-def sidecars(config: Config, info: HFModelInfo, roles: Roles) -> dict[str, dict]:
-    """`rl_megatron.json` per role, so `megatron_to_hf.py` can export the checkpoint."""
-    from rl_megatron.checkpoint.conversions import padded_vocab_size
-
     p, m = config.parallel, config.model
-    common = {
+    return {
         "format_version": 1,
+        "head": head,
         "dtype": m.dtype,  # the manager writes torch's name, as checkpoints_tools do
         "padded_vocab_size": padded_vocab_size(
             info.vocab_size, m.make_vocab_size_divisible_by, p.tp
@@ -107,7 +120,3 @@ def sidecars(config: Config, info: HFModelInfo, roles: Roles) -> dict[str, dict]
         "vpp": p.vpp,
         "source": m.hf_path,
     }
-    out = {"actor": {**common, "head": "lm"}}
-    if roles.critic is not None:
-        out["critic"] = {**common, "head": "value"}
-    return out

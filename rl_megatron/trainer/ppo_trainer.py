@@ -77,9 +77,19 @@ class PPOTrainer:
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
         self.metrics = MetricsTracker(config.run_dir, run.env.rank, config.logging.tensorboard)
-        self.checkpoints = CheckpointManager(
-            config.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last
+        # What a resumed run needs, registered by name (trainer/checkpointing.py).
+        self.checkpoints = checkpointing.RunCheckpoints(
+            CheckpointManager(
+                config.run_dir / "checkpoints", keep_last=config.checkpoint.keep_last
+            ),
+            config.checkpoint,
         )
+        for name, role in roles.trainable().items():
+            head = "value" if role.value_head else "lm"
+            sidecar = checkpointing.sidecar(config, info, head)
+            self.checkpoints.register_role(name, role, sidecar)
+        self.checkpoints.register("sampler", self.sampler)
+        self.checkpoints.register("kl_ctrl", self.kl_ctrl)
         self.phases = PhaseTimer()
         self.step = 0  # optimizer steps of the actor taken so far = the next step's index
         self.resumed = False
@@ -419,22 +429,11 @@ class PPOTrainer:
     def save(self) -> None:
         """Checkpoint the run after `self.step` optimizer steps (collective)."""
         with self.phases.time("checkpoint"):
-            checkpointing.save(
-                self.checkpoints,
-                self.step,
-                self.roles,
-                self.sampler,
-                self.kl_ctrl,
-                self.total_steps,
-                self.config,
-                self.info,
-            )
+            self.checkpoints.save(self.step)
 
     def resume(self) -> None:
         """Continue from `checkpoint.resume_from`, or the run's newest checkpoint (auto)."""
-        step = checkpointing.resume(
-            self.checkpoints, self.config, self.roles, self.sampler, self.kl_ctrl, self.log
-        )
+        step = self.checkpoints.resume(self.log)
         if step is not None:
             self.step, self.resumed = step, True
 

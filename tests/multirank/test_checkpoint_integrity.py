@@ -1,7 +1,7 @@
 """Checkpoints that cannot be silently wrong, on a real training checkpoint.
 
 The tiny Llama actor and critic of test_training_state take one step at TP1·DP2 (2 gloo
-ranks) and are saved through the trainer's `checkpointing.save`. Copies of that checkpoint,
+ranks) and are saved through the trainer's `RunCheckpoints`. Copies of that checkpoint,
 damaged the ways a disk, a copy or an attacker damages them, are then loaded on 2 ranks:
   * bytes flipped inside a tensor of another rank's `.distcp` file, or inside an RNG file
     (same size); `trainer_state.json` edited; a file missing; a file added;
@@ -61,42 +61,45 @@ class _Evil:
         return (os.system, (f"touch {self.marker}",))
 
 
-def _trainer_objects(hf: Path, roles: dict):
-    """What the trainer hands `checkpointing.save` / `resume`, at the current layout."""
+def _trainer_objects(hf: Path, roles: dict, manager):
+    """The trainer's checkpoints with what it registers, at the current layout."""
     from megatron.core import parallel_state as ps
 
     from rl_megatron.algorithms.kl import FixedKLController
     from rl_megatron.config import Config
     from rl_megatron.data.sampler import PromptSampler
-    from rl_megatron.trainer.build import Roles
+    from rl_megatron.models.hf_config import load_hf_config
+    from rl_megatron.trainer.checkpointing import RunCheckpoints, sidecar
 
     config = Config()
     config.model.hf_path, config.model.dtype = str(hf), "fp32"
     dp = ps.get_data_parallel_world_size()
     sampler = PromptSampler(64, 8, dp_rank=ps.get_data_parallel_rank(), dp_size=dp)
-    bundle = Roles(actor=roles["actor"], critic=roles["critic"], reference=None, reward_model=None)
-    return config, bundle, sampler, FixedKLController(0.0)
+    kl = FixedKLController(0.0)
+    info = load_hf_config(hf)
+    checkpoints = RunCheckpoints(manager, config.checkpoint)
+    for name, head in (("actor", "lm"), ("critic", "value")):
+        checkpoints.register_role(name, roles[name], sidecar(config, info, head))
+    checkpoints.register("sampler", sampler)
+    checkpoints.register("kl_ctrl", kl)
+    return config, checkpoints, sampler, kl
 
 
 def _save_body(rank: int, world_size: int, root: Path, hf: Path) -> None:
     """Train one step at TP1·DP2, save it as the trainer does, record the next two steps."""
     from rl_megatron.checkpoint import integrity
     from rl_megatron.checkpoint.training_state import CheckpointManager
-    from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.trainer import checkpointing
 
     _setup(1)
     roles = _roles(hf, seed=0)
     _train(roles)
-    config, bundle, sampler, kl = _trainer_objects(hf, roles)
+    config, checkpoints, sampler, kl = _trainer_objects(hf, roles, CheckpointManager(root / "run"))
     sampler.next_batch()
     kl.value = 0.07
-    manager = CheckpointManager(root / "run")
-    info = load_hf_config(hf)
     reread = []  # files hashed from disk after the fact rather than while being written
     hash_file = integrity.hash_file
     integrity.hash_file = lambda path: reread.append(Path(path).name) or hash_file(path)
-    checkpointing.save(manager, 1, bundle, sampler, kl, 10, config, info)
+    checkpoints.save(1)
     integrity.hash_file = hash_file
     # Only what megatron-core writes with its own `open` (rank 0): the tensor files of both
     # ranks were hashed while written and gathered.
@@ -272,22 +275,23 @@ def _reshard_body(rank: int, world_size: int, root: Path) -> None:
     import logging
 
     from rl_megatron.checkpoint.training_state import CheckpointError, CheckpointManager
-    from rl_megatron.trainer import checkpointing
 
     _setup(1)
     hf = root / "hf"
     roles = _roles(hf, seed=5)
-    config, bundle, sampler, kl = _trainer_objects(hf, roles)
+    config, checkpoints, sampler, kl = _trainer_objects(
+        hf, roles, CheckpointManager(root / "unused")
+    )
     config.checkpoint.resume_from = str(root / STEP)
-    manager, log = CheckpointManager(root / "unused"), logging.getLogger("test")
+    log = logging.getLogger("test")
     with pytest.raises(CheckpointError) as info:
-        checkpointing.resume(manager, config, bundle, sampler, kl, log)
+        checkpoints.resume(log)
     message = str(info.value)
     assert "\n" not in message and "dp=2" in message and "dp=1" in message, message
     assert "checkpoint.allow_reshard=true" in message, message
 
     config.checkpoint.allow_reshard = True
-    assert checkpointing.resume(manager, config, bundle, sampler, kl, log) == 1
+    assert checkpoints.resume(log) == 1
     assert sampler.state_dict()["position"] == 8 and kl.value == 0.07
     saved = torch.load(root / "saved_params.pt")
     for name in ROLES:

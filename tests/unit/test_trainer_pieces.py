@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -200,3 +202,55 @@ def test_manual_gc_collects_before_the_first_step_and_every_interval():
         gc.enable()
     # The first call (automatic collection still on) and steps 3 and 6.
     assert collected == [True, False, True, False, False, True, False]
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.value = 0
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+class _Directory:
+    """Stands in for `CheckpointManager`: keeps what `save` is given, in memory."""
+
+    def __init__(self) -> None:
+        self.saved: dict = {}
+
+    def save(self, step, roles, states, sidecar=None):
+        self.saved = {"step": step, "roles": dict(roles), "states": states, "sidecar": sidecar}
+
+    def latest(self):
+        return "step_dir" if self.saved else None
+
+    def load(self, path, roles, allow_reshard=False, verify=True):
+        assert (allow_reshard, verify) == (False, True) and set(roles) == set(self.saved["roles"])
+        return self.saved["step"], self.saved["states"]
+
+
+def test_run_checkpoints_save_and_restore_what_owners_registered():
+    from rl_megatron.checkpoint.hf_loader import CheckpointError
+    from rl_megatron.config import CheckpointConfig
+    from rl_megatron.trainer.checkpointing import RunCheckpoints
+
+    directory, role = _Directory(), object()
+    counter = _Counter()
+    checkpoints = RunCheckpoints(directory, CheckpointConfig())
+    checkpoints.register_role("actor", role, sidecar={"head": "lm"})
+    checkpoints.register("counter", counter)
+    with pytest.raises(ValueError, match="'counter' is registered twice"):
+        checkpoints.register("counter", _Counter())
+    counter.value = 7
+    checkpoints.save(3)
+    assert directory.saved["states"] == {"counter": {"value": 7}}
+    assert directory.saved["sidecar"] == {"actor": {"head": "lm"}}
+    counter.value = 0
+    assert checkpoints.resume(logging.getLogger("test")) == 3 and counter.value == 7
+    # State registered now but absent from the checkpoint: refused, not left at its start.
+    checkpoints.register("late", _Counter())
+    with pytest.raises(CheckpointError, match="holds no state for late"):
+        checkpoints.resume(logging.getLogger("test"))
