@@ -4,8 +4,9 @@ For every training layout (t, p, d) that fits the world and every rollout TP t_g
 t·p, one run of both paths on the same random actor (built by the trainer's builder:
 parameters only, no DDP grad buffers, no optimizer):
 
-* `reshard`: `sync_weights` into vLLM's layout (a `TensorStoreTarget`: the engine's
-  parameters without the engine, so the number is the transfer itself);
+* `reshard`: a `WeightSync` into vLLM's layout (a `TensorStoreTarget`: the engine's
+  parameters without the engine, so the number is the transfer itself), one per target,
+  called as the trainer calls its engine's;
 * `full_gather`: `full_gather_sync` (TP all-gather, PP broadcast, HF names) into the same
   layout through `SpecNameLoader` (each rank slices its rows, as vLLM's loaders do).
 
@@ -18,7 +19,7 @@ Times. `e2e_wall_s`: median over `--repeats` (after `--warmup` untimed calls) of
 call, from a device synchronize + one-element all-reduce across ranks to a device
 synchronize after it; the ratios use it. `wall_s` is the path's own host timer (kept for
 RESULTS.md; on GPUs it does not wait for the last kernels). For the reshard path,
-`prepare_s`, `begin_s`, `wall_s` and `finish_s` (medians) are `sync_weights`' host time
+`prepare_s`, `begin_s`, `wall_s` and `finish_s` (medians) are `WeightSync.sync`'s host time
 per phase (sources, agreement and checks; the engine's begin and its agreement; the
 transfer; the engine's finish), printed in a second table.
 
@@ -144,7 +145,7 @@ SUMMARY_KEYS = (
     "begin_s",
     "finish_s",
 )
-HOST_PHASES = ("prepare_s", "begin_s", "wall_s", "finish_s")  # sync_weights' host timers
+HOST_PHASES = ("prepare_s", "begin_s", "wall_s", "finish_s")  # WeightSync.sync's host timers
 
 
 # ---------------------------------------------------------------------- timing
@@ -277,7 +278,7 @@ def run_layout(t: int, p: int, d: int, args, info, rank: int) -> list[dict]:
     from rl_megatron.checkpoint.conversions import padded_vocab_size
     from rl_megatron.models.builders import build_gpt_chunks
     from rl_megatron.resharding import shards
-    from rl_megatron.resharding.executor import MIB, sync_weights
+    from rl_megatron.resharding.agreement import MIB
     from rl_megatron.resharding.full_gather import SpecNameLoader, full_gather_sync
     from rl_megatron.resharding.layouts import (
         MEGATRON_RANK_ORDER,
@@ -287,6 +288,7 @@ def run_layout(t: int, p: int, d: int, args, info, rank: int) -> list[dict]:
     )
     from rl_megatron.resharding.plan import PlanKey, build_plan
     from rl_megatron.resharding.targets import TensorStoreTarget
+    from rl_megatron.resharding.weight_sync import WeightSync
 
     dtype = getattr(torch, args.dtype)
     cuda = torch.cuda.is_available()
@@ -304,20 +306,9 @@ def run_layout(t: int, p: int, d: int, args, info, rank: int) -> list[dict]:
         gen = generation_layout_for(training, t_g)
         padded = shards.vllm_padded_vocab(info.vocab_size, t_g)
         store = TensorStoreTarget("vllm", info, gen, rank, padded, dtype, device)
+        weight_sync = WeightSync(store, info=info, training=training, bucket_mb=args.bucket_mb)
         # The tensor store and the loader ignore versions: every call is version 0.
-        ours = timed(
-            partial(
-                sync_weights,
-                chunks,
-                store,
-                info=info,
-                training=training,
-                version=0,
-                bucket_mb=args.bucket_mb,
-            ),
-            device,
-            *_rw(args),
-        )
+        ours = timed(partial(weight_sync.sync, chunks, version=0), device, *_rw(args))
         baseline_store = TensorStoreTarget("vllm", info, gen, rank, padded, dtype, device)
         theirs = timed(
             partial(
@@ -338,9 +329,10 @@ def run_layout(t: int, p: int, d: int, args, info, rank: int) -> list[dict]:
         elem = torch.tensor([], dtype=dtype).element_size()
         bucket = int(args.bucket_mb * MIB)
         train_padded = padded_vocab_size(info.vocab_size, 128, t)
-        plan, strided = (
-            build_plan(PlanKey(info, training, g, "vllm", train_padded, padded, bucket, elem))
-            for g in (gen, hybridflow_generation_layout(training, t_g))
+        plan = weight_sync.plan  # the one the sync ran
+        strided_layout = hybridflow_generation_layout(training, t_g)
+        strided = build_plan(
+            PlanKey(info, training, strided_layout, "vllm", train_padded, padded, bucket, elem)
         )
         local = plan.local_rank(rank)
         row = {
@@ -385,7 +377,7 @@ def run_layout(t: int, p: int, d: int, args, info, rank: int) -> list[dict]:
             res["ratio_to_own_floor"] = res["e2e_wall_s"] / (floor[f"{key}_s"] or floor["copy_s"])
         row["floor"] = floor
         rows.append(row)
-        del store
+        del store, weight_sync
         if cuda:
             torch.cuda.empty_cache()
     ps.destroy_model_parallel()

@@ -16,8 +16,9 @@ others' numbers; a failed section records `"error"` and no number):
   multiprocessing off for the process.)
 * `vllm`: the trainer's in-process engine (`VllmEngine`, `external_launcher`, sleep mode on
   GPUs), loaded with `--vllm-load-format dummy` weights and then synced from a Megatron
-  actor built from the same checkpoint through the trainer's path (`sync_weights` +
-  `VllmEngineTarget`), so every token it generates comes from the synced weights. Timed
+  actor built from the same checkpoint through the trainer's path (`engine.sync_from`:
+  its `WeightSync` into a `VllmEngineTarget`), so every token it generates comes from the
+  synced weights. Timed
   through `VllmEngine.generate` with its log-probs on (`rollout.calculate_log_probs=true`,
   `RolloutBatch`); as `vllm_engine_no_logprobs`, the same engine, prompts and call with
   them off, what the trainer runs by default (vLLM gets `logprobs=None`, as the
@@ -314,12 +315,16 @@ def main() -> None:
                 result["megatron_actor"] = {"build_s": time.perf_counter() - start}
         if engine is not None:
             from rl_megatron.models.hf_config import load_hf_config
-            from rl_megatron.resharding.executor import sync_weights
             from rl_megatron.resharding.layouts import TrainingLayout
             from rl_megatron.resharding.targets import VllmEngineTarget
+            from rl_megatron.resharding.weight_sync import WeightSync
 
             info = load_hf_config(ckpt)
             layout = TrainingLayout(tp=dist.get_world_size(), pp=1, dp=1)
+            # As trainer/build.py pairs the engine with the actor: one sync for its life.
+            engine.weight_sync = WeightSync(
+                VllmEngineTarget(engine), info=info, training=layout, bucket_mb=args.bucket_mb
+            )
 
             versions_done = [0]  # training steps synced so far (the trainer's versions)
 
@@ -327,14 +332,7 @@ def main() -> None:
                 if chunks is None:
                     raise RuntimeError("no Megatron actor to sync from (see megatron_actor)")
                 versions_done[0] += 1
-                return sync_weights(
-                    chunks,
-                    VllmEngineTarget(engine),
-                    info=info,
-                    training=layout,
-                    version=versions_done[0],
-                    bucket_mb=args.bucket_mb,
-                )
+                return engine.sync_from(chunks, version=versions_done[0])
 
             def run_vllm() -> None:
                 seconds, stats = timed(resync)

@@ -96,6 +96,13 @@ def replay_engine(vocab_size: int, eos_id: int):
     from rl_megatron.rollout.engine import RolloutEngine
 
     class ReplayEngine(RolloutEngine):
+        # Stands in for tiny_cpu.yaml's Megatron engine: the actor stays on the device
+        # while it "generates", and a sync only stamps the version.
+        generates_with_trainer_modules = True
+
+        def sync_from(self, model_chunks, version: int) -> None:
+            self.update_weights({}, version)
+
         def _begin_update(self) -> None: ...
 
         def _load_bucket(self, weights) -> None: ...

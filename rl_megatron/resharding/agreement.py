@@ -18,50 +18,26 @@ to agree on and no collective. The checks themselves run on every sync, not only
 something looks changed: for 99 tensors they cost ~0.1 ms of host time, about what a
 fingerprint of their inputs would, and they stay right whatever changed (an engine's
 weights reloaded, a trainer's parameters replaced).
+
+A `PlanAgreement` belongs to one weight sync (`weight_sync.py`): it keeps the last agreed
+values (what each rank guesses) and the plan built for them, which later syncs reuse as
+long as the agreed inputs do not change.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 
 from rl_megatron.models.hf_config import HFModelInfo
-from rl_megatron.resharding.layouts import GenerationLayout, TrainingLayout
+from rl_megatron.resharding.layouts import TrainingLayout
 from rl_megatron.resharding.plan import PlanKey, ReshardPlan, build_plan
-from rl_megatron.resharding.shards import ShardSpec
+from rl_megatron.resharding.shards import check_tensors
+from rl_megatron.resharding.targets import ReshardTarget
 
-MIB = 1 << 20
-
-
-class CheckedTarget(Protocol):
-    """The part of `targets.ReshardTarget` that the agreement reads."""
-
-    kind: str
-    layout: GenerationLayout
-
-    def padded_vocab(self) -> int: ...
-
-    def check(self, specs: Sequence[ShardSpec], info: HFModelInfo) -> list[str]: ...
-
-
-def check_tensors(specs: Sequence[ShardSpec], tensors: Mapping[str, Any], what: str) -> list[str]:
-    """Problems (one line each) if `tensors` (name → tensor or shape) do not match `specs`."""
-    problems = []
-    want = {s.name: s.shape for s in specs}
-    for name, shape in want.items():
-        if name not in tensors:
-            problems.append(f"{what} lacks parameter '{name}' (plan shape {list(shape)})")
-            continue
-        have = tuple(getattr(tensors[name], "shape", tensors[name]))
-        if have != tuple(shape):
-            problems.append(f"{what} '{name}' has shape {list(have)}, the plan {list(shape)}")
-    problems += [
-        f"{what} parameter '{name}' is not in the plan" for name in tensors if name not in want
-    ]
-    return problems
+MIB = 1 << 20  # the unit of `rollout.weight_sync_bucket_mb`
 
 
 def all_max(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
@@ -99,87 +75,104 @@ def _padded_vocab_of(sources: Mapping[str, torch.Tensor], tp: int) -> int:
     return 0
 
 
-# The last agreed (training padded vocabulary, engine padded vocabulary, element size):
-# a rank guesses it for what it does not hold itself. A stale guess costs one more
-# all-reduce, never a wrong plan: guesses are checked against the agreed values.
-_last_agreed = [0, 0, 0]
+class PlanAgreement:
+    """The plan of one weight sync into `target`, agreed on by every rank before each sync.
 
-
-def _checked(
-    key: PlanKey, rank: int, sources, target: CheckedTarget, info: HFModelInfo
-) -> tuple[ReshardPlan | None, list[str]]:
-    """The plan of `key` and this rank's problems with it (trainer's side, then target's)."""
-    try:
-        plan = build_plan(key)
-    except ValueError as exc:
-        return None, [str(exc)]
-    local = plan.local_rank(rank)
-    problems = check_tensors(plan.sources[local], sources, "trainer")
-    return plan, problems + target.check(plan.targets[local], info)
-
-
-def prepare_plan(
-    sources: Mapping[str, torch.Tensor],
-    target: CheckedTarget,
-    *,
-    info: HFModelInfo,
-    training: TrainingLayout,
-    bucket_mb: float,
-    group: dist.ProcessGroup | None = None,
-) -> ReshardPlan:
-    """Agree on the plan's inputs, build (or fetch) it, and check both sides against it.
-
-    Collective over `group` (one all-reduce when the guesses hold, two otherwise, none
-    for one rank); raises on every rank, before anything is written, when the trainer's
-    parameters, the target's parameters or the configs disagree with the plan.
+    Args:
+        target: the engine's parameters on this rank (its layout, vocabulary and checks).
+        info: the model's HF facts (the trainer's; checked against the engine's).
+        training: the training layout of the parameters synced from.
+        bucket_mb: `rollout.weight_sync_bucket_mb`, the per-rank cap on transfer buffers.
+        group: the whole world's process group (None: the default group).
     """
-    rank = dist.get_rank()
-    dtypes = {t.dtype for t in sources.values()}
-    own = []  # problems found before any plan
-    if len(dtypes) > 1:
-        own.append(f"training parameters mix dtypes {sorted(map(str, dtypes))}")
-    elem = next(iter(sources.values())).element_size() if sources else 0
-    mine = [_padded_vocab_of(sources, training.tp), target.padded_vocab(), elem]
-    # The engine's vocabulary is never guessed: every rank must report one, and equal.
-    guess = [mine[0] or _last_agreed[0], mine[1], mine[2] or _last_agreed[2]]
 
-    def key(values: list[int]) -> PlanKey:
+    def __init__(
+        self,
+        target: ReshardTarget,
+        *,
+        info: HFModelInfo,
+        training: TrainingLayout,
+        bucket_mb: float,
+        group: dist.ProcessGroup | None = None,
+    ) -> None:
+        self.target, self.info, self.training, self.group = target, info, training, group
+        self.bucket_bytes = int(bucket_mb * MIB)
+        # The last agreed (training padded vocabulary, engine padded vocabulary, element
+        # size): a rank guesses it for what it does not hold itself. A stale guess costs one
+        # more all-reduce, never a wrong plan: guesses are checked against the agreed values.
+        self.agreed = [0, 0, 0]
+        self.plan: ReshardPlan | None = None  # the plan of the last key asked for
+
+    def _key(self, values: list[int]) -> PlanKey:
         return PlanKey(
-            info=info,
-            training=training,
-            generation=target.layout,
-            target=target.kind,
+            info=self.info,
+            training=self.training,
+            generation=self.target.layout,
+            target=self.target.kind,
             training_padded_vocab=values[0],
             generation_padded_vocab=values[1],
-            bucket_bytes=int(bucket_mb * MIB),
+            bucket_bytes=self.bucket_bytes,
             elem_size=values[2],
         )
 
-    plan, checked = (None, []) if own else _checked(key(guess), rank, sources, target, info)
-    reduced = all_max(
-        [*mine, -mine[1], *guess, *(-g for g in guess), 1 if own or checked else 0], group
-    )
-    high, low_engine_vocab = reduced[:3], -reduced[3]
-    guesses_high, guesses_low = reduced[4:7], [-g for g in reduced[7:10]]
-    _last_agreed[:] = high
-    if guesses_high == guesses_low == high:
-        # Every rank checked against the agreed plan, and the values agree (a rank whose
-        # own value differed would have guessed it).
-        refuse(own or checked, rank, bool(reduced[10]))
+    def _checked(
+        self, key: PlanKey, rank: int, sources: Mapping[str, torch.Tensor]
+    ) -> tuple[ReshardPlan | None, list[str]]:
+        """The plan of `key` and this rank's problems with it (trainer's side, then target's)."""
+        if self.plan is None or self.plan.key != key:
+            try:
+                self.plan = build_plan(key)
+            except ValueError as exc:
+                return None, [str(exc)]
+        plan = self.plan
+        local = plan.local_rank(rank)
+        problems = check_tensors(plan.sources[local], sources, "trainer")
+        return plan, problems + self.target.check(plan.targets[local], self.info)
+
+    def agree(self, sources: Mapping[str, torch.Tensor]) -> ReshardPlan:
+        """Agree on the plan's inputs, build it (or keep the last), check both sides against it.
+
+        sources: this rank's training parameters by name (`sources.py`).
+        Collective over `group` (one all-reduce when the guesses hold, two otherwise, none
+        for one rank); raises on every rank, before anything is written, when the
+        trainer's parameters, the target's parameters or the configs disagree with the plan.
+        """
+        rank = dist.get_rank()
+        dtypes = {t.dtype for t in sources.values()}
+        own = []  # problems found before any plan
+        if len(dtypes) > 1:
+            own.append(f"training parameters mix dtypes {sorted(map(str, dtypes))}")
+        elem = next(iter(sources.values())).element_size() if sources else 0
+        mine = [_padded_vocab_of(sources, self.training.tp), self.target.padded_vocab(), elem]
+        # The engine's vocabulary is never guessed: every rank must report one, and equal.
+        guess = [mine[0] or self.agreed[0], mine[1], mine[2] or self.agreed[2]]
+
+        plan, checked = (None, []) if own else self._checked(self._key(guess), rank, sources)
+        reduced = all_max(
+            [*mine, -mine[1], *guess, *(-g for g in guess), 1 if own or checked else 0],
+            self.group,
+        )
+        high, low_engine_vocab = reduced[:3], -reduced[3]
+        guesses_high, guesses_low = reduced[4:7], [-g for g in reduced[7:10]]
+        self.agreed = high
+        if guesses_high == guesses_low == high:
+            # Every rank checked against the agreed plan, and the values agree (a rank whose
+            # own value differed would have guessed it).
+            refuse(own or checked, rank, bool(reduced[10]))
+            assert plan is not None
+            return plan
+        problems = own
+        # Middle pipeline stages hold no vocabulary (0); everyone else must agree.
+        if mine[0] and mine[0] != high[0]:
+            problems.append(f"training padded vocabulary {mine[0]} != another rank's {high[0]}")
+        if low_engine_vocab != high[1]:
+            problems.append(
+                f"engine padded vocabularies differ across ranks ({low_engine_vocab}…{high[1]})"
+            )
+        if elem and elem != high[2]:
+            problems.append(f"training dtype has {elem}-byte elements, another rank {high[2]}")
+        if not problems and guess != high:
+            plan, checked = self._checked(self._key(high), rank, sources)
+        raise_together(problems or checked, rank, self.group)
         assert plan is not None
         return plan
-    problems = own
-    # Middle pipeline stages hold no vocabulary (0); everyone else must agree.
-    if mine[0] and mine[0] != high[0]:
-        problems.append(f"training padded vocabulary {mine[0]} != another rank's {high[0]}")
-    if low_engine_vocab != high[1]:
-        problems.append(
-            f"engine padded vocabularies differ across ranks ({low_engine_vocab}…{high[1]})"
-        )
-    if elem and elem != high[2]:
-        problems.append(f"training dtype has {elem}-byte elements, another rank {high[2]}")
-    if not problems and guess != high:
-        plan, checked = _checked(key(high), rank, sources, target, info)
-    raise_together(problems or checked, rank, group)
-    assert plan is not None
-    return plan

@@ -15,18 +15,22 @@ once per plan and rank, into a `CopyProgram`:
 * blocks along another dim (row-parallel weights split by columns) stay single
   narrow-to-narrow copies (`Block`), a few per layer.
 
-A round's ops come in three lists: `local` (zero fills and copies from training shards
+A round's ops come in three parts: `local` (zero fills and copies from training shards
 into generation parameters), `pack` (send rows into the arena) and `unpack` (received rows
 out of it). Destinations within a round are disjoint, so copies may run in any order.
+`local` and `unpack` are lists of `Step`s, each naming the generation parameters whose
+last rows it writes (the per-parameter countdown happens here, once, at compile time). By
+default a round has one step per part, so a round is a few multi-tensor copies; compiled
+`per_param` (for targets that buffer each parameter until it is complete, vLLM's CPU
+build) a step ends where a parameter completes, so the target hears of it as soon as its
+rows land and few buffers are alive at once.
 
 Running is two steps: `bind` resolves ops to views of one sync's tensors (a `Bound`:
 the lists for one multi-tensor copy, the strided copies, the zero fills), `issue` launches
-them. The executor keeps the bound `local` ops across syncs while the tensors they view
+them. `KeptViews` keeps the bound `local` steps across syncs while the tensors they view
 are unchanged (`CopyProgram.bases`), so a repeated sync issues its copies with almost no
 Python; `pack` and `unpack` view the arena, which is allocated per sync, and are bound on
-every sync. The executor keeps the block-by-block path for targets that buffer each
-parameter until it is complete (vLLM's CPU build), which must hear of a parameter as soon
-as its rows land.
+every sync (as are the steps of a per-parameter program, whose buffers are new each sync).
 """
 
 from __future__ import annotations
@@ -76,12 +80,23 @@ class Zero:
     rows: int
 
 
+Op = Run | Block | Zero
+FlatBlock = tuple[Ref, int, Ref, int, int]  # (dst, d_start, src, s_start, numel)
+
+
+@dataclasses.dataclass
+class Step:
+    """Ops issued together, then `completed` reported to the target."""
+
+    ops: list[Op]
+    completed: list[str]  # generation parameters whose last rows these ops write
+
+
 @dataclasses.dataclass
 class RoundProgram:
-    local: list[Run | Block | Zero]  # zero fills and copies from the rank's training shards
+    local: list[Step]  # zero fills and copies from the rank's training shards
     pack: list[Run | Block]  # send rows into the arena
-    unpack: list[Run | Block]  # received rows into the generation parameters
-    completed: list[str]  # generation parameters whose last rows land in this round
+    unpack: list[Step]  # received rows into the generation parameters
     sends: list[tuple[int, int, int]]  # (peer, arena start, numel)
     recvs: list[tuple[int, int, int]]
     local_numel: int  # elements copied from the rank's own training shards
@@ -93,50 +108,75 @@ class CopyProgram:
     rounds: list[RoundProgram]
     arena_numel: int  # the fullest round's send + receive elements (≤ one bucket)
     bases: list[Ref]  # the tensors the rounds' `local` ops view
+    per_param: bool  # a step ends where a parameter completes (see the module docstring)
 
 
 # ------------------------------------------------------------------------- compile
 
 
-def compile_program(plan: ReshardPlan, local: int) -> CopyProgram:
-    """The copy program of local rank `local` (pure: plan in, program out)."""
+def compile_program(plan: ReshardPlan, local: int, *, per_param: bool = False) -> CopyProgram:
+    """The copy program of local rank `local` (pure: plan in, program out).
+
+    per_param: end a step wherever a generation parameter completes (targets that buffer
+        parameters); otherwise each round's `local` and `unpack` are one step each.
+    """
     remaining = dict(plan.writes[local])
     rounds = []
     for rnd in plan.rounds[local]:
-        rounds.append(_compile_round(rnd, remaining))
+        rounds.append(_compile_round(rnd, remaining, per_param))
     if any(remaining.values()):
         raise AssertionError(f"local rank {local}: plan leaves parameters unfinished")
     arena_numel = max((r.staging_numel() for r in plan.rounds[local]), default=0)
-    bases = {ref for r in rounds for op in r.local for ref in _refs(op)}
-    return CopyProgram(rounds, arena_numel, sorted(bases))
+    bases = {ref for r in rounds for step in r.local for op in step.ops for ref in _refs(op)}
+    return CopyProgram(rounds, arena_numel, sorted(bases), per_param)
 
 
-def _refs(op: Run | Block | Zero) -> tuple[Ref, ...]:
+def _refs(op: Op) -> tuple[Ref, ...]:
     return (op.dst,) if isinstance(op, Zero) else (op.dst, op.src)
 
 
-def _compile_round(rnd: RankRound, remaining: dict[str, int]) -> RoundProgram:
-    local: list[Run | Block | Zero] = []
-    flat: list[tuple[Ref, int, Ref, int, int]] = []  # (dst, d_start, src, s_start, numel)
-    completed: list[str] = []
+class _Steps:
+    """Collects one part's ops and cuts it into steps where parameters complete."""
 
-    def wrote(name: str) -> None:
-        remaining[name] -= 1
-        if not remaining[name]:
-            completed.append(name)
+    def __init__(self, remaining: dict[str, int], per_param: bool) -> None:
+        self.remaining, self.per_param = remaining, per_param
+        self.steps: list[Step] = []
+        self.ops: list[Op] = []
+        self.flat: list[FlatBlock] = []
+        self.completed: list[str] = []
 
+    def wrote(self, name: str) -> None:
+        """One of the plan's writes into `name` is in; cut after its last one (per_param)."""
+        self.remaining[name] -= 1
+        if not self.remaining[name]:
+            self.completed.append(name)
+            if self.per_param:
+                self.cut()
+
+    def cut(self) -> None:
+        if self.ops or self.flat or self.completed:
+            self.steps.append(Step(self.ops + coalesce(self.flat), self.completed))
+        self.ops, self.flat, self.completed = [], [], []
+
+    def done(self) -> list[Step]:
+        self.cut()
+        return self.steps
+
+
+def _compile_round(rnd: RankRound, remaining: dict[str, int], per_param: bool) -> RoundProgram:
+    local = _Steps(remaining, per_param)
     for w in rnd.writes:
         if isinstance(w, Fill):
-            local.append(Zero((DST, w.dst_param), w.dim, w.dst_offset, w.rows))
+            local.ops.append(Zero((DST, w.dst_param), w.dim, w.dst_offset, w.rows))
         elif w.dim == 0:
-            flat.append(((DST, w.dst_param), w.dst_offset * w.row_numel,
-                         (SRC, w.src_param), w.src_offset * w.row_numel, w.numel))  # fmt: skip
+            local.flat.append(((DST, w.dst_param), w.dst_offset * w.row_numel,
+                               (SRC, w.src_param), w.src_offset * w.row_numel, w.numel))  # fmt: skip
         else:
-            local.append(Block((DST, w.dst_param), w.dst_offset, (SRC, w.src_param),
-                               w.src_offset, w.dim, w.rows))  # fmt: skip
-        wrote(w.dst_param)
-    local += coalesce(flat)
-    flat, pack = [], []
+            local.ops.append(Block((DST, w.dst_param), w.dst_offset, (SRC, w.src_param),
+                                   w.src_offset, w.dim, w.rows))  # fmt: skip
+        local.wrote(w.dst_param)
+    flat: list[FlatBlock] = []
+    pack: list[Run | Block] = []
     used, sends, recvs = 0, [], []
     for peer, moves in rnd.sends.items():
         sends.append((peer, used, sum(m.numel for m in moves)))
@@ -149,22 +189,21 @@ def _compile_round(rnd: RankRound, remaining: dict[str, int]) -> RoundProgram:
                                   m.dim, m.rows))  # fmt: skip
         used += sends[-1][2]
     pack += coalesce(flat)
-    flat, unpack = [], []
+    unpack = _Steps(remaining, per_param)
     for peer, moves in rnd.recvs.items():
         recvs.append((peer, used, sum(m.numel for m in moves)))
         for m, pos in _positions(moves, used):
             if m.dim == 0:
-                flat.append(((DST, m.dst_param), m.dst_offset * m.row_numel, (ARENA, ""), pos,
-                             m.numel))  # fmt: skip
+                unpack.flat.append(((DST, m.dst_param), m.dst_offset * m.row_numel,
+                                    (ARENA, ""), pos, m.numel))  # fmt: skip
             else:
-                unpack.append(Block((DST, m.dst_param), m.dst_offset, (ARENA, ""), pos,
-                                    m.dim, m.rows))  # fmt: skip
-            wrote(m.dst_param)
+                unpack.ops.append(Block((DST, m.dst_param), m.dst_offset, (ARENA, ""), pos,
+                                        m.dim, m.rows))  # fmt: skip
+            unpack.wrote(m.dst_param)
         used += recvs[-1][2]
-    unpack += coalesce(flat)
     local_numel = sum(w.numel for w in rnd.writes if isinstance(w, Move))
     filled_numel = sum(w.numel for w in rnd.writes if isinstance(w, Fill))
-    return RoundProgram(local, pack, unpack, completed, sends, recvs, local_numel, filled_numel)
+    return RoundProgram(local.done(), pack, unpack.done(), sends, recvs, local_numel, filled_numel)
 
 
 def _positions(moves: list[Move], start: int) -> Iterator[tuple[Move, int]]:
@@ -248,7 +287,7 @@ class Bound:
     zeros: list[torch.Tensor]
 
 
-def bind(ops: list[Run | Block | Zero], tensors: Tensors) -> Bound:
+def bind(ops: list[Op], tensors: Tensors) -> Bound:
     """Views of `tensors` for `ops` (no copy is made)."""
     bound = Bound([], [], [], [])
     for op in ops:
@@ -282,9 +321,37 @@ def issue(bound: Bound) -> None:
         torch._foreach_zero_(bound.zeros)
 
 
-def run_ops(ops: list[Run | Block | Zero], tensors: Tensors) -> None:
+def run_ops(ops: list[Op], tensors: Tensors) -> None:
     """Bind and issue `ops` at once."""
     issue(bind(ops, tensors))
+
+
+def _geometry(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+
+
+class KeptViews:
+    """A program's `local` steps bound to one sync's tensors, kept for the next sync.
+
+    The views are reused while every tensor they view keeps its address, shape, strides,
+    dtype and device (engines may reallocate weights on wake, trainers reload offloaded
+    ones elsewhere): checking that costs a few attribute reads per tensor, binding afresh
+    a Python loop over every op. Held by one weight sync, so the views (which keep their
+    tensors' storage alive) go with it.
+    """
+
+    def __init__(self) -> None:
+        self.program: CopyProgram | None = None
+        self.geometry: list[tuple] = []
+        self.bound: list[list[Bound]] = []  # per round, per `local` step
+
+    def local(self, program: CopyProgram, tensors: Tensors) -> list[list[Bound]]:
+        """Each round's bound `local` steps: the kept ones if nothing they view moved."""
+        geometry = [_geometry(tensors.full(ref)) for ref in program.bases]
+        if program is not self.program or geometry != self.geometry:
+            self.bound = [[bind(step.ops, tensors) for step in r.local] for r in program.rounds]
+            self.program, self.geometry = program, geometry
+        return self.bound
 
 
 def _block_sides(op: Block, tensors: Tensors) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,8 +25,10 @@ import torch.distributed as dist
 from rl_megatron.checkpoint import hf_mapping as hm
 from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.resharding import shards
-from rl_megatron.resharding.executor import MIB, SyncStats, megatron_sources
+from rl_megatron.resharding.agreement import MIB
+from rl_megatron.resharding.executor import SyncStats
 from rl_megatron.resharding.layouts import TrainingLayout
+from rl_megatron.resharding.sources import megatron_sources
 
 
 def _model_params(info: HFModelInfo, training: TrainingLayout, padded_vocab: int):

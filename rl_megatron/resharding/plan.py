@@ -22,13 +22,13 @@ TP group lies inside one of them (t_g divides t·p), so the plan is made for one
 local rank numbers (0 … t·p−1) and every replica runs it with its own rank offset: traffic
 never leaves a training replica, and the plan's size does not grow with d.
 
-Plans are pure and cached per (model, layout pair, target, vocab padding, bucket, dtype).
+Plans are pure functions of their `PlanKey` (model, layout pair, target, vocab padding,
+bucket, dtype); a weight sync keeps the one it runs (`agreement.PlanAgreement`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from collections import defaultdict
 
@@ -312,9 +312,8 @@ def _split_rows(move: Move, max_rows: int) -> list[Move]:
     ]
 
 
-@functools.lru_cache(maxsize=64)
 def build_plan(key: PlanKey) -> ReshardPlan:
-    """The plan for one replica (pure; cached per key). See the module docstring."""
+    """The plan for one replica (pure). See the module docstring."""
     _check_key(key)
     size = key.training.tp * key.training.pp
     sources = source_specs(key)

@@ -25,8 +25,11 @@ every layout for a given HF tensor, so a row range means the same bytes on both 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
+import re
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from rl_megatron.checkpoint import hf_mapping as hm
 from rl_megatron.models.hf_config import HFModelInfo
@@ -113,12 +116,9 @@ VLLM_FINAL_NORM = ParamRule("model.norm.weight", ("model.norm.weight",), COPY, N
 VLLM_LM_HEAD = ParamRule("lm_head.weight", ("lm_head.weight",), VOCAB, 0)
 # fmt: on
 
-_FROM_HF_TRANSFORM = {
-    hm.COPY: COPY,
-    hm.QKV: QKV_INTERLEAVED,
-    hm.GATE_UP: GATE_UP,
-    hm.VOCAB: VOCAB,
-}
+_FROM_HF_TRANSFORM = types.MappingProxyType(
+    {hm.COPY: COPY, hm.QKV: QKV_INTERLEAVED, hm.GATE_UP: GATE_UP, hm.VOCAB: VOCAB}
+)
 
 
 def megatron_rules(info: HFModelInfo) -> list[ParamRule]:
@@ -237,14 +237,18 @@ def shard_spec(
     return ShardSpec(rule.name.format(layer=layer), shape, 0, tuple(spans))
 
 
+_LAYER_NUMBER = re.compile(r"\.layers\.\d+\.")
+
+
 def hf_tensor_shape(name: str, info: HFModelInfo) -> tuple[int, ...]:
     """Full shape of HF tensor `name` (layer number expanded), from the HF name table."""
-    return _hf_shapes(info)[name]
-
-
-@functools.lru_cache(maxsize=32)
-def _hf_shapes(info: HFModelInfo) -> dict[str, tuple[int, ...]]:
-    return hm.expected_hf_tensors(hm.rules_for(info, "lm"), info)
+    # Shapes do not depend on the layer: look the name up with its number as `{layer}`.
+    template = _LAYER_NUMBER.sub(".layers.{layer}.", name, count=1)
+    for rule in hm.rules_for(info, "lm"):
+        for hf_name, shape in rule.hf:
+            if hf_name == template:
+                return hm.hf_shape(shape, info)
+    raise KeyError(name)
 
 
 def _dim_name(hf_name: str, dim: int) -> str:
@@ -332,3 +336,23 @@ def vllm_padded_vocab(vocab_size: int, tp: int) -> int:
     if padded % tp:
         raise ValueError(f"vLLM's padded vocabulary {padded} is not divisible by tp={tp}")
     return padded
+
+
+# ------------------------------------------------------------------------ checks
+
+
+def check_tensors(specs: Sequence[ShardSpec], tensors: Mapping[str, Any], what: str) -> list[str]:
+    """Problems (one line each) if `tensors` (name → tensor or shape) do not match `specs`."""
+    problems = []
+    want = {s.name: s.shape for s in specs}
+    for name, shape in want.items():
+        if name not in tensors:
+            problems.append(f"{what} lacks parameter '{name}' (plan shape {list(shape)})")
+            continue
+        have = tuple(getattr(tensors[name], "shape", tensors[name]))
+        if have != tuple(shape):
+            problems.append(f"{what} '{name}' has shape {list(have)}, the plan {list(shape)}")
+    problems += [
+        f"{what} parameter '{name}' is not in the plan" for name in tensors if name not in want
+    ]
+    return problems

@@ -1,4 +1,5 @@
-"""Where resharded weights go: adapters from the executor to each generation engine.
+"""Where resharded weights go: `ReshardTarget`, the one interface a weight sync writes
+through, and its adapters to each generation engine.
 
 A target names the generation layout it holds (`kind`: "vllm" or "megatron" parameter
 naming and fusion; `layout`: t_g and the rank map), checks — before anything is written —
@@ -15,8 +16,9 @@ storage to the executor:
 * `TensorStoreTarget` — a layout's shards as plain tensors, no engine (tests, benchmarks).
 
 Both engine targets go through the engine's begin / finish API, so the engine records
-the weight version and refuses to generate on a partial update. The name-based path
-(full HF tensors into `load_weights`) is `full_gather.py`.
+the weight version and refuses to generate on a partial update. A target is driven by one
+`WeightSync` (`weight_sync.py`) for its life. The name-based path (full HF tensors into
+`load_weights`) is `full_gather.py`.
 """
 
 from __future__ import annotations
@@ -29,10 +31,9 @@ import torch
 
 from rl_megatron.models.hf_config import HFModelInfo, parse_hf_config
 from rl_megatron.resharding import shards
-from rl_megatron.resharding.agreement import check_tensors
-from rl_megatron.resharding.executor import megatron_sources
 from rl_megatron.resharding.layouts import GenerationLayout, TrainingLayout
-from rl_megatron.resharding.shards import ShardSpec
+from rl_megatron.resharding.shards import ShardSpec, check_tensors
+from rl_megatron.resharding.sources import megatron_sources
 
 # Fields that must agree between the trainer's model and the engine's: a difference in
 # any of them means the engine computes another function, even where shapes match.
@@ -65,7 +66,13 @@ def config_mismatch(trainer: HFModelInfo, engine: HFModelInfo, what: str) -> lis
 
 
 class ReshardTarget(abc.ABC):
-    """A generation engine's parameters on this rank, as the executor sees them."""
+    """A generation engine's parameters on this rank, as a weight sync sees them.
+
+    A sync calls, on every rank: `padded_vocab` and `check` (agreement, before any
+    write), `begin(version)`, `writable(name)` for each parameter it writes and
+    `param_done(name)` once its last rows are written, then `finish()` — or `abort(why)`
+    when the transfer fails after `begin`.
+    """
 
     kind: str  # "vllm" | "megatron": parameter names and fused layouts
     layout: GenerationLayout
@@ -85,8 +92,9 @@ class ReshardTarget(abc.ABC):
     def writable(self, name: str) -> torch.Tensor:
         """Storage of parameter `name` to write this rank's shard into."""
 
-    # True for targets that hold a buffer per parameter until it is complete: the executor
-    # then reports completions at once instead of once per round.
+    # True for targets that hold a buffer per parameter until it is complete: the sync's
+    # copy program then reports each parameter as soon as its last rows land, instead of
+    # once per round, so that few buffers are alive at once.
     buffers_params: bool = False
 
     def param_done(self, name: str) -> None:  # noqa: B027 (optional hook)

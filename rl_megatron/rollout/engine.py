@@ -1,8 +1,15 @@
-"""The one interface every rollout engine implements: update weights, generate, sleep, wake.
+"""The one interface every rollout engine implements: sync weights, generate, sleep, wake.
 
 SPMD contract: every rank of the torchrun world calls each method, in the same order; the
 engine decides which ranks do what (generation replicas, gathers). Ranks that share
 prompts (one training data-parallel replica) pass the same prompt list to `generate`.
+
+What differs between engines stays behind the interface: `sync_from(model_chunks,
+version)` gives the engine the trainer's weights however it takes them (vLLM: its
+`WeightSync` reshards them into its parameters; the Megatron engine generates with the
+trainer's own modules, so a sync only stamps the version), and
+`generates_with_trainer_modules` tells the trainer whether it must keep those modules on
+the device while the engine generates.
 
 State the base class keeps, so that every engine refuses the same mistakes:
 
@@ -21,12 +28,15 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from rl_megatron.rollout.batch import RolloutBatch
 from rl_megatron.rollout.sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from rl_megatron.resharding.executor import SyncStats
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 OutputLayout = Literal["full", "replica"]
@@ -40,6 +50,11 @@ def iter_named_tensors(weights: NamedTensors) -> Iterable[tuple[str, torch.Tenso
 
 class RolloutEngine(abc.ABC):
     """Generation engine behind one interface (vLLM in-process, native Megatron)."""
+
+    # True when the engine generates with the very modules it syncs from (the trainer's
+    # actor): those must then stay on the device while it generates. False: it holds a
+    # copy of its own, and the trainer may offload its modules once the sync is done.
+    generates_with_trainer_modules: bool = False
 
     def __init__(self, weight_version: int | None = 0) -> None:
         self._weight_version = weight_version
@@ -87,6 +102,15 @@ class RolloutEngine(abc.ABC):
             )
 
     # ---- weights ------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def sync_from(self, model_chunks: Sequence[torch.nn.Module], version: int) -> SyncStats | None:
+        """Make the engine generate with `model_chunks`' weights, as training step `version`.
+
+        Collective. model_chunks: this rank's trainer chunks (Megatron modules, one per
+        virtual stage; wrappers allowed), on the device. Needs the engine's weights awake
+        (`wake(["weights"])`). Returns what this rank moved, or None when nothing moved.
+        """
 
     def update_weights(self, weights: NamedTensors, version: int) -> None:
         """Load a full set of Hugging Face-named weights from training step `version`.

@@ -16,7 +16,8 @@ per decode position live in a `DecodeSession` (`rollout/decode_session.py`), kep
 call to the next while the shape stays the same; TP = 1 only.
 
 Weights. The engine generates with the modules it was given, so when they are the actor's
-own (same layout) a weight update is only a version stamp: `update_weights({}, step)`.
+own (same layout) a weight update is only a version stamp: `sync_from(actor_chunks, step)`
+(`generates_with_trainer_modules`: the trainer keeps them on the device to generate).
 HF-named tensors are accepted too (for tests and for a separate rollout copy); they are
 buffered until `finish_weight_update` and then copied in through the checkpoint name table
 (`checkpoint/hf_mapping.py`), so a bucketed update holds the full set once.
@@ -49,6 +50,8 @@ Sample = tuple[list[int], list[float], FinishReason]
 
 class MegatronEngine(RolloutEngine):
     """Batched KV-cache generation on a Megatron `GPTModel` (TP-aware, PP = 1)."""
+
+    generates_with_trainer_modules = True
 
     def __init__(
         self,
@@ -123,6 +126,15 @@ class MegatronEngine(RolloutEngine):
         return next(self.model.parameters()).device
 
     # ---- weights ------------------------------------------------------------------
+
+    def sync_from(self, model_chunks: Sequence[torch.nn.Module], version: int) -> None:
+        """The trainer's modules are the engine's own: nothing moves, the version is stamped."""
+        if len(model_chunks) != 1 or unwrap(model_chunks[0]) is not self.model:
+            raise ValueError(
+                "megatron rollout engine: sync_from was given other modules than the ones it "
+                "generates with; build the engine on the actor's own chunks"
+            )
+        self.update_weights({}, version)
 
     def _begin_update(self) -> None:
         self._buffer = {}

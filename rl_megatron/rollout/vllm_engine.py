@@ -34,6 +34,12 @@ Weight update (HF names, full shapes; vLLM shards and fuses them itself):
 * Both: `LLM.reset_prefix_cache()` afterwards, or cached prompt blocks computed with the
   old weights are reused (DESIGN §3 point 6).
 
+From a Megatron actor (`sync_from`): the engine's `weight_sync` (a
+`resharding.weight_sync.WeightSync` into `resharding.targets.VllmEngineTarget`, made with
+the engine by `trainer/build.py`) reshards this rank's training shards straight into its
+own shards of vLLM's parameters, through the begin / finish steps above; no rank ever
+holds a full HF tensor.
+
 The model lives in the in-process worker:
 `llm.llm_engine.model_executor.driver_worker` (a `WorkerWrapperBase`) → `.worker` →
 `.model_runner.model`; `LLM.collective_rpc(fn)` calls `fn(driver_worker, ...)` in this
@@ -55,7 +61,7 @@ import logging
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -72,6 +78,10 @@ from rl_megatron.rollout.replicas import ReplicaLayout
 from rl_megatron.rollout.sampling import SamplingParams, fit_prompts
 from rl_megatron.rollout.vllm_cpu_shm import run_shm_names
 from rl_megatron.rollout.vllm_io import convert_sample, to_vllm_sampling_params
+
+if TYPE_CHECKING:
+    from rl_megatron.resharding.executor import SyncStats
+    from rl_megatron.resharding.weight_sync import WeightSync
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +276,10 @@ class VllmEngine(RolloutEngine):
             self._gather_group, _ = dist.new_subgroups_by_enumeration(
                 [sorted(g) for g in groups], backend="gloo"
             )
+        # How `sync_from` reshards a trainer's weights into this engine; it needs the
+        # engine's model, so whoever pairs the engine with a trainer makes it right after
+        # the engine (`trainer/build.py`'s `build_engine`).
+        self.weight_sync: WeightSync | None = None
 
     @property
     def llm(self) -> Any:
@@ -273,6 +287,15 @@ class VllmEngine(RolloutEngine):
         return self._llm
 
     # ---- weights ------------------------------------------------------------------
+
+    def sync_from(self, model_chunks: Sequence[torch.nn.Module], version: int) -> SyncStats:
+        """Reshard `model_chunks` (this rank's Megatron actor shards) into the engine."""
+        if self.weight_sync is None:
+            raise RuntimeError(
+                "this vLLM engine has no weight sync: set `engine.weight_sync` to a WeightSync "
+                "of its VllmEngineTarget (as trainer/build.py's build_engine does)"
+            )
+        return self.weight_sync.sync(model_chunks, version)
 
     def _begin_update(self) -> None:
         self._loaded = set()

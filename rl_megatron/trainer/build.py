@@ -267,7 +267,9 @@ def _mini_batches(config: Config, mini_batch_size: int) -> int:
 def build_engine(
     config: Config, info: HFModelInfo, actor: MegatronRole, tokenizer: Any, run: DistributedRun
 ) -> RolloutEngine:
-    """The rollout engine of `rollout.engine`, on every rank (collective)."""
+    """The rollout engine of `rollout.engine`, on every rank (collective), ready to
+    `sync_from` the actor: vLLM with its weight sync, the Megatron engine on the actor's
+    own modules."""
     r = config.rollout
     eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
     pad = tokenizer.pad_token_id or 0
@@ -315,4 +317,15 @@ def build_engine(
         pad_token_id=pad,
         extra=dict(r.engine_kwargs),
     )
-    return VllmEngine(args, prompt_groups=groups)
+    from rl_megatron.resharding.targets import VllmEngineTarget
+    from rl_megatron.resharding.weight_sync import WeightSync
+
+    engine = VllmEngine(args, prompt_groups=groups)
+    # One weight sync for the engine's life: it keeps its plan, program and views.
+    engine.weight_sync = WeightSync(
+        VllmEngineTarget(engine),
+        info=info,
+        training=run.layout,
+        bucket_mb=r.weight_sync_bucket_mb,
+    )
+    return engine

@@ -60,11 +60,7 @@ class PPOTrainer:
     ) -> None:
         self.config, self.run, self.data, self.info = config, run, data, info
         self.device = run.device  # where collectives' tensors live (NCCL needs the GPU)
-        # The Megatron engine generates with the actor's modules, so the actor stays on
-        # the device through generation; vLLM has its own copy (the actor may go away).
-        self.generates_with_actor = config.rollout.engine == "megatron"
         self.roles, self.engine, self.total_steps, self.log = roles, engine, total_steps, logger
-        self._engine_target = None  # the vLLM engine's resharding target, made at first sync
         self.dp_group = run.groups.dp
         self.dp_rank, self.dp_size = run.coordinates["dp"], run.layout.dp
         self.sampler = PromptSampler.from_config(
@@ -253,43 +249,32 @@ class PPOTrainer:
     def _rollout(
         self, prompts: list[list[int]], sampling: SamplingParams
     ) -> tuple[RolloutBatch, dict[str, float]]:
-        """Sync the engine to the actor's weights (version = step), then generate."""
-        with self.roles.actor.on_device():
+        """Sync the engine to the actor's weights (version = step), generate, and let the
+        engine sleep while the roles train."""
+        with contextlib.ExitStack() as actor_on_device:
+            actor_on_device.enter_context(self.roles.actor.on_device())
             with self.phases.time("reshard"):
                 sync = self._sync_engine(version=self.step)
-            if self.generates_with_actor:
-                with self.phases.time("generate"):
-                    return self._generate(prompts, sampling), sync
-        with self.phases.time("generate"):
-            rollout = self._generate(prompts, sampling)
-        self._release_engine()
+            if not self.engine.generates_with_trainer_modules:
+                actor_on_device.close()  # the engine has its own copy now
+            with self.phases.time("generate"):
+                rollout = self._generate(prompts, sampling)
+        self.engine.sleep(level=1)
         return rollout, sync
 
     def _sync_engine(self, version: int) -> dict[str, float]:
-        """Put the actor's current weights into the engine as `version`."""
-        if self.config.rollout.engine == "megatron":
-            # The engine generates with the actor's own modules: nothing moves.
-            self.engine.update_weights({}, version)
-            return {}
-        from rl_megatron.resharding.executor import sync_weights
-        from rl_megatron.resharding.targets import VllmEngineTarget
-
-        if version == 0 and self.engine.weight_version == 0 and not self.resumed:
-            # vLLM loaded model.hf_path, the actor's own starting point: nothing to move.
-            return {}
+        """Put the actor's current weights into the engine as `version`: the engine's
+        weights wake first, its KV cache once they are in (`RolloutEngine.wake`)."""
         self.engine.wake(["weights"])
-        # One target for the engine's life: the sync keeps its copy views per target.
-        if self._engine_target is None:
-            self._engine_target = VllmEngineTarget(self.engine)
-        stats = sync_weights(
-            self.roles.actor.model,
-            self._engine_target,
-            info=self.info,
-            training=self.run.layout,
-            version=version,
-            bucket_mb=self.config.rollout.weight_sync_bucket_mb,
-        )
+        if version == 0 and self.engine.weight_version == 0 and not self.resumed:
+            # The engine holds the weights the actor starts from (it loaded model.hf_path,
+            # or generates with the actor's modules): nothing to move.
+            stats = None
+        else:
+            stats = self.engine.sync_from(self.roles.actor.model, version)
         self.engine.wake(["kv_cache"])
+        if stats is None:
+            return {}
         return {
             "reshard/bytes_received_gb": stats.bytes_received / 1e9,
             "reshard/bytes_sent_gb": stats.bytes_sent / 1e9,
@@ -297,12 +282,6 @@ class PPOTrainer:
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         return self.engine.generate(prompts, sampling, output_layout="full")
-
-    def _release_engine(self) -> None:
-        """vLLM frees its weights and KV cache while the roles train (GPU builds only)."""
-        r = self.config.rollout
-        if r.engine == "vllm" and r.enable_sleep_mode and torch.cuda.is_available():
-            self.engine.sleep(level=1)
 
     # ------------------------------------------------------------------- update
 
@@ -404,7 +383,7 @@ class PPOTrainer:
             if rows:
                 sampling = self._sampling(batch_index, evaluation=True)
                 with contextlib.ExitStack() as stack:
-                    if self.generates_with_actor:
+                    if self.engine.generates_with_trainer_modules:
                         stack.enter_context(self.roles.actor.on_device())
                     rollout = self._generate([val.input_ids[i] for i in rows], sampling)
                 batch = self._to_device(ex.training_batch(rollout))
@@ -414,7 +393,7 @@ class PPOTrainer:
                     [scores.sum().item(), rollout.response_lengths.sum().item(), len(rows)],
                     dtype=torch.float64,
                 )
-        self._release_engine()
+        self.engine.sleep(level=1)
         totals = totals.to(self.device)
         dist.all_reduce(totals, group=self.dp_group)
         count = max(totals[2].item(), 1.0)

@@ -186,9 +186,13 @@ def _cases(tp: int, ref: dict) -> None:
     engine.finish_weight_update()
     batch = engine.generate(prompts, greedy)
     assert responses(batch) == ref["greedy_b"] and batch.weight_version == 1
-    # Shared modules: an empty update only stamps the version.
-    engine.update_weights({}, version=2)
+    # Shared modules: a sync from them only stamps the version; other modules are refused.
+    assert engine.generates_with_trainer_modules
+    assert engine.sync_from(chunks, version=2) is None
     assert engine.generate(prompts[:1], greedy).weight_version == 2
+    with pytest.raises(ValueError, match="other modules than the ones it generates with"):
+        engine.sync_from(build_actor(ref["ckpt_a"], tp=tp, pp=1, dtype=torch.float32), 3)
+    assert engine.weight_version == 2
 
 
 @pytest.fixture(scope="module")

@@ -33,15 +33,16 @@ def _poison(trainer, rank: int, from_step: int) -> None:
     trainer._actor_loss = loss
 
 
-def _record_syncs(trainer) -> list[int]:
+def _record_generations(trainer) -> list[int]:
+    """The weight version the engine holds at each `generate`."""
     versions: list[int] = []
-    original = trainer.engine.update_weights
+    original = trainer.engine.generate
 
-    def update_weights(weights, version):
-        versions.append(version)
-        return original(weights, version)
+    def generate(*args, **kwargs):
+        versions.append(trainer.engine.weight_version)
+        return original(*args, **kwargs)
 
-    trainer.engine.update_weights = update_weights
+    trainer.engine.generate = generate
     return versions
 
 
@@ -56,7 +57,7 @@ def _body(rank, world_size, tmp_path, mode):
     )
     with distributed_run(seed=config.trainer.seed, timeout_s=120) as run:
         trainer = build_probe_trainer(config, run, total_steps=3)
-        syncs = _record_syncs(trainer)
+        generated_with = _record_generations(trainer)
         _poison(trainer, rank=1, from_step=1)
         if mode == "stop":
             trainer.train_step()  # step 1, finite
@@ -69,7 +70,7 @@ def _body(rank, world_size, tmp_path, mode):
             assert "\n" not in message
             assert all(torch.equal(a, b) for a, b in zip(finite, _actor_weights(trainer)))
             # The engine got the weights of steps 0 and 1 only: nothing after the NaN.
-            assert syncs == [0, 1], syncs
+            assert generated_with == [0, 1] and trainer.engine.weight_version == 1, generated_with
             return
         first = trainer.train_step()
         trainer.step += 1

@@ -1,11 +1,13 @@
 """The weight sync's agreement on 4 gloo ranks: how many collectives, and refusals that hold.
 
-One spawn, three parts, each synced into vLLM's layout (`TensorStoreTarget`) from a random
-Megatron actor, and compared with the name-based full gather into another store:
+One spawn, three parts, each synced by a `WeightSync` into vLLM's layout
+(`TensorStoreTarget`) from a random Megatron actor, and compared with the name-based full
+gather into another store:
 
-* PP = 4 (the middle stages hold no vocabulary, so they guess it): the first sync needs
-  three all-reduces (the agreement, the checks against the agreed plan, the engine's
-  acceptance), later ones two; every sync bit-exact, also after a training step;
+* PP = 4 (the middle stages hold no vocabulary, so they guess it): the first sync of a
+  new weight sync needs three all-reduces (the agreement, the checks against the agreed
+  plan, the engine's acceptance), later ones two; every sync bit-exact, also after a
+  training step; a live weight sync does not keep a dropped actor alive;
 * TP = 2, DP = 2 at t_g = 2 (nothing crosses ranks; copies stay bound across syncs): a
   replaced parameter object and a replaced `param.data` are read; a target tensor of
   the wrong shape on one rank, engine vocabularies that differ, and an engine that refuses
@@ -44,8 +46,7 @@ def _body(rank: int, world_size: int, out: str) -> None:
 
     from rl_megatron.checkpoint.hf_loader import unwrap
     from rl_megatron.models.builders import build_gpt_chunks
-    from rl_megatron.resharding import agreement, shards
-    from rl_megatron.resharding.executor import sync_weights
+    from rl_megatron.resharding import shards
     from rl_megatron.resharding.full_gather import SpecNameLoader, full_gather_sync
     from rl_megatron.resharding.layouts import (
         MEGATRON_RANK_ORDER,
@@ -54,6 +55,7 @@ def _body(rank: int, world_size: int, out: str) -> None:
         generation_layout_for,
     )
     from rl_megatron.resharding.targets import TensorStoreTarget
+    from rl_megatron.resharding.weight_sync import WeightSync
     from tests.reshard_refs import assert_bit_exact, model_info
 
     info = model_info(MODEL)
@@ -69,13 +71,15 @@ def _body(rank: int, world_size: int, out: str) -> None:
         padded = padded or shards.vllm_padded_vocab(info.vocab_size, gen.tp)
         return cls("vllm", info, gen, at, padded, device=test_device())
 
-    def sync(chunks, target, training, group=None) -> tuple[int, str | None]:
+    def sync_of(target, training, group=None) -> WeightSync:
+        return WeightSync(target, info=info, training=training, bucket_mb=BUCKET_MB, group=group)
+
+    def sync(weight_sync, chunks) -> tuple[int, str | None]:
         """(all-reduces issued, the refusal's message or None)."""
         counted[0] = 0
         dist.all_reduce = counting
         try:
-            sync_weights(chunks, target, info=info, training=training, version=0,
-                         bucket_mb=BUCKET_MB, group=group)  # fmt: skip
+            weight_sync.sync(chunks, version=0)
             return counted[0], None
         except ValueError as exc:
             return counted[0], str(exc)
@@ -103,24 +107,25 @@ def _body(rank: int, world_size: int, out: str) -> None:
     chunks, training = actor(1, 4, 1)
     gen = generation_layout_for(training, 2)
     store = store_for(gen)
-    agreement._last_agreed[:] = [0, 0, 0]  # as in a fresh process
+    pp4 = sync_of(store, training)
     counts = []
     for step in range(3):
-        counts.append(sync(chunks, store, training)[0])
+        counts.append(sync(pp4, chunks)[0])
         exact(store, chunks, gen, training, f"pp4 sync {step}")
         for param in chunks[0].parameters():  # a training step
             param.data.mul_(1.5)
     results["pp4_all_reduces"] = counts
-    # The kept source tables and copy views do not keep a dropped actor alive.
+    # The live sync's source tables and copy views do not keep a dropped actor alive.
     dropped = weakref.ref(unwrap(chunks[0]))
 
     # ---- TP = 2, DP = 2 → t_g = 2: nothing crosses ranks.
     chunks, training = actor(2, 1, 2)
     gc.collect()
-    results["dropped_actor_freed"] = dropped() is None
+    results["dropped_actor_freed"] = dropped() is None and pp4.version == 0
     gen = generation_layout_for(training, 2)
     store = store_for(gen)
-    counts = [sync(chunks, store, training)[0]]
+    tp2 = sync_of(store, training)
+    counts = [sync(tp2, chunks)[0]]
     exact(store, chunks, gen, training, "tp2")
     model = unwrap(chunks[0])
     layer = model.decoder.layers[0].self_attention.linear_qkv
@@ -128,26 +133,27 @@ def _body(rank: int, world_size: int, out: str) -> None:
     model.embedding.word_embeddings.weight.data = torch.randn_like(
         model.embedding.word_embeddings.weight
     )
-    counts.append(sync(chunks, store, training)[0])
+    counts.append(sync(tp2, chunks)[0])
     exact(store, chunks, gen, training, "replaced parameters")
     results["tp2_all_reduces"] = counts
 
-    def refused(target, what: str) -> None:
+    def refused(weight_sync, what: str) -> None:
         for t in store.tensors.values():
             t.fill_(float("nan"))
-        n, error = sync(chunks, target, training)
+        n, error = sync(weight_sync, chunks)
         untouched = all(t.isnan().all() for t in store.tensors.values())
         results[what] = {"all_reduces": n, "error": error, "untouched": untouched}
 
     right = store.tensors[QKV]
     if rank == 3:
         store.tensors[QKV] = torch.empty(right.shape[0] + 1, right.shape[1])
-    refused(store, "wrong_shape")
+    refused(tp2, "wrong_shape")
     store.tensors[QKV] = right
     if rank == 0:  # another engine on rank 0, with a larger padded vocabulary
-        refused(store_for(gen, padded=store.padded_vocab() + 64), "vocab_differs")
+        refused(sync_of(store_for(gen, padded=store.padded_vocab() + 64), training),
+                "vocab_differs")  # fmt: skip
     else:
-        refused(store, "vocab_differs")
+        refused(tp2, "vocab_differs")
 
     class Asleep(TensorStoreTarget):
         def begin(self, version: int) -> None:
@@ -158,9 +164,9 @@ def _body(rank: int, world_size: int, out: str) -> None:
     asleep = store_for(gen, cls=Asleep)
     asleep.tensors = store.tensors
     asleep.version = 5
-    refused(asleep, "begin_refused")
+    refused(sync_of(asleep, training), "begin_refused")
     results["begin_refused"]["version_after"] = asleep.version
-    results["after_refusals"] = sync(chunks, store, training)[0]
+    results["after_refusals"] = sync(tp2, chunks)[0]
     exact(store, chunks, gen, training, "after refusals")
 
     # ---- Each rank alone in its group: nothing to agree on.
@@ -169,11 +175,12 @@ def _body(rank: int, world_size: int, out: str) -> None:
     groups = [dist.new_group([r]) for r in range(world_size)]
     alone = GenerationLayout(tp=1, world_size=1)
     store = store_for(alone, at=0)
-    results["alone_all_reduces"] = [sync(chunks, store, single, groups[rank])[0] for _ in "ab"]
+    alone_sync = sync_of(store, single, groups[rank])
+    results["alone_all_reduces"] = [sync(alone_sync, chunks)[0] for _ in "ab"]
     whole = TrainingLayout(1, 1, 4)  # the reference gathers in the world's layout
     exact(store, chunks, generation_layout_for(whole, 1), whole, "alone")
     store.tensors[QKV] = torch.empty(1)
-    results["alone_refused"] = sync(chunks, store, single, groups[rank])
+    results["alone_refused"] = sync(alone_sync, chunks)
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 

@@ -6,8 +6,8 @@ virtual stages, the three tiny models (Llama-GQA; Qwen2 with QKV bias and tied e
 a vocabulary of 100 that Megatron and vLLM pad differently) are built as actors from HF
 checkpoints by the trainer's own builder, and for each t_g ∈ {1, 2, 4} dividing t·p:
 
-* vLLM's layout (plain tensors, `TensorStoreTarget`) is synced and compared with the
-  checkpoint sliced straight into vLLM's shards (`tests/reshard_refs.py`);
+* vLLM's layout (plain tensors, `TensorStoreTarget`) is synced by a `WeightSync` and
+  compared with the checkpoint sliced straight into vLLM's shards (`tests/reshard_refs.py`);
 * a `MegatronEngine` at TP t_g (parallel state rebuilt, weights left uninitialised) is
   synced; its parameters are compared with what the checkpoint loader puts there at t_g,
   and its greedy generation with `transformers`' (computed in this process).
@@ -103,11 +103,11 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
     from rl_megatron.models.builders import build_actor, build_gpt_chunks
     from rl_megatron.models.hf_config import load_hf_config
     from rl_megatron.resharding import shards
-    from rl_megatron.resharding.executor import sync_weights
     from rl_megatron.resharding.layouts import MEGATRON_RANK_ORDER, TrainingLayout
     from rl_megatron.resharding.layouts import generation_layout_for as gen_for
     from rl_megatron.resharding.plan import build_plan
     from rl_megatron.resharding.targets import MegatronEngineTarget, TensorStoreTarget
+    from rl_megatron.resharding.weight_sync import WeightSync
     from rl_megatron.rollout.megatron_engine import MegatronEngine
     from rl_megatron.rollout.sampling import SamplingParams
     from tests.reshard_refs import megatron_reference, vllm_reference
@@ -127,9 +127,8 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
     def sync(actor, target, info, training):
         nonlocal version
         version += 1
-        return sync_weights(
-            actor, target, info=info, training=training, version=version, bucket_mb=BUCKET_MB
-        )
+        weight_sync = WeightSync(target, info=info, training=training, bucket_mb=BUCKET_MB)
+        return weight_sync.sync(actor, version)
 
     def record(m, training, t_g, target, stats, plan=None):
         layout = [training.tp, training.pp, training.dp, training.vpp]
@@ -197,7 +196,7 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
 
 def _plan_key(info, training, gen, target, gen_padded):
     from rl_megatron.checkpoint.conversions import padded_vocab_size
-    from rl_megatron.resharding.executor import MIB
+    from rl_megatron.resharding.agreement import MIB
     from rl_megatron.resharding.plan import PlanKey
 
     train_padded = padded_vocab_size(info.vocab_size, 128, training.tp)
@@ -213,20 +212,17 @@ def _profiled_sync(rank, actor, infos, training) -> dict:
     from megatron.core import parallel_state as ps
 
     from rl_megatron.resharding import shards
-    from rl_megatron.resharding.executor import sync_weights
     from rl_megatron.resharding.full_gather import SpecNameLoader, full_gather_sync
     from rl_megatron.resharding.layouts import generation_layout_for
     from rl_megatron.resharding.targets import TensorStoreTarget
+    from rl_megatron.resharding.weight_sync import WeightSync
 
     info = infos["llama_gqa"]
     gen = generation_layout_for(training, 1)
     padded = shards.vllm_padded_vocab(info.vocab_size, 1)
     store = TensorStoreTarget("vllm", info, gen, rank, padded, device=test_device())
-    stats, peak = _profiled_peak(
-        lambda: sync_weights(
-            actor, store, info=info, training=training, version=1, bucket_mb=MEMORY_BUCKET_MB
-        )
-    )
+    weight_sync = WeightSync(store, info=info, training=training, bucket_mb=MEMORY_BUCKET_MB)
+    stats, peak = _profiled_peak(lambda: weight_sync.sync(actor, version=1))
     baseline = TensorStoreTarget("vllm", info, gen, rank, padded, device=test_device())
     loader = SpecNameLoader(baseline)
     baseline_stats, baseline_peak = _profiled_peak(
@@ -255,23 +251,22 @@ def _profiled_sync(rank, actor, infos, training) -> dict:
 def _refusals(actors, infos, engine) -> dict:
     """A Qwen2 engine offered the Llama actor's weights: refused on every rank before any
     write; and `generate` refuses in the middle of an update."""
-    from rl_megatron.resharding.executor import sync_weights
     from rl_megatron.resharding.layouts import TrainingLayout
     from rl_megatron.resharding.targets import MegatronEngineTarget
+    from rl_megatron.resharding.weight_sync import WeightSync
     from rl_megatron.rollout.sampling import SamplingParams
 
     out: dict = {"kind": "refusals", "version_before": engine.weight_version}
     training = TrainingLayout(*MEMORY_LAYOUT)  # TP2·PP2 on 4 ranks, PP2 on 2 (GPUs)
     before = {k: v.detach().clone() for k, v in engine.model.named_parameters()}
+    weight_sync = WeightSync(
+        MegatronEngineTarget(engine),
+        info=infos["llama_gqa"],
+        training=training,
+        bucket_mb=BUCKET_MB,
+    )
     try:
-        sync_weights(
-            actors[training]["llama_gqa"],
-            MegatronEngineTarget(engine),
-            info=infos["llama_gqa"],
-            training=training,
-            version=10_000,
-            bucket_mb=BUCKET_MB,
-        )
+        weight_sync.sync(actors[training]["llama_gqa"], version=10_000)
         out["mismatch_error"] = None
     except ValueError as exc:
         out["mismatch_error"] = str(exc)

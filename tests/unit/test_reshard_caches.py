@@ -1,12 +1,14 @@
-"""The executor's copy views kept across syncs, and what must invalidate them.
+"""What a `WeightSync` keeps across syncs (plan, program, source table, copy views), and what
+must invalidate it.
 
-One process, no torch.distributed: training layout (1, 1, 1) → vLLM's layout at t_g = 1
-moves nothing between ranks, so `execute_plan` needs no process group (the agreement's
-collectives are covered by tests/multirank/test_reshard_agreement.py). Sources are the
-training shards of random HF tensors (`megatron_reference`); the expected target is what
-vLLM holds after loading the same tensors itself (`vllm_reference`). The padded-vocabulary
-model is used so that zero fills run beside the copies, Llama-GQA for QKV's strided runs.
-Tolerance: bit-exact (pure copies; unwritten rows stay NaN).
+One process, a one-rank gloo group: training layout (1, 1, 1) → vLLM's layout at t_g = 1
+moves nothing between ranks (the agreement's collectives on several ranks are covered by
+tests/multirank/test_reshard_agreement.py). The actor is a module tree holding, under
+GPTModel's parameter names, the training shards of random HF tensors
+(`megatron_reference`); the expected target is what vLLM holds after loading the same
+tensors itself (`vllm_reference`). The padded-vocabulary model is used so that zero fills
+run beside the copies, Llama-GQA for QKV's strided runs. Tolerance: bit-exact (pure
+copies; unwritten rows stay NaN).
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import weakref
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from rl_megatron.checkpoint.conversions import padded_vocab_size
-from rl_megatron.resharding import executor, shards
-from rl_megatron.resharding.executor import execute_plan
+from rl_megatron.resharding import shards
 from rl_megatron.resharding.layouts import TrainingLayout, generation_layout_for
-from rl_megatron.resharding.plan import PlanKey, build_plan
 from rl_megatron.resharding.targets import TensorStoreTarget
+from rl_megatron.resharding.weight_sync import WeightSync
 from tests.reshard_refs import (
     assert_bit_exact,
     megatron_reference,
@@ -35,23 +37,61 @@ QKV = "model.layers.1.self_attn.qkv_proj.weight"  # strided runs (q, k, v of eac
 EMBED = "model.embed_tokens.weight"  # one flat copy, padding rows zero-filled
 SRC_QKV = "decoder.layers.1.self_attention.linear_qkv.weight"
 SRC_EMBED = "embedding.word_embeddings.weight"
+BUCKET_MB = 1 / 256  # 4 KiB
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_rank(tmp_path_factory):
+    if dist.is_initialized():
+        yield
+        return
+    store = dist.FileStore(str(tmp_path_factory.mktemp("pg") / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def actor_holding(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module tree with `tensors` as parameters under their GPTModel names (stand-in for
+    a Megatron chunk at PP 1: `decoder.layers[i].layer_number` is i + 1, as in megatron)."""
+    root = torch.nn.Module()
+    layers = 1 + max(int(n.split(".")[2]) for n in tensors if n.startswith("decoder.layers."))
+    root.decoder = torch.nn.Module()
+    root.decoder.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(layers))
+    for i, layer in enumerate(root.decoder.layers):
+        layer.layer_number = i + 1
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
+
+
+def param(chunk: torch.nn.Module, name: str) -> torch.nn.Parameter:
+    return chunk.get_parameter(name)
+
+
+def replace_param(chunk: torch.nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    setattr(chunk.get_submodule(module_name), leaf, torch.nn.Parameter(value, requires_grad=False))
 
 
 class Case:
-    """One model's plan, training shards of HF state A, an empty store, and references."""
+    """One model's actor (training shards of HF state A), a store, its sync, references."""
 
     def __init__(self, model: str) -> None:
         self.info = info = model_info(model)
-        training = TrainingLayout(1, 1, 1)
-        self.gen = generation_layout_for(training, 1)
+        self.training = TrainingLayout(1, 1, 1)
+        self.gen = generation_layout_for(self.training, 1)
         self.train_vocab = padded_vocab_size(info.vocab_size, 128, 1)
         self.gen_vocab = shards.vllm_padded_vocab(info.vocab_size, 1)
-        key = PlanKey(
-            info, training, self.gen, "vllm", self.train_vocab, self.gen_vocab, 1 << 12, 4
-        )
-        self.plan = build_plan(key)
-        self.sources = self.training_shards(seed=0)
+        self.chunk = actor_holding(self.training_shards(seed=0))
         self.store = self.new_store()
+        self.weight_sync = self.sync_into(self.store)
 
     def training_shards(self, seed: int) -> dict[str, torch.Tensor]:
         state = random_hf_state(self.info, seed)
@@ -61,15 +101,19 @@ class Case:
         state = random_hf_state(self.info, seed)
         return vllm_reference(state, self.info, 1, 0, self.gen_vocab)
 
-    def new_store(self) -> TensorStoreTarget:
-        return TensorStoreTarget("vllm", self.info, self.gen, 0, self.gen_vocab)
+    def new_store(self, cls=TensorStoreTarget) -> TensorStoreTarget:
+        return cls("vllm", self.info, self.gen, 0, self.gen_vocab)
 
-    def sync(self, store: TensorStoreTarget | None = None) -> TensorStoreTarget:
-        store = store or self.store
-        store.begin(0)
-        execute_plan(self.plan, 0, self.sources, store)
-        store.finish()
-        return store
+    def sync_into(self, store: TensorStoreTarget) -> WeightSync:
+        return WeightSync(store, info=self.info, training=self.training, bucket_mb=BUCKET_MB)
+
+    def sync(self, weight_sync: WeightSync | None = None, version: int = 0) -> TensorStoreTarget:
+        weight_sync = weight_sync or self.weight_sync
+        weight_sync.sync([self.chunk], version)
+        return weight_sync.target
+
+    def kept_views(self, weight_sync: WeightSync | None = None) -> list:
+        return (weight_sync or self.weight_sync)._views.bound
 
 
 @pytest.fixture(params=["llama_gqa", "padded_vocab"])
@@ -77,26 +121,24 @@ def case(request) -> Case:
     return Case(request.param)
 
 
-def _bound(store) -> list:
-    (entry,) = executor._BOUND[store].values()
-    return entry[2]
-
-
-def test_repeated_syncs_reuse_their_views_and_see_new_values(case):
+def test_repeated_syncs_reuse_plan_program_and_views_and_see_new_values(case):
     assert_bit_exact(case.sync().tensors, case.want(0), "first sync")
-    first = _bound(case.store)
+    plan, program, first = case.weight_sync.plan, case.weight_sync._program, case.kept_views()
+    assert plan is not None and first
     for t in case.store.tensors.values():
         t.fill_(float("nan"))
     # A training step: the same tensors, new values.
     for name, t in case.training_shards(seed=1).items():
-        case.sources[name].copy_(t)
-    assert_bit_exact(case.sync().tensors, case.want(1), "second sync")
-    assert _bound(case.store) is first
+        param(case.chunk, name).data.copy_(t)
+    assert_bit_exact(case.sync(version=1).tensors, case.want(1), "second sync")
+    assert case.weight_sync.plan is plan and case.weight_sync._program is program
+    assert case.kept_views() is first
+    assert case.weight_sync.version == 1
 
 
 def test_a_replaced_target_tensor_is_written_and_the_old_one_left_alone(case):
     case.sync()
-    first = _bound(case.store)
+    first = case.kept_views()
     old = {name: case.store.tensors[name] for name in (QKV, EMBED)}
     for name, t in old.items():
         t.fill_(7.0)
@@ -104,16 +146,20 @@ def test_a_replaced_target_tensor_is_written_and_the_old_one_left_alone(case):
         case.store.tensors[name] = torch.full_like(t, float("nan"))
     assert_bit_exact(case.sync().tensors, case.want(0), "after replacing target tensors")
     assert all(t.eq(7.0).all() for t in old.values())
-    assert _bound(case.store) is not first
+    assert case.kept_views() is not first
 
 
-def test_a_replaced_source_tensor_is_read(case):
+@pytest.mark.parametrize("how", ["parameter object", "param.data"])
+def test_a_replaced_source_tensor_is_read(case, how):
     case.sync()
     # New tensors under the same names (the old ones stay alive, holding state 0).
     new = case.training_shards(seed=1)
-    stale = {name: case.sources[name] for name in (SRC_QKV, SRC_EMBED)}
+    stale = {name: param(case.chunk, name).data for name in (SRC_QKV, SRC_EMBED)}
     for name in stale:
-        case.sources[name] = new[name]
+        if how == "parameter object":
+            replace_param(case.chunk, name, new[name])
+        else:
+            param(case.chunk, name).data = new[name]
     got = case.sync().tensors
     want_new, want_old = case.want(1), case.want(0)
     for name in (QKV, EMBED):
@@ -127,12 +173,13 @@ def test_offloaded_and_reloaded_sources(case):
     """As trainer/offload.py does: the storage shrunk to 0 bytes, then grown and refilled."""
     case.sync()
     new = case.training_shards(seed=2)
-    for name, t in case.sources.items():
-        storage = t.untyped_storage()
+    for name, t in new.items():
+        p = param(case.chunk, name)
+        storage = p.untyped_storage()
         nbytes = storage.nbytes()
         storage.resize_(0)
         storage.resize_(nbytes)
-        t.copy_(new[name])
+        p.data.copy_(t)
     assert_bit_exact(case.sync().tensors, case.want(2), "after offload and reload")
 
 
@@ -142,22 +189,65 @@ def test_a_non_contiguous_replacement_is_refused_not_written_through_old_views(c
     case.store.tensors[QKV] = torch.empty(shape[::-1]).t()  # same shape, other strides
     with pytest.raises(ValueError, match=f"dst tensor '{QKV}' is not contiguous"):
         case.sync()
+    assert case.weight_sync.version is None  # the target was told the transfer failed
 
 
-def test_views_do_not_outlive_their_target(case):
-    """The cache is per target: a dropped target's tensors are freed with it."""
+def test_the_kept_state_goes_with_the_sync(case):
+    """Nothing global: a dropped sync frees its target's tensors, and a live sync does not
+    keep a dropped actor alive."""
     case.sync()
+    chunk = weakref.ref(case.chunk)
+    del case.chunk
+    gc.collect()
+    assert chunk() is None
     store, tensor = weakref.ref(case.store), weakref.ref(case.store.tensors[QKV])
-    del case.store
+    del case.store, case.weight_sync
     gc.collect()
     assert store() is None and tensor() is None
 
 
 def test_each_target_gets_every_row(case):
-    """Two targets synced from the same sources alternately each hold their own views."""
-    other = case.new_store()
+    """Two syncs into two targets from the same actor, alternately: each has its own state."""
+    other = case.sync_into(case.new_store())
     for _ in range(2):
-        for store in (case.store, other):
-            for t in store.tensors.values():
+        for weight_sync in (case.weight_sync, other):
+            for t in weight_sync.target.tensors.values():
                 t.fill_(float("nan"))
-            assert_bit_exact(case.sync(store).tensors, case.want(0), "alternating targets")
+            assert_bit_exact(case.sync(weight_sync).tensors, case.want(0), "alternating targets")
+    assert case.kept_views() is not case.kept_views(other)
+
+
+class BufferingStore(TensorStoreTarget):
+    """A store that, like vLLM's CPU build, wants each parameter reported as soon as its last
+    rows are in: it records how many parameters were open (handed out, not yet reported)."""
+
+    buffers_params = True
+
+    def begin(self, version: int) -> None:
+        super().begin(version)
+        self.open: set[str] = set()
+        self.most_open = 0
+        self.incomplete_when_done: list[str] = []
+
+    def writable(self, name: str) -> torch.Tensor:
+        self.open.add(name)
+        self.most_open = max(self.most_open, len(self.open))
+        return super().writable(name)
+
+    def param_done(self, name: str) -> None:
+        if self.tensors[name].isnan().any() or name in self.done:
+            self.incomplete_when_done.append(name)
+        self.open.discard(name)
+        super().param_done(name)
+
+
+def test_a_buffering_target_hears_of_each_parameter_as_soon_as_it_is_complete(case):
+    store = case.new_store(BufferingStore)
+    weight_sync = case.sync_into(store)
+    for version in range(2):
+        for t in store.tensors.values():
+            t.fill_(float("nan"))
+        assert_bit_exact(case.sync(weight_sync, version).tensors, case.want(0), "buffering")
+        assert store.most_open == 1 and not store.incomplete_when_done
+        assert store.done == set(store.tensors)
+    assert weight_sync._views is None and weight_sync._program[1].per_param

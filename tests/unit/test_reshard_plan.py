@@ -293,13 +293,14 @@ def test_rounds_respect_the_bucket_and_split_big_moves():
         build_plan(_key(info, training, gen, "vllm", bucket_bytes=row - 4))
 
 
-def test_plans_are_cached_per_layout_pair():
+def test_plans_are_pure_functions_of_their_key():
+    """No cache here: a weight sync keeps the plan it runs (tests/unit/test_reshard_caches.py)."""
     info = model_info("llama_gqa")
     training = TrainingLayout(2, 2, 1)
     key = _key(info, training, generation_layout_for(training, 2), "vllm")
-    assert build_plan(key) is build_plan(key)
+    assert build_plan(key) == build_plan(key)
     other = _key(info, training, generation_layout_for(training, 4), "vllm")
-    assert build_plan(other) is not build_plan(key)
+    assert build_plan(other) != build_plan(key)
 
 
 def test_invalid_pairs_are_refused():

@@ -273,6 +273,11 @@ class RecordingEngine(RolloutEngine):
         self.fail_next_bucket = False
         self.calls: list[str] = []
 
+    def sync_from(self, model_chunks, version: int) -> None:
+        self.update_weights(
+            {n: p for chunk in model_chunks for n, p in chunk.named_parameters()}, version
+        )
+
     def _begin_update(self) -> None:
         self.calls.append("begin")
 

@@ -7,8 +7,9 @@ One vLLM engine (CPU build, rollout TP from the spec) loads checkpoint A itself;
 tokens and log-probs are the reference. Then, for each training layout of the spec, the
 engine is first pushed checkpoint B (so stale weights would show), a Megatron actor is
 built from A in the same processes, and its weights are resharded into the engine
-(`VllmEngineTarget`, through vLLM's layerwise reload on this build); greedy generation must
-reproduce the reference bit for bit. The name-based full-gather path does the same as a
+(`engine.sync_from`, through the engine's `WeightSync` into a `VllmEngineTarget` and vLLM's
+layerwise reload on this build); greedy generation must reproduce the reference bit for
+bit. The name-based full-gather path does the same as a
 baseline. Each rank writes `outdir/rank{r}.json`.
 """
 
@@ -69,10 +70,10 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from rl_megatron import cpu_compat
     from rl_megatron.models.builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.resharding.executor import sync_weights
     from rl_megatron.resharding.full_gather import full_gather_sync
     from rl_megatron.resharding.layouts import MEGATRON_RANK_ORDER, TrainingLayout
     from rl_megatron.resharding.targets import VllmEngineTarget
+    from rl_megatron.resharding.weight_sync import WeightSync
 
     cpu_compat.enable_if_no_gpu()
     info = load_hf_config(spec["ckpt_a"])
@@ -86,15 +87,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         case: dict[str, Any] = {"layout": [t, p, training.dp]}
 
         engine.update_weights(sd_b, version=version + 1)  # stale weights would now show
-        target = VllmEngineTarget(engine)
-        stats = sync_weights(
-            actor,
-            target,
-            info=info,
-            training=training,
-            version=version + 2,
-            bucket_mb=spec["bucket_mb"],
+        # One weight sync per training layout (the trainer makes one, with the engine).
+        engine.weight_sync = WeightSync(
+            VllmEngineTarget(engine), info=info, training=training, bucket_mb=spec["bucket_mb"]
         )
+        stats = engine.sync_from(actor, version=version + 2)
         case["reshard"] = {**stats.as_dict(), **dump(engine.generate(prompts, greedy))}
 
         engine.update_weights(sd_b, version=version + 3)
@@ -114,7 +111,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         ps.destroy_model_parallel()
 
     # A transfer that never finishes: generate refuses.
-    target.begin(version + 1)
+    engine.weight_sync.target.begin(version + 1)
     try:
         engine.generate(prompts, greedy)
         res["partial_error"] = None
