@@ -275,8 +275,8 @@ def run_layout(t: int, p: int, d: int, args, info, rank: int) -> list[dict]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from rl_megatron.checkpoint.conversions import padded_vocab_size
     from rl_megatron.models.builders import build_gpt_chunks
+    from rl_megatron.models.conversions import padded_vocab_size
     from rl_megatron.resharding import shards
     from rl_megatron.resharding.agreement import MIB
     from rl_megatron.resharding.full_gather import SpecNameLoader, full_gather_sync

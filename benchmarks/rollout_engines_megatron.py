@@ -16,7 +16,7 @@ def build_megatron_actor(ckpt: Path, args) -> list[torch.nn.Module]:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from rl_megatron import cpu_compat
-    from rl_megatron.models.builders import build_actor
+    from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.resharding.layouts import MEGATRON_RANK_ORDER
 
     cpu_compat.enable_if_no_gpu()

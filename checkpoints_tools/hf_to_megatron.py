@@ -43,7 +43,6 @@ from torch.overrides import TorchFunctionMode  # noqa: E402
 
 from rl_megatron.checkpoint import hf_mapping as hm  # noqa: E402
 from rl_megatron.checkpoint import integrity, safe_metadata  # noqa: E402
-from rl_megatron.checkpoint.conversions import padded_vocab_size  # noqa: E402
 from rl_megatron.checkpoint.hf_export import (  # noqa: E402
     HF_AUX_FILES,
     check_output_dir,
@@ -56,6 +55,7 @@ from rl_megatron.checkpoint.hf_loader import (  # noqa: E402
     iter_rule_params,
     unwrap,
 )
+from rl_megatron.models.conversions import padded_vocab_size  # noqa: E402
 from rl_megatron.models.hf_config import (  # noqa: E402
     check_parallel_layout,
     check_tokenizer_vocab,

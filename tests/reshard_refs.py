@@ -1,7 +1,7 @@
 """Tiny models and HF-slicing references for the resharding tests.
 
 The references build each engine's shard straight from the HF tensors with the pure
-conversions of `checkpoint.conversions` (and, for Megatron, the checkpoint loader's
+conversions of `models.conversions` (and, for Megatron, the checkpoint loader's
 `hf_to_megatron_shard`) — a different code path from the plan's row arithmetic.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from rl_megatron.checkpoint import conversions as cv
 from rl_megatron.checkpoint import hf_mapping as hm
+from rl_megatron.models import conversions as cv
 from rl_megatron.models.hf_config import HFModelInfo, parse_hf_config
 
 # 4 layers (pp=4, or pp=2 × vpp=2); 8 query heads in 4 KV groups, so tp ≤ 4 splits them.

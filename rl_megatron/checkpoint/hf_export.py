@@ -38,6 +38,7 @@ from rl_megatron.checkpoint.hf_loader import (
     read_safetensors_header,
     unwrap,
 )
+from rl_megatron.models.families import family
 from rl_megatron.models.hf_config import HFModelInfo
 
 # Files next to the weights that a user expects to find in an HF model directory.
@@ -54,7 +55,6 @@ HF_AUX_FILES = (
     "added_tokens.json",
 )
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_ARCH_PREFIX = {"llama": "Llama", "qwen2": "Qwen2", "mistral": "Mistral"}
 
 HFTensor = tuple[str, tuple[int, ...], torch.dtype]  # (HF name, shape, dtype)
 
@@ -267,7 +267,7 @@ def _hf_config_dict(src_dir: Path, head: str, info: HFModelInfo, dtype: torch.dt
     if "dtype" not in cfg and "torch_dtype" not in cfg:
         cfg["torch_dtype"] = dtype_name
     if head == "value":
-        cfg["architectures"] = [f"{_ARCH_PREFIX[info.model_type]}ForSequenceClassification"]
+        cfg["architectures"] = [f"{family(info.model_type).architecture}ForSequenceClassification"]
         cfg["num_labels"] = 1
         cfg["id2label"], cfg["label2id"] = {"0": "LABEL_0"}, {"LABEL_0": 0}
     return cfg

@@ -1,89 +1,34 @@
-"""HF ⇄ Megatron name tables per model family, and the named transforms between them.
+"""HF ⇄ Megatron conversion of whole models, driven by the family name tables.
 
-A `Rule` maps one Megatron parameter (its `dist_checkpointing` name, `{layer}` = global
-layer index) to the HF tensors it is made of, with the symbolic HF shapes and one of four
-transforms:
-
-    COPY     one HF tensor, split along `tp_dim` (or replicated when None)
-    QKV      q, k, v → per-group interleaved `linear_qkv` (weight or bias)
-    GATE_UP  gate, up → `linear_fc1 = [gate_r; up_r]` per TP shard
-    VOCAB    embedding / LM head rows, padded to Megatron's padded vocabulary
-
-The loader (`hf_loader`), the exporter (`hf_export`) and the engine sync read these tables;
-the layout arithmetic itself lives in `conversions`.
+The rows themselves — for each Megatron parameter, its HF tensors, transform and TP shard
+dim — are the family tables of `models/families/` (one module per family, `table.py` the
+format); the layout arithmetic is the named transforms of `models/conversions.py`. This
+module picks a model's rows (`rules_for`), asserts a checkpoint holds exactly the tensors
+they consume, and builds one Megatron TP shard from HF tensors or HF tensors from TP
+shards. The loader (`hf_loader`), the exporter (`hf_export`), the checkpoint tools, the
+Megatron engine's weight update and the resharding shard specs all go through it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from collections.abc import Callable
 
 import torch
 
-from rl_megatron.checkpoint import conversions as cv
+from rl_megatron.models import conversions as cv
+from rl_megatron.models.families import family
+from rl_megatron.models.families.table import (
+    COPY,
+    GATE_UP,
+    QKV,
+    TIED_LM_HEAD,
+    VALUE_HEAD,
+    VOCAB,
+    Rule,
+    hf_shape,
+)
 from rl_megatron.models.hf_config import HFModelInfo
-
-COPY, QKV, GATE_UP, VOCAB = "copy", "qkv", "gate_up", "vocab"
-
-# Symbolic HF dims: h hidden, Q = heads*head_dim, K = kv_heads*head_dim, F ffn,
-# V true vocab, L classifier labels.
-Shape = tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
-class Rule:
-    megatron: str  # dist-checkpoint name; `{layer}` is the global layer index
-    hf: tuple[tuple[str, Shape], ...]  # (HF name with `{layer}`, symbolic shape) in order
-    transform: str  # COPY | QKV | GATE_UP | VOCAB
-    tp_dim: int | None  # Megatron dim split across TP ranks; None = replicated
-    export: bool = True  # False: the HF tensor is written by another rule (tied head)
-
-
-# fmt: off
-_M = "decoder.layers.{layer}."
-_H = "model.layers.{layer}."
-
-DECODER_RULES: tuple[Rule, ...] = (
-    Rule(_M + "self_attention.linear_qkv.layer_norm_weight",
-         ((_H + "input_layernorm.weight", ("h",)),), COPY, None),
-    Rule(_M + "self_attention.linear_qkv.weight",
-         ((_H + "self_attn.q_proj.weight", ("Q", "h")),
-          (_H + "self_attn.k_proj.weight", ("K", "h")),
-          (_H + "self_attn.v_proj.weight", ("K", "h"))), QKV, 0),
-    Rule(_M + "self_attention.linear_proj.weight",
-         ((_H + "self_attn.o_proj.weight", ("h", "Q")),), COPY, 1),
-    Rule(_M + "mlp.linear_fc1.layer_norm_weight",
-         ((_H + "post_attention_layernorm.weight", ("h",)),), COPY, None),
-    Rule(_M + "mlp.linear_fc1.weight",
-         ((_H + "mlp.gate_proj.weight", ("F", "h")),
-          (_H + "mlp.up_proj.weight", ("F", "h"))), GATE_UP, 0),
-    Rule(_M + "mlp.linear_fc2.weight", ((_H + "mlp.down_proj.weight", ("h", "F")),), COPY, 1),
-)
-QKV_BIAS_RULES: tuple[Rule, ...] = (
-    Rule(_M + "self_attention.linear_qkv.bias",
-         ((_H + "self_attn.q_proj.bias", ("Q",)),
-          (_H + "self_attn.k_proj.bias", ("K",)),
-          (_H + "self_attn.v_proj.bias", ("K",))), QKV, 0),
-)
-EMBEDDING = Rule("embedding.word_embeddings.weight",
-                 (("model.embed_tokens.weight", ("V", "h")),), VOCAB, 0)
-FINAL_NORM = Rule("decoder.final_layernorm.weight", (("model.norm.weight", ("h",)),), COPY, None)
-LM_HEAD = Rule("output_layer.weight", (("lm_head.weight", ("V", "h")),), VOCAB, 0)
-# With tied embeddings HF stores only the embedding; a last pipeline stage that is not also
-# the first keeps its own copy of it as `output_layer.weight`.
-TIED_LM_HEAD = Rule("output_layer.weight",
-                    (("model.embed_tokens.weight", ("V", "h")),), VOCAB, 0, export=False)
-# Critic / reward model: *ForSequenceClassification's `score` ([num_labels, h], no bias),
-# replicated on every TP rank.
-VALUE_HEAD = Rule("output_layer.weight", (("score.weight", ("L", "h")),), COPY, None)
-
-FAMILY_RULES: dict[str, tuple[Rule, ...]] = {
-    "llama": DECODER_RULES,
-    "mistral": DECODER_RULES,
-    "qwen2": DECODER_RULES + QKV_BIAS_RULES,
-}
-# fmt: on
 
 # HF tensors some checkpoints carry that the model does not need.
 IGNORED_HF = re.compile(r".*rotary_emb\.inv_freq$")
@@ -100,9 +45,10 @@ def rules_for(info: HFModelInfo, head: str = "lm") -> list[Rule]:
         head: "lm" (causal LM head), "value" (scalar head from `score.weight`) or "none"
             (no head rule: a critic whose value head starts fresh).
     """
-    rules = [EMBEDDING, *FAMILY_RULES[info.model_type], FINAL_NORM]
+    table = family(info.model_type)
+    rules = [table.embedding, *table.layers, table.final_norm]
     if head == "lm":
-        rules.append(TIED_LM_HEAD if info.tie_word_embeddings else LM_HEAD)
+        rules.append(TIED_LM_HEAD if info.tie_word_embeddings else table.lm_head)
     elif head == "value":
         rules.append(VALUE_HEAD)
     elif head != "none":
@@ -110,30 +56,11 @@ def rules_for(info: HFModelInfo, head: str = "lm") -> list[Rule]:
     return rules
 
 
-def hf_dims(info: HFModelInfo) -> dict[str, int]:
-    """Values of the symbolic dims used in the tables' HF shapes."""
-    return {
-        "h": info.hidden_size,
-        "Q": info.num_attention_heads * info.head_dim,
-        "K": info.num_key_value_heads * info.head_dim,
-        "F": info.ffn_hidden_size,
-        "V": info.vocab_size,
-        "L": 1,  # scalar value head
-    }
-
-
-def hf_shape(shape: Shape, info: HFModelInfo) -> tuple[int, ...]:
-    """A symbolic HF shape, e.g. ("Q", "h"), in numbers for this model."""
-    dims = hf_dims(info)
-    return tuple(dims[d] for d in shape)
-
-
 def expected_hf_tensors(rules: list[Rule], info: HFModelInfo) -> dict[str, tuple[int, ...]]:
     """Every HF tensor name the rules consume, all layers expanded, with its shape."""
     out: dict[str, tuple[int, ...]] = {}
     for rule in rules:
-        layers = range(info.num_layers) if "{layer}" in rule.megatron else [None]
-        for layer in layers:
+        for layer in range(info.num_layers) if rule.per_layer else [None]:
             for name, shape in rule.hf:
                 out[name.format(layer=layer)] = hf_shape(shape, info)
     return out

@@ -1,20 +1,20 @@
-"""Build the four roles' `GPTModel`s from an HF checkpoint, in the current parallel layout.
+"""Megatron `GPTModel` chunks for an HF architecture, in the current parallel layout.
 
-* actor, reference: causal LM (`GPTModel`, vocabulary-parallel output layer).
-* critic, reward model: the same trunk with a scalar `ValueHead` as output layer, so the
-  model returns `[b, s, 1]` values instead of `[b, s, V/tp]` logits. A critic starts from the
-  actor's HF checkpoint (head freshly initialised) or from a reward model's; a reward model
-  loads an HF `*ForSequenceClassification` checkpoint (`score.weight`).
+`build_gpt_chunks(info, ...)` builds one chunk per virtual pipeline stage of this rank (a
+list of length 1 without VPP), randomly initialised or left for a loader to fill:
 
-Every builder returns one model chunk per virtual pipeline stage of this rank (a list of
-length 1 without VPP) and expects `parallel_state.initialize_model_parallel(tp, pp, vpp)`
-to have been called with the same sizes. On a machine without CUDA call
+* a causal LM (`GPTModel`, vocabulary-parallel output layer: actor, reference),
+* or the same trunk with a scalar `ValueHead` as output layer (`value_head=True`: critic,
+  reward model), so the model returns `[b, s, 1]` values instead of `[b, s, V/tp]` logits.
+
+Building a role from an HF checkpoint is this plus loading its weights:
+`checkpoint/hf_builders.py` (`build_actor`, `build_reference`, `build_critic`,
+`build_reward_model`). Expects `parallel_state.initialize_model_parallel(tp, pp, vpp)` to
+have been called with the same sizes; on a machine without CUDA call
 `rl_megatron.cpu_compat.enable_if_no_gpu()` first.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -24,14 +24,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from torch import Tensor
 
-from rl_megatron.checkpoint.hf_loader import load_hf_weights
-from rl_megatron.models.hf_config import (
-    HFConfigError,
-    HFModelInfo,
-    gpt_model_kwargs,
-    load_hf_config,
-    transformer_config_from_hf,
-)
+from rl_megatron.models.hf_config import HFModelInfo, gpt_model_kwargs, transformer_config_from_hf
 from rl_megatron.models.specs import gpt_layer_spec
 
 
@@ -161,41 +154,7 @@ def build_gpt_chunks(
     return chunks
 
 
-def _build(
-    hf_dir: str | Path,
-    head: str,
-    *,
-    tp: int,
-    pp: int,
-    vpp: int | None,
-    dtype: torch.dtype,
-    load: bool,
-    head_seed: int = 0,
-    **kwargs,
-) -> list[GPTModel]:
-    info = load_hf_config(hf_dir)
-    chunks = build_gpt_chunks(
-        info,
-        tp=tp,
-        pp=pp,
-        vpp=vpp,
-        dtype=dtype,
-        value_head=head != "lm",
-        perform_initialization=not load,
-        **kwargs,
-    )
-    for chunk in chunks:
-        if isinstance(getattr(chunk, "output_layer", None), ValueHead) and (
-            head == "none" or not load
-        ):
-            chunk.output_layer.reset_parameters(head_seed)
-    if load:
-        _mark_tensor_parallel_weights(chunks)
-        load_hf_weights(chunks, hf_dir, info, head=head)
-    return chunks
-
-
-def _mark_tensor_parallel_weights(chunks: list[GPTModel]) -> None:
+def mark_tensor_parallel_weights(chunks: list[GPTModel]) -> None:
     """Set megatron's `tensor_model_parallel` attributes on TP-split weights.
 
     megatron-core sets them only inside its weight initialisers, which
@@ -214,79 +173,3 @@ def _mark_tensor_parallel_weights(chunks: list[GPTModel]) -> None:
             if dim is None or weight is None or getattr(weight, "tensor_model_parallel", False):
                 continue
             tensor_parallel.set_tensor_model_parallel_attributes(weight, True, dim, 1)
-
-
-def _freeze(chunks: list[GPTModel]) -> list[GPTModel]:
-    for chunk in chunks:
-        chunk.eval()
-        chunk.requires_grad_(False)
-    return chunks
-
-
-def build_actor(
-    hf_dir: str | Path,
-    *,
-    tp: int,
-    pp: int,
-    vpp: int | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    load: bool = True,
-    **kwargs,
-) -> list[GPTModel]:
-    """Actor: causal LM from an HF `*ForCausalLM` checkpoint (`load=False`: random init)."""
-    return _build(hf_dir, "lm", tp=tp, pp=pp, vpp=vpp, dtype=dtype, load=load, **kwargs)
-
-
-def build_reference(
-    hf_dir: str | Path,
-    *,
-    tp: int,
-    pp: int,
-    vpp: int | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    **kwargs,
-) -> list[GPTModel]:
-    """Reference policy: the actor's initial weights, in eval mode, without gradients."""
-    return _freeze(_build(hf_dir, "lm", tp=tp, pp=pp, vpp=vpp, dtype=dtype, load=True, **kwargs))
-
-
-def build_critic(
-    hf_dir: str | Path,
-    *,
-    init_from: str = "actor",
-    tp: int,
-    pp: int,
-    vpp: int | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    head_seed: int = 0,
-    **kwargs,
-) -> list[GPTModel]:
-    """Critic: trunk + scalar value head.
-
-    Args:
-        hf_dir: the actor's HF checkpoint (`init_from="actor"`: the value head starts fresh,
-            seeded by `head_seed`), or a reward model's *ForSequenceClassification
-            checkpoint (`init_from="reward"`: its `score.weight` becomes the value head).
-    """
-    if init_from not in ("actor", "reward"):
-        raise HFConfigError(f"critic init_from must be 'actor' or 'reward', got '{init_from}'")
-    head = "none" if init_from == "actor" else "value"
-    return _build(
-        hf_dir, head, tp=tp, pp=pp, vpp=vpp, dtype=dtype, load=True, head_seed=head_seed, **kwargs
-    )
-
-
-def build_reward_model(
-    hf_dir: str | Path,
-    *,
-    tp: int,
-    pp: int,
-    vpp: int | None = None,
-    dtype: torch.dtype = torch.bfloat16,
-    **kwargs,
-) -> list[GPTModel]:
-    """Reward model from an HF `*ForSequenceClassification` checkpoint (one label), frozen.
-
-    Its output is `[b, s, 1]`; the sequence's reward is the value at its last real token.
-    """
-    return _freeze(_build(hf_dir, "value", tp=tp, pp=pp, vpp=vpp, dtype=dtype, load=True, **kwargs))

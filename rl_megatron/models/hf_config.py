@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
-from rl_megatron.checkpoint.conversions import padded_vocab_size
+from rl_megatron.models.conversions import padded_vocab_size
+from rl_megatron.models.families import FAMILIES
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
 
 # Megatron's RotaryEmbedding implements Llama 3 scaling with these three constants fixed;
 # every released Llama 3.x uses them, so a config with other values is refused, not
@@ -38,7 +39,7 @@ class HFConfigError(ValueError):
 class HFModelInfo:
     """The architecture facts of an HF checkpoint that the Megatron model must reproduce."""
 
-    model_type: str  # "llama" | "qwen2" | "mistral"
+    model_type: str  # a family of `models/families/` ("llama" | "qwen2" | "mistral")
     vocab_size: int  # true vocabulary (embedding rows in the HF checkpoint)
     hidden_size: int
     num_layers: int
@@ -137,7 +138,8 @@ def parse_hf_config(cfg: dict[str, Any]) -> HFModelInfo:
         )
     head_dim = cfg.get("head_dim") or hidden // heads
     theta, rope_type, factor = _rope(cfg)
-    window = cfg.get("sliding_window") if model_type == "mistral" else None
+    table = FAMILIES[model_type]
+    window = cfg.get("sliding_window") if table.sliding_window else None
     max_pos = int(cfg.get("max_position_embeddings", 4096))
     if window is not None and window >= max_pos:
         window = None  # a window as long as the context never masks anything
@@ -155,7 +157,7 @@ def parse_hf_config(cfg: dict[str, Any]) -> HFModelInfo:
         rope_theta=theta,
         rope_type=rope_type,
         rope_factor=factor,
-        qkv_bias=model_type == "qwen2",
+        qkv_bias=table.qkv_bias,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=max_pos,
         sliding_window=int(window) if window else None,

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron.checkpoint import hf_mapping as hm
+from rl_megatron.models.families import table
 from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.resharding import shards
 from rl_megatron.resharding.agreement import MIB
@@ -103,7 +104,7 @@ def full_gather_sync(
             named = [(n.format(layer=layer), None) for n, _ in rule.hf]
         out = []
         for hf_name, tensor in named:
-            hf_shape = hm.hf_shape(_hf_symbolic(rule, hf_name, layer), info)
+            hf_shape = table.hf_shape(_hf_symbolic(rule, hf_name, layer), info)
             if training.pp > 1:
                 if tensor is None:
                     tensor = torch.empty(hf_shape, dtype=dtype, device=device)
@@ -159,7 +160,7 @@ class SpecNameLoader:
         self.weight_version = self._pending
 
 
-def _hf_symbolic(rule: hm.Rule, hf_name: str, layer: int | None) -> hm.Shape:
+def _hf_symbolic(rule: table.Rule, hf_name: str, layer: int | None) -> table.Shape:
     for name, shape in rule.hf:
         if name.format(layer=layer) == hf_name:
             return shape

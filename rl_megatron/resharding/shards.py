@@ -14,7 +14,7 @@ Every layout this project moves weights between — Megatron's training shards a
 A `ShardSpec` says this for one parameter shard: its name in its owner's namespace, its
 shape, the dimension the rows run along, and the ordered `Span`s that fill it. Planning
 resharding is then interval arithmetic on HF row ranges (`plan.py`), independent of the
-fused layouts. The row arithmetic mirrors `checkpoint.conversions` (which builds the tensors
+fused layouts. The row arithmetic mirrors `models.conversions` (which builds the tensors
 themselves); `tests/unit/test_reshard_plan.py` checks the two agree on every layout.
 
 "Rows" run along the parameter's TP-split dim (0 for column-parallel weights, biases,
@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rl_megatron.checkpoint import hf_mapping as hm
+from rl_megatron.models.families import table
 from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.resharding.layouts import TrainingLayout
 
@@ -90,57 +91,42 @@ class ShardSpec:
 
 # ------------------------------------------------------------------------ tables
 
-_H = "model.layers.{layer}."
-
-# vLLM's Llama / Qwen2 / Mistral parameters (names as in `model.named_parameters()`).
-# fmt: off
-VLLM_DECODER_RULES: tuple[ParamRule, ...] = (
-    ParamRule(_H + "input_layernorm.weight", (_H + "input_layernorm.weight",), COPY, None),
-    ParamRule(_H + "self_attn.qkv_proj.weight",
-              (_H + "self_attn.q_proj.weight", _H + "self_attn.k_proj.weight",
-               _H + "self_attn.v_proj.weight"), QKV_STACKED, 0),
-    ParamRule(_H + "self_attn.o_proj.weight", (_H + "self_attn.o_proj.weight",), COPY, 1),
-    ParamRule(_H + "post_attention_layernorm.weight",
-              (_H + "post_attention_layernorm.weight",), COPY, None),
-    ParamRule(_H + "mlp.gate_up_proj.weight",
-              (_H + "mlp.gate_proj.weight", _H + "mlp.up_proj.weight"), GATE_UP, 0),
-    ParamRule(_H + "mlp.down_proj.weight", (_H + "mlp.down_proj.weight",), COPY, 1),
+# Every layout's parameters are the rows of the model's family table (`models/families/`):
+# Megatron under the rows' dist-checkpoint names, vLLM under their vLLM names; a row's
+# transform says how each layout stacks its HF tensors.
+_MEGATRON_LAYOUT = types.MappingProxyType(
+    {table.COPY: COPY, table.QKV: QKV_INTERLEAVED, table.GATE_UP: GATE_UP, table.VOCAB: VOCAB}
 )
-VLLM_QKV_BIAS_RULES: tuple[ParamRule, ...] = (
-    ParamRule(_H + "self_attn.qkv_proj.bias",
-              (_H + "self_attn.q_proj.bias", _H + "self_attn.k_proj.bias",
-               _H + "self_attn.v_proj.bias"), QKV_STACKED, 0),
-)
-VLLM_EMBEDDING = ParamRule("model.embed_tokens.weight", ("model.embed_tokens.weight",), VOCAB, 0)
-VLLM_FINAL_NORM = ParamRule("model.norm.weight", ("model.norm.weight",), COPY, None)
-VLLM_LM_HEAD = ParamRule("lm_head.weight", ("lm_head.weight",), VOCAB, 0)
-# fmt: on
-
-_FROM_HF_TRANSFORM = types.MappingProxyType(
-    {hm.COPY: COPY, hm.QKV: QKV_INTERLEAVED, hm.GATE_UP: GATE_UP, hm.VOCAB: VOCAB}
+_VLLM_LAYOUT = types.MappingProxyType(
+    {table.COPY: COPY, table.QKV: QKV_STACKED, table.GATE_UP: GATE_UP, table.VOCAB: VOCAB}
 )
 
 
 def megatron_rules(info: HFModelInfo) -> list[ParamRule]:
-    """The causal LM's Megatron parameters (dist-checkpoint names), from the HF name table."""
+    """The causal LM's Megatron parameters (dist-checkpoint names), from the family table."""
     return [
-        ParamRule(r.megatron, tuple(n for n, _ in r.hf), _FROM_HF_TRANSFORM[r.transform], r.tp_dim)
+        ParamRule(r.megatron, tuple(n for n, _ in r.hf), _MEGATRON_LAYOUT[r.transform], r.tp_dim)
         for r in hm.rules_for(info, "lm")
     ]
 
 
 def vllm_rules(info: HFModelInfo) -> list[ParamRule]:
-    """vLLM's parameters for `info`, in its module order (a bias right after its weight, so
-    a layer is complete as soon as possible); a tied LM head is the embedding."""
-    rules = [VLLM_EMBEDDING]
-    for rule in VLLM_DECODER_RULES:
-        rules.append(rule)
-        if info.qkv_bias and rule.name.endswith("qkv_proj.weight"):
-            rules += VLLM_QKV_BIAS_RULES
-    rules.append(VLLM_FINAL_NORM)
-    if not info.tie_word_embeddings:
-        rules.append(VLLM_LM_HEAD)
-    return rules
+    """vLLM's parameters for `info`, from the family table, in its module order (a bias
+    right after its weight, so a layer is complete as soon as possible); a tied LM head is
+    the embedding (its row is not exported)."""
+    rows = [r for r in hm.rules_for(info, "lm") if r.export]
+    names = {r.vllm_name for r in rows}
+    ordered = []
+    for row in rows:
+        weight = row.vllm_name.removesuffix("bias") + "weight"
+        if row.vllm_name.endswith(".bias") and weight in names:
+            continue  # placed right after its weight
+        ordered.append(row)
+        ordered += [r for r in rows if r.vllm_name == row.vllm_name.removesuffix("weight") + "bias"]
+    return [
+        ParamRule(r.vllm_name, tuple(n for n, _ in r.hf), _VLLM_LAYOUT[r.transform], r.tp_dim)
+        for r in ordered
+    ]
 
 
 def hf_row_dims(info: HFModelInfo) -> dict[str, int]:
@@ -178,7 +164,7 @@ def shard_spec(
         layer: global layer index for per-layer rules, None otherwise.
         padded_vocab: rows of the whole (unsplit) embedding / LM head in this layout.
     """
-    dims = hm.hf_dims(info)
+    dims = table.hf_dims(info)
     h, d = info.hidden_size, info.head_dim
     nq, ng = info.num_attention_heads, info.num_key_value_heads
     names = [n.format(layer=layer) for n in rule.hf]
@@ -247,7 +233,7 @@ def hf_tensor_shape(name: str, info: HFModelInfo) -> tuple[int, ...]:
     for rule in hm.rules_for(info, "lm"):
         for hf_name, shape in rule.hf:
             if hf_name == template:
-                return hm.hf_shape(shape, info)
+                return table.hf_shape(shape, info)
     raise KeyError(name)
 
 
@@ -301,13 +287,13 @@ def megatron_specs(
         first = pp_rank == 0 and v == 0
         last = pp_rank == layout.pp - 1 and v == chunks - 1
         if first:
-            specs.append(spec(by_name[hm.EMBEDDING.megatron]))
+            specs.append(spec(by_name[table.EMBEDDING.megatron]))
         for layer in chunk_layers(info.num_layers, layout.pp, layout.vpp, pp_rank, v):
             specs += [spec(rule, layer) for rule in layer_rules]
         if last:
-            specs.append(spec(by_name[hm.FINAL_NORM.megatron]))
+            specs.append(spec(by_name[table.FINAL_NORM.megatron]))
             if not (first and info.tie_word_embeddings):
-                specs.append(spec(by_name[hm.LM_HEAD.megatron]))
+                specs.append(spec(by_name[table.LM_HEAD.megatron]))
     return specs
 
 

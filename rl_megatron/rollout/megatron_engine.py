@@ -19,7 +19,7 @@ Weights. The engine generates with the modules it was given, so when they are th
 own (same layout) a weight update is only a version stamp: `sync_from(actor_chunks, step)`
 (`generates_with_trainer_modules`: the trainer keeps them on the device to generate).
 HF-named tensors are accepted too (for tests and for a separate rollout copy); they are
-buffered until `finish_weight_update` and then copied in through the checkpoint name table
+buffered until `finish_weight_update` and then copied in through the family name table
 (`checkpoint/hf_mapping.py`), so a bucketed update holds the full set once.
 
 Sampling matches `vllm_engine` with `logprobs_mode="processed_logprobs"`: temperature,

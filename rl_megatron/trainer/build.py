@@ -16,19 +16,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rl_megatron.checkpoint.hf_builders import (
+    build_actor,
+    build_critic,
+    build_reference,
+    build_reward_model,
+)
 from rl_megatron.config import DTYPE_NAMES, Config, ConfigError, OffloadConfig
 from rl_megatron.data.datasets import DataError
 from rl_megatron.data.synthetic import CharTokenizer, synthetic_dataset
 from rl_megatron.data.tokenize import PromptTokenizer, TokenizedPrompts, tokenize_prompts
 from rl_megatron.distributed import DistributedRun
-from rl_megatron.models.builders import (
-    ValueHead,
-    build_actor,
-    build_critic,
-    build_gpt_chunks,
-    build_reference,
-    build_reward_model,
-)
+from rl_megatron.models.builders import ValueHead, build_gpt_chunks
 from rl_megatron.models.hf_config import HFModelInfo, load_hf_config, parse_hf_config
 from rl_megatron.parallel import ParallelGroups
 from rl_megatron.rollout.engine import RolloutEngine

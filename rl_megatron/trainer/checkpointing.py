@@ -20,10 +20,10 @@ import logging
 from pathlib import Path
 from typing import Any, Protocol
 
-from rl_megatron.checkpoint.conversions import padded_vocab_size
 from rl_megatron.checkpoint.hf_loader import CheckpointError
 from rl_megatron.checkpoint.training_state import CheckpointManager
 from rl_megatron.config import CheckpointConfig, Config
+from rl_megatron.models.conversions import padded_vocab_size
 from rl_megatron.models.hf_config import HFModelInfo
 
 

@@ -1,6 +1,6 @@
 """A role (actor, critic, reference, reward model): model chunks + optimizer + schedules.
 
-`MegatronRole` wraps the chunks a builder returns (`rl_megatron.models.builders`) and
+`MegatronRole` wraps the chunks a builder returns (`rl_megatron.checkpoint.hf_builders`) and
 runs them through megatron-core's pipeline schedules (`get_forward_backward_func`: no
 pipelining, 1F1B, or interleaved when there is one chunk per virtual stage):
 

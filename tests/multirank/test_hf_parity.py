@@ -204,8 +204,8 @@ def _body(rank: int, world_size: int, root) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
+    from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.checkpoint.hf_export import save_hf_checkpoint
-    from rl_megatron.models.builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
 
     refs = torch.load(root / "refs.pt")
@@ -240,8 +240,8 @@ def _body(rank: int, world_size: int, root) -> None:
 def _check_value_models(root, ref_reward, ids, tp, pp):
     from megatron.core import parallel_state as ps
 
+    from rl_megatron.checkpoint.hf_builders import build_critic, build_reward_model
     from rl_megatron.checkpoint.hf_export import save_hf_checkpoint
-    from rl_megatron.models.builders import build_critic, build_reward_model
     from rl_megatron.models.hf_config import load_hf_config
 
     pos = torch.arange(S, device=ids.device).expand(B, S)

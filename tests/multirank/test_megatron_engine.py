@@ -53,7 +53,7 @@ def _bf16_logprob_parity(ref: dict) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from rl_megatron.models.builders import build_actor
+    from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
     from rl_megatron.rollout.megatron_engine import MegatronEngine
     from rl_megatron.rollout.sampling import SamplingParams
@@ -102,7 +102,7 @@ def _cases(tp: int, ref: dict) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from safetensors.torch import load_file
 
-    from rl_megatron.models.builders import build_actor
+    from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
     from rl_megatron.rollout.megatron_engine import MegatronEngine
     from rl_megatron.rollout.sampling import SamplingParams

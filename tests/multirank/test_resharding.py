@@ -100,7 +100,8 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from safetensors.torch import load_file
 
-    from rl_megatron.models.builders import build_actor, build_gpt_chunks
+    from rl_megatron.checkpoint.hf_builders import build_actor
+    from rl_megatron.models.builders import build_gpt_chunks
     from rl_megatron.models.hf_config import load_hf_config
     from rl_megatron.resharding import shards
     from rl_megatron.resharding.layouts import MEGATRON_RANK_ORDER, TrainingLayout
@@ -195,7 +196,7 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
 
 
 def _plan_key(info, training, gen, target, gen_padded):
-    from rl_megatron.checkpoint.conversions import padded_vocab_size
+    from rl_megatron.models.conversions import padded_vocab_size
     from rl_megatron.resharding.agreement import MIB
     from rl_megatron.resharding.plan import PlanKey
 

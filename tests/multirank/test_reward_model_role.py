@@ -67,7 +67,7 @@ def _body(rank: int, world_size: int, root) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    from rl_megatron.models.builders import build_reward_model
+    from rl_megatron.checkpoint.hf_builders import build_reward_model
     from rl_megatron.trainer.experience import sequence_scores_at_last_token
     from rl_megatron.trainer.roles import MegatronRole
 

@@ -158,7 +158,7 @@ def _dp_rows(batch):
 
 
 def _actor(root, tp, pp, vpp, **kw):
-    from rl_megatron.models.builders import build_actor
+    from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.trainer.roles import MegatronRole
 
     chunks = build_actor(root / "llama", tp=tp, pp=pp, vpp=vpp, dtype=torch.float32)
@@ -167,8 +167,8 @@ def _actor(root, tp, pp, vpp, **kw):
 
 
 def _critic(root, tp, pp, **kw):
+    from rl_megatron.checkpoint.hf_builders import build_critic
     from rl_megatron.config import OptimConfig
-    from rl_megatron.models.builders import build_critic
     from rl_megatron.trainer.roles import MegatronRole
 
     chunks = build_critic(root / "llama", tp=tp, pp=pp, dtype=torch.float32, head_seed=1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rl_megatron.checkpoint import conversions as cv
+from rl_megatron.models import conversions as cv
 
 # Small GQA shape: 8 query heads, 2 KV groups, head dim 3, hidden 5.
 NQ, NG, D, H = 8, 2, 3, 5

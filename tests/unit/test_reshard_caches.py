@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from rl_megatron.checkpoint.conversions import padded_vocab_size
+from rl_megatron.models.conversions import padded_vocab_size
 from rl_megatron.resharding import shards
 from rl_megatron.resharding.layouts import TrainingLayout, generation_layout_for
 from rl_megatron.resharding.targets import TensorStoreTarget

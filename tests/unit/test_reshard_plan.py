@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from rl_megatron.checkpoint import hf_mapping as hm
-from rl_megatron.checkpoint.conversions import padded_vocab_size
+from rl_megatron.models.conversions import padded_vocab_size
 from rl_megatron.resharding import shards
 from rl_megatron.resharding.layouts import (
     GenerationLayout,

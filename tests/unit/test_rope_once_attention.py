@@ -35,7 +35,7 @@ def _body(rank: int, world_size: int, ckpt: str) -> None:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
     from megatron.core.transformer.attention import SelfAttention
 
-    from rl_megatron.models.builders import build_actor
+    from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
     from rl_megatron.models.rope_once_attention import RopeOnceSelfAttention
     from rl_megatron.rollout.sampling import SamplingParams

@@ -68,7 +68,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from rl_megatron import cpu_compat
-    from rl_megatron.models.builders import build_actor
+    from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
     from rl_megatron.resharding.full_gather import full_gather_sync
     from rl_megatron.resharding.layouts import MEGATRON_RANK_ORDER, TrainingLayout

@@ -216,7 +216,7 @@ def megatron_side(
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from rl_megatron import cpu_compat
-    from rl_megatron.models.builders import build_actor
+    from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
     from rl_megatron.rollout.logprob_parity import log_prob_mismatch, recompute_log_probs
     from rl_megatron.rollout.megatron_engine import MegatronEngine

@@ -1,0 +1,104 @@
+"""The family name tables' format: what it accepts, what it refuses, how layouts read it.
+
+That each table's shard dims match the model megatron-core builds is checked on 2 ranks
+(tests/multirank/test_name_tables.py); the conversions themselves by test_conversions.py,
+test_reshard_plan.py and the HF round trips.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_megatron.models.families import FAMILIES, llama
+from rl_megatron.models.families.table import COPY, GATE_UP, QKV, Family, Rule, TableError
+from rl_megatron.models.hf_config import SUPPORTED_MODEL_TYPES, parse_hf_config
+
+M, H = llama.M, llama.H
+_CFG = dict(
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
+
+
+def test_the_config_parser_accepts_exactly_the_registered_families():
+    assert tuple(FAMILIES) == SUPPORTED_MODEL_TYPES
+    for model_type, table in FAMILIES.items():
+        info = parse_hf_config(dict(_CFG, model_type=model_type, sliding_window=8))
+        assert info.qkv_bias == table.qkv_bias
+        assert (info.sliding_window is not None) == table.sliding_window
+
+
+def test_a_per_layer_tensor_is_one_more_row():
+    # Qwen3's QK-norm, as the next issue will add it: the format already says it.
+    rows = (
+        Rule(M + "self_attention.q_layernorm.weight", ((H + "self_attn.q_norm.weight", ("d",)),),
+             COPY, None),
+        Rule(M + "self_attention.k_layernorm.weight", ((H + "self_attn.k_norm.weight", ("d",)),),
+             COPY, None),
+    )  # fmt: skip
+    table = Family("qwen3", "Qwen3", llama.LAYERS + rows)
+    assert [r.vllm_name for r in table.rules[-4:-2]] == [
+        H + "self_attn.q_norm.weight",
+        H + "self_attn.k_norm.weight",
+    ]
+
+
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        (
+            Rule(M + "mlp.experts.linear_fc1.weight",
+                 ((H + "mlp.experts.{expert}.gate_proj.weight", ("F", "h")),
+                  (H + "mlp.experts.{expert}.up_proj.weight", ("F", "h"))), GATE_UP, 0,
+                 vllm=H + "mlp.experts.w13_weight"),
+            "fused expert tensors",
+        ),
+        (
+            Rule(M + "self_attention.linear_qkv.weight",
+                 ((H + "self_attn.q_proj.weight", ("Q", "h")),), QKV, 0),
+            "qkv takes 3 HF tensor",
+        ),
+        (
+            Rule(M + "mlp.linear_fc1.weight",
+                 ((H + "mlp.gate_proj.weight", ("F", "h")),
+                  (H + "mlp.up_proj.weight", ("F", "h"))), GATE_UP, 0),
+            "needs its vLLM name",
+        ),
+        (Rule(M + "x.weight", (("model.x.weight", ("h",)),), COPY, None), "`{layer}`"),
+        (Rule(M + "x.weight", ((H + "x.weight", ("h",)),), COPY, 1), "tp_dim 1 is not a dim"),
+        (Rule(M + "x.weight", ((H + "x.weight", ("z",)),), COPY, None), "unknown shape symbols"),
+    ],
+)  # fmt: skip
+def test_a_malformed_row_is_refused_in_one_line(rule, message):
+    with pytest.raises(TableError, match=message) as err:
+        Family("broken", "Broken", llama.LAYERS + (rule,))
+    assert "\n" not in str(err.value)
+
+
+def test_the_qkv_bias_flag_must_match_the_rows():
+    with pytest.raises(TableError, match="qkv_bias=True but the table lacks"):
+        Family("broken", "Broken", llama.LAYERS, qkv_bias=True)
+
+
+def test_vllm_reads_the_same_rows_a_bias_right_after_its_weight():
+    from rl_megatron.resharding import shards
+
+    info = parse_hf_config(dict(_CFG, model_type="qwen2", tie_word_embeddings=True))
+    names = [r.name.removeprefix(H) for r in shards.vllm_rules(info)]
+    assert names == [
+        "model.embed_tokens.weight",
+        "input_layernorm.weight",
+        "self_attn.qkv_proj.weight",
+        "self_attn.qkv_proj.bias",
+        "self_attn.o_proj.weight",
+        "post_attention_layernorm.weight",
+        "mlp.gate_up_proj.weight",
+        "mlp.down_proj.weight",
+        "model.norm.weight",  # tied: no lm_head
+    ]
+    # Megatron keeps the table's order, where qwen2's bias row follows llama's rows.
+    assert [r.name for r in shards.megatron_rules(info)][7] == M + "self_attention.linear_qkv.bias"
