@@ -39,7 +39,7 @@ def validate(config: Config, world_size: int) -> None:
     p = config.parallel
     _check_model(config.model)
     _check_parallel(p, config.model, world_size)
-    dp = world_size // (p.tp * p.pp * p.cp)  # _check_parallel: tp·pp·cp divides world_size
+    dp = ParallelLayout.from_config(p, world_size).dp
     _check_rollout(config.rollout, p, config.model)
     _check_algorithm(config)
     _check_data(config.data, config.trainer)

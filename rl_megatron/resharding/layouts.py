@@ -60,7 +60,7 @@ class GenerationLayout:
 
 def generation_layout_for(training: TrainingLayout, rollout_tp: int) -> GenerationLayout:
     """The generation layout paired with a training layout; checks t_g divides tp·pp."""
-    model_parallel = training.tp * training.pp
+    model_parallel = training.model_parallel_size
     if model_parallel % rollout_tp:
         raise ValueError(f"rollout tp {rollout_tp} does not divide tp·pp = {model_parallel}")
     if training.cp != 1:
@@ -81,7 +81,7 @@ def hybridflow_generation_layout(training: TrainingLayout, rollout_tp: int) -> G
 
 def micro_dp(training: TrainingLayout, generation: GenerationLayout) -> int:
     """Generation replicas per training replica: d_g = tp·pp / t_g."""
-    return training.tp * training.pp // generation.tp
+    return training.model_parallel_size // generation.tp
 
 
 def format_layout_table(rows: list[dict], generation: GenerationLayout) -> str:

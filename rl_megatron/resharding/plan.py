@@ -157,7 +157,7 @@ def model_numel(info: HFModelInfo) -> int:
 
 def source_specs(key: PlanKey) -> list[list[ShardSpec]]:
     """Training shards of each local rank of one replica."""
-    size = key.training.tp * key.training.pp
+    size = key.training.replica_size  # the local ranks of one replica
     return [
         shards.megatron_specs(key.info, key.training, r, key.training_padded_vocab)
         for r in range(size)
@@ -166,7 +166,7 @@ def source_specs(key: PlanKey) -> list[list[ShardSpec]]:
 
 def target_specs(key: PlanKey) -> list[list[ShardSpec]]:
     """Generation shards of each local rank of one replica."""
-    size = key.training.tp * key.training.pp
+    size = key.training.replica_size  # the local ranks of one replica
     gen = key.generation
     out = []
     for r in range(size):
@@ -315,7 +315,7 @@ def _split_rows(move: Move, max_rows: int) -> list[Move]:
 def build_plan(key: PlanKey) -> ReshardPlan:
     """The plan for one replica (pure). See the module docstring."""
     _check_key(key)
-    size = key.training.tp * key.training.pp
+    size = key.training.replica_size  # the local ranks of one replica
     sources = source_specs(key)
     targets = target_specs(key)
     names = [s.name for s in targets[0]]
