@@ -1,4 +1,4 @@
-"""Convert a Hugging Face checkpoint (Llama / Qwen2 / Mistral) to a Megatron dist checkpoint.
+"""Convert a Hugging Face checkpoint (Llama / Qwen2 / Mistral / Qwen3) to Megatron dist format.
 
     python checkpoints_tools/hf_to_megatron.py --hf-dir HF --out OUT --tp 2 --pp 2 [--vpp N]
         [--dtype bf16|fp16|fp32] [--force]

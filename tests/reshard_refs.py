@@ -29,8 +29,12 @@ MODELS: dict[str, dict] = {
     # QKV bias, tied embeddings.
     "qwen2_tied": dict(_BASE, model_type="qwen2", vocab_size=512, tie_word_embeddings=True),
     # Vocabulary padded differently by Megatron (128·t) and vLLM (64); tied as well, so
-    # the last PP stage holds its own padded copy of the embedding.
-    "padded_vocab": dict(_BASE, model_type="qwen2", vocab_size=100, tie_word_embeddings=True),
+    # the last PP stage holds its own padded copy of the embedding. Qwen3: QK-norm
+    # (replicated [head_dim] rows in every layout) and head_dim 16 != hidden / heads, so q
+    # and o_proj are wider than hidden.
+    "qwen3_padded_vocab": dict(
+        _BASE, model_type="qwen3", vocab_size=100, head_dim=16, tie_word_embeddings=True
+    ),
 }
 
 LAYOUTS = [(1, 1, 4), (2, 1, 2), (4, 1, 1), (2, 2, 1), (1, 2, 2), (1, 4, 1)]
@@ -116,6 +120,9 @@ def vllm_reference(
         out[f"{hf}mlp.down_proj.weight"] = rank_of(state[f"{hf}mlp.down_proj.weight"], 1)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{hf}{norm}.weight"] = state[f"{hf}{norm}.weight"]
+        if info.qk_layernorm:  # vLLM's Qwen3: whole on every rank
+            for norm in ("self_attn.q_norm", "self_attn.k_norm"):
+                out[f"{hf}{norm}.weight"] = state[f"{hf}{norm}.weight"]
     return out
 
 

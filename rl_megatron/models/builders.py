@@ -123,7 +123,7 @@ def build_gpt_chunks(
     if value_head:
         # The head replaces the LM output layer, so there is nothing to tie.
         kwargs["share_embeddings_and_output_weights"] = False
-    spec = gpt_layer_spec(use_te)
+    spec = gpt_layer_spec(use_te, qk_layernorm=config.qk_layernorm)
     chunks = []
     stages = vpp if vpp and vpp > 1 else None
     for vp_stage in range(stages or 1):

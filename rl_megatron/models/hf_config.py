@@ -1,8 +1,9 @@
 """Hugging Face `config.json` → Megatron `TransformerConfig` and `GPTModel` arguments.
 
 Supported: Llama 2 / 3 / 3.1 / 3.2 (`rope_scaling` of type `llama3` or `linear`), Qwen2 /
-Qwen2.5 (QKV bias, tied embeddings on the small models) and Mistral (GQA, optional sliding
-window). Anything else is refused with a one-line `HFConfigError` naming the field, before a
+Qwen2.5 (QKV bias, tied embeddings on the small models), Mistral (GQA, optional sliding
+window) and Qwen3 dense (QK-norm, an explicit head_dim, tied embeddings on the small
+models). Anything else is refused with a one-line `HFConfigError` naming the field, before a
 model is built. Both config spellings are read: transformers ≥ 5 (`rope_parameters`) and
 older (`rope_theta` + `rope_scaling`).
 """
@@ -39,7 +40,7 @@ class HFConfigError(ValueError):
 class HFModelInfo:
     """The architecture facts of an HF checkpoint that the Megatron model must reproduce."""
 
-    model_type: str  # a family of `models/families/` ("llama" | "qwen2" | "mistral")
+    model_type: str  # a family of `models/families/` ("llama" | "qwen2" | "mistral" | "qwen3")
     vocab_size: int  # true vocabulary (embedding rows in the HF checkpoint)
     hidden_size: int
     num_layers: int
@@ -52,6 +53,7 @@ class HFModelInfo:
     rope_type: str  # "default" | "llama3" | "linear"
     rope_factor: float  # scaling factor for llama3 / linear, 1.0 otherwise
     qkv_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    qk_layernorm: bool  # RMSNorm on each head's q and k before RoPE (Qwen3)
     tie_word_embeddings: bool
     max_position_embeddings: int
     sliding_window: int | None  # keys a query may see, itself included (Mistral v0.1)
@@ -115,16 +117,18 @@ def parse_hf_config(cfg: dict[str, Any]) -> HFModelInfo:
         )
     if cfg.get("mlp_bias"):
         raise HFConfigError("config.json: mlp_bias=true is not supported")
-    if model_type == "llama" and cfg.get("attention_bias"):
-        # Llama's attention_bias also biases o_proj, which Megatron can only express by
+    if model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
+        # Their attention_bias also biases o_proj, which Megatron can only express by
         # biasing every linear layer.
-        raise HFConfigError("config.json: attention_bias=true is not supported for llama")
+        raise HFConfigError(f"config.json: attention_bias=true is not supported for {model_type}")
     if cfg.get("pretraining_tp", 1) != 1:
         raise HFConfigError(f"config.json: pretraining_tp={cfg['pretraining_tp']} is not supported")
-    if model_type == "qwen2" and (
+    if model_type in ("qwen2", "qwen3") and (
         cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or [])
     ):
-        raise HFConfigError("config.json: use_sliding_window=true is not supported for qwen2")
+        raise HFConfigError(
+            f"config.json: use_sliding_window=true is not supported for {model_type}"
+        )
     if model_type == "llama" and "sliding_attention" in (cfg.get("layer_types") or []):
         raise HFConfigError("config.json: layer_types with sliding_attention is not supported")
 
@@ -158,6 +162,7 @@ def parse_hf_config(cfg: dict[str, Any]) -> HFModelInfo:
         rope_type=rope_type,
         rope_factor=factor,
         qkv_bias=table.qkv_bias,
+        qk_layernorm=table.qk_norm,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         max_position_embeddings=max_pos,
         sliding_window=int(window) if window else None,
@@ -237,6 +242,9 @@ def transformer_config_from_hf(
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=info.qkv_bias,
+        # q_layernorm / k_layernorm in the layer spec (models/specs.py), and the sum of
+        # their gradients over TP in megatron-core's finalize_model_grads.
+        qk_layernorm=info.qk_layernorm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         # HF computes the attention softmax in fp32 whatever the weights' dtype.

@@ -23,12 +23,14 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def gpt_layer_spec(use_te: bool | None = None) -> ModuleSpec:
+def gpt_layer_spec(use_te: bool | None = None, qk_layernorm: bool = False) -> ModuleSpec:
     """Transformer-layer spec for the Llama-family `GPTModel` (RMSNorm, SwiGLU, RoPE, GQA).
 
     Args:
         use_te: force (True) or forbid (False) Transformer Engine; None picks TE when it
             imports. Asking for TE when it is missing raises a one-line error.
+        qk_layernorm: RMSNorm on each head's query and key before RoPE (Qwen3): the
+            attention's `q_layernorm` / `k_layernorm` (must match the config's flag).
     """
     if use_te is None:
         use_te = have_transformer_engine()
@@ -42,20 +44,24 @@ def gpt_layer_spec(use_te: bool | None = None) -> ModuleSpec:
             get_gpt_layer_with_transformer_engine_spec,
         )
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    return local_sdpa_layer_spec()
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    return local_sdpa_layer_spec(qk_layernorm)
 
 
-def local_sdpa_layer_spec() -> ModuleSpec:
+def local_sdpa_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
     """megatron-core's local layer spec with `SDPAttention` as the core attention, in a
     `SelfAttention` whose inference KV cache holds keys rotated once (`RopeOnceSelfAttention`:
-    the same parameters and checkpoint keys, a faster Megatron-engine decode)."""
+    the same parameters and checkpoint keys, a faster Megatron-engine decode).
+
+    With `qk_layernorm` the attention normalises q and k per head (torch's RMSNorm over
+    head_dim) as it splits them from `linear_qkv`, before either subclass sees them: RoPE,
+    the KV cache and SDPA get normalised keys, as in transformers' and vLLM's Qwen3."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from rl_megatron.models.rope_once_attention import RopeOnceSelfAttention
     from rl_megatron.models.sdpa_attention import SDPAttention
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_layernorm)
     # The getter builds a fresh spec on every call, so editing it in place is safe.
     spec.submodules.self_attention.module = RopeOnceSelfAttention
     spec.submodules.self_attention.submodules.core_attention = SDPAttention

@@ -2,9 +2,10 @@
 
 Training FLOPs per token = 6·N (forward 2·N, backward 4·N, N = non-embedding matmul
 parameters plus the output layer) + the attention score/value matmuls,
-6 · 2 · layers · hidden · seq_len per token for full (non-causal-skipping) attention
-kernels; causal kernels do half, which is what `causal=True` counts (Chinchilla, Hoffmann
-et al. 2022, App. F; PaLM, Chowdhery et al. 2022, App. B).
+6 · 2 · layers · heads · head_dim · seq_len per token (heads · head_dim = hidden unless the
+model sets its own head_dim, as Qwen3 and some Mistrals do) for full (non-causal-skipping)
+attention kernels; causal kernels do half, which is what `causal=True` counts (Chinchilla,
+Hoffmann et al. 2022, App. F; PaLM, Chowdhery et al. 2022, App. B).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class TransformerShape:
     num_query_groups: int
     vocab_size: int
     gated_mlp: bool = True  # SwiGLU: three FFN matrices instead of two
+    head_dim: int | None = None  # None = hidden_size // num_attention_heads
 
     @classmethod
     def of(cls, info) -> TransformerShape:
@@ -35,13 +37,20 @@ class TransformerShape:
             info.num_attention_heads,
             info.num_key_value_heads,
             info.vocab_size,
+            head_dim=info.head_dim,
         )
+
+    @property
+    def q_width(self) -> int:
+        """heads · head_dim: the width of q, of attention's output and of o_proj's input."""
+        head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+        return self.num_attention_heads * head_dim
 
     def matmul_params(self) -> int:
         """Parameters that take part in a matmul per token (embedding lookup excluded)."""
-        head_dim = self.hidden_size // self.num_attention_heads
-        kv = 2 * self.num_query_groups * head_dim
-        attention = self.hidden_size * (self.hidden_size + kv) + self.hidden_size * self.hidden_size
+        q = self.q_width
+        kv = 2 * self.num_query_groups * (q // self.num_attention_heads)
+        attention = self.hidden_size * (q + kv) + q * self.hidden_size  # QKV + o_proj
         ffn = (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size
         return self.num_layers * (attention + ffn) + self.hidden_size * self.vocab_size
 
@@ -50,7 +59,7 @@ def flops_per_token(
     shape: TransformerShape, seq_len: int, training: bool = True, causal: bool = True
 ) -> float:
     """FLOPs per token: forward only (2·N + attn) or forward+backward (3× that)."""
-    attention = 2 * 2 * shape.num_layers * shape.hidden_size * seq_len
+    attention = 2 * 2 * shape.num_layers * shape.q_width * seq_len
     if causal:
         attention /= 2
     forward = 2 * shape.matmul_params() + attention

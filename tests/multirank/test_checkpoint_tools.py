@@ -6,10 +6,11 @@
   size is set small so that both write). The result is bit-identical tensor by tensor (same
   names, dtypes, values), carries config / generation config / tokenizer, loads with
   `from_pretrained` and generates the same greedy tokens as the source.
-* The same model converted by one process (the streaming path that builds no model at
-  all) loads into Megatron model chunks at another layout (TP2·PP1) exactly as the trainer
-  loads checkpoints (every key, strict), equal to loading the HF weights directly, and
-  exports back bit-identically from one process.
+* A tiny bf16 Qwen3 (QK-norm with norms away from 1, head_dim 32 ≠ hidden/heads, tied
+  embeddings) converted at TP2·PP2 by one process (the streaming path that builds no model
+  at all) loads into Megatron model chunks at another layout (TP2·PP1) exactly as the
+  trainer loads checkpoints (every key, strict), equal to loading the HF weights directly,
+  and exports back bit-identically from one process.
 * Bad input — no config.json, a truncated safetensors shard, TP that does not divide the KV
   heads, a tokenizer larger than the embedding, an existing non-empty output, an HF directory
   given to the export as a Megatron checkpoint — exits with code 2 and one line on stderr naming the file or field, and leaves no output behind.
@@ -37,11 +38,11 @@ TOOLS = ROOT / "checkpoints_tools"
 V = 100
 
 
-def _make_hf(path: Path, tokenizer_size: int = 96) -> None:
+def _make_hf(path: Path, tokenizer_size: int = 96, family: str = "llama") -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen3Config
 
-    cfg = LlamaConfig(
+    common = dict(
         vocab_size=V,
         hidden_size=64,
         intermediate_size=96,
@@ -52,6 +53,10 @@ def _make_hf(path: Path, tokenizer_size: int = 96) -> None:
         eos_token_id=2,
         pad_token_id=0,
     )
+    if family == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=32, tie_word_embeddings=True)
+    else:
+        cfg = LlamaConfig(**common)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     with torch.no_grad():  # norms away from 1 so that a dropped norm would show
@@ -176,8 +181,9 @@ def _check_same(src: Path, out: Path) -> None:
 @pytest.mark.slow
 def test_hf_megatron_hf_round_trip_and_bad_inputs(tmp_path):
     src, meg, out = tmp_path / "hf", tmp_path / "meg", tmp_path / "hf_out"
-    meg1, out1 = tmp_path / "meg_1proc", tmp_path / "hf_out_1proc"
+    src1, meg1, out1 = tmp_path / "hf_qwen3", tmp_path / "meg_1proc", tmp_path / "hf_out_1proc"
     _make_hf(src)
+    _make_hf(src1, family="qwen3")
     layout = ["--tp", 2, "--pp", 2, "--dtype", "bf16"]
     to_meg = _tool("hf_to_megatron.py", "--hf-dir", src, "--out", meg, *layout, "--vpp", 2, nproc=4)
     code, stdout, stderr = _finish(to_meg)
@@ -187,7 +193,7 @@ def test_hf_megatron_hf_round_trip_and_bad_inputs(tmp_path):
 
     # Bad inputs run while the other conversions run: all quick, before any heavy import.
     bad = _bad_inputs(tmp_path, src)
-    code, _, stderr = _finish(_tool("hf_to_megatron.py", "--hf-dir", src, "--out", meg1, *layout))
+    code, _, stderr = _finish(_tool("hf_to_megatron.py", "--hf-dir", src1, "--out", meg1, *layout))
     assert code == 0, stderr[-3000:]
     # ~52 KB shards: both processes write some (the model is ~270 KB).
     shard_gb = ["--max-shard-gb", 0.00005]
@@ -209,8 +215,8 @@ def test_hf_megatron_hf_round_trip_and_bad_inputs(tmp_path):
 
     code, _, stderr = _finish(_tool("megatron_to_hf.py", "--ckpt", meg1, "--out", out1))
     assert code == 0, stderr[-3000:]
-    _check_same(src, out1)
-    run_on_ranks(_load_into_model, world_size=2, hf_dir=src, ckpt=meg1)
+    _check_same(src1, out1)
+    run_on_ranks(_load_into_model, world_size=2, hf_dir=src1, ckpt=meg1)
     assert not list(tmp_path.glob(".*.partial"))
 
     from transformers import AutoModelForCausalLM, AutoTokenizer

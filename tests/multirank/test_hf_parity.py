@@ -1,12 +1,14 @@
 """HF ⇄ Megatron: logits match `transformers`, and HF → Megatron → HF is bit-identical.
 
-Three tiny random HF models are created in the test (no downloads), each with every weight
+Four tiny random HF models are created in the test (no downloads), each with every weight
 perturbed away from its default init (norms ≠ 1, QKV biases ≠ 0), so a swapped or dropped
 tensor changes the logits:
 
 * Llama with GQA (4 heads, 2 KV heads) and Llama 3.1 rope scaling (theta 5e5, factor 8),
 * Qwen2 with QKV bias and tied embeddings,
-* Mistral with an explicit head_dim (32 ≠ hidden/heads) and a sliding window (8 < seq 16).
+* Mistral with an explicit head_dim (32 ≠ hidden/heads) and a sliding window (8 < seq 16),
+* Qwen3 with QK-norm (q_norm ≠ k_norm, each ≠ 1), an explicit head_dim (32 ≠ hidden/heads),
+  tied embeddings and rope theta 1e6.
 
 Vocab 100 is padded to 128 (TP1) or 256 (TP2: rank 1 holds padding rows only).
 
@@ -43,6 +45,7 @@ from safetensors.torch import load_file
 from tests.spawn import ON_GPU, max_ranks, run_on_ranks, test_device
 
 V, S, B, MICRO = 100, 16, 4, 2
+FAMILIES = ("llama", "qwen2", "mistral", "qwen3")
 LOGIT_TOL = 1e-4  # fp32, max abs
 LOGIT_RTOL_BF16 = 2.0**-4  # bf16 (cuda mode), times the reference's max |logit|
 DTYPE = torch.bfloat16 if ON_GPU else torch.float32
@@ -59,7 +62,7 @@ VALUE_LAYOUT = (2, 2, None) if WORLD >= 4 else (2, 1, None)
 
 
 def _hf_models():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=V,
@@ -83,6 +86,7 @@ def _hf_models():
         ),
         "qwen2": Qwen2Config(**common, tie_word_embeddings=True),
         "mistral": MistralConfig(**common, head_dim=32, sliding_window=8),
+        "qwen3": Qwen3Config(**common, head_dim=32, tie_word_embeddings=True, rope_theta=1e6),
     }
 
 
@@ -216,7 +220,7 @@ def _body(rank: int, world_size: int, root) -> None:
         ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
         model_parallel_cuda_manual_seed(0)
         layout = f"tp{tp}pp{pp}vpp{vpp or 1}"
-        for family in ("llama", "qwen2", "mistral"):
+        for family in FAMILIES:
             chunks = build_actor(root / family, tp=tp, pp=pp, vpp=vpp, dtype=DTYPE)
             ref_plain, ref_pad = refs[family]
             plain_pos = torch.arange(S, device=device).expand(B, S)
@@ -271,6 +275,8 @@ def _check_value_models(root, ref_reward, ids, tp, pp):
 @pytest.mark.slow
 def test_hf_parity_and_round_trip(tmp_path):
     _make_checkpoints(tmp_path)
-    # Qwen2's tied head: transformers writes the embedding only, and so must the export.
-    assert "lm_head.weight" not in _load_dir(tmp_path / "qwen2")
+    # Qwen2's and Qwen3's tied heads: transformers writes the embedding only, and so must
+    # the export.
+    for family in ("qwen2", "qwen3"):
+        assert "lm_head.weight" not in _load_dir(tmp_path / family)
     run_on_ranks(_body, world_size=WORLD, root=tmp_path)

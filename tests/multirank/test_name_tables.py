@@ -10,7 +10,15 @@ Every parameter must have a row (the loader's own lookup, `iter_rule_params`), t
 `tp_dim` must equal the parameter's `partition_dim` (None: replicated), and every row of
 the model must have its parameter.
 
-Tolerance: none; attributes and names are compared exactly.
+A replicated row must also stay replicated in training: after one backward through
+megatron-core's DDP and `finalize_model_grads` (what the roles run), each family's untied
+LM has the same gradient on both TP ranks for every row with `tp_dim` None. Qwen3's
+q/k layernorms see only their rank's heads, so their partial gradients must be summed over
+TP — megatron-core does it when `TransformerConfig.qk_layernorm` is set.
+
+Tolerance: none; attributes and names are compared exactly, gradients bit for bit (an
+all-reduce leaves the same bits on every rank; the other replicated gradients are computed
+from identical inputs).
 """
 
 from __future__ import annotations
@@ -88,7 +96,45 @@ def _body(rank: int, world_size: int) -> None:
             if not init:
                 mark_tensor_parallel_weights(chunks)
             problems += _check(f"{label} ({'init' if init else 'for loading'})", chunks, rules)
+    for label, cfg, _ in _variants():
+        if label.endswith("/lm"):
+            problems += _replicated_grad_problems(label, parse_hf_config(cfg))
     assert not problems, f"rank {rank}:\n" + "\n".join(problems)
+
+
+def _replicated_grad_problems(label: str, info) -> list[str]:
+    """Rows with tp_dim None whose gradient differs between the TP ranks after one step."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
+    from rl_megatron.checkpoint import hf_mapping as hm
+    from rl_megatron.checkpoint.hf_loader import iter_rule_params
+    from rl_megatron.models.builders import build_gpt_chunks
+
+    (chunk,) = build_gpt_chunks(info, tp=TP, pp=1, dtype=torch.float32)
+    model = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), chunk)
+    ids = torch.arange(1, 9).view(1, 8)
+    # Each rank's share of a loss over its vocabulary shard; the output layer's backward
+    # sums the hidden-state gradients over TP, as for the real vocab-parallel losses.
+    model(ids, torch.arange(8).view(1, 8), None).pow(2).mean().backward()
+    finalize_model_grads([model])
+    group, problems = ps.get_tensor_model_parallel_group(), []
+    for rule, layer, param in iter_rule_params(chunk, hm.rules_for(info, "lm")):
+        if rule.tp_dim is not None:
+            continue
+        parts = [torch.empty_like(param.main_grad) for _ in range(TP)]
+        torch.distributed.all_gather(parts, param.main_grad.contiguous(), group=group)
+        if not torch.equal(parts[0], parts[1]) or not parts[0].abs().sum() > 0:
+            problems.append(
+                f"{label}: replicated '{rule.megatron.format(layer=layer)}' ends the backward "
+                "with a different (or zero) gradient on each TP rank"
+            )
+    return problems
 
 
 def test_every_family_table_matches_partition_dim():

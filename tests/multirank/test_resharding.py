@@ -3,7 +3,8 @@
 One spawn runs every case (megatron import dominates start-up): for each training layout
 (t, p, d) ∈ {(1,1,4), (2,1,2), (4,1,1), (2,2,1), (1,2,2), (1,4,1)}, plus (1,2,2) with two
 virtual stages, the three tiny models (Llama-GQA; Qwen2 with QKV bias and tied embeddings;
-a vocabulary of 100 that Megatron and vLLM pad differently) are built as actors from HF
+Qwen3 with QK-norm, head_dim ≠ hidden/heads, tied embeddings and a vocabulary of 100 that
+Megatron and vLLM pad differently) are built as actors from HF
 checkpoints by the trainer's own builder, and for each t_g ∈ {1, 2, 4} dividing t·p:
 
 * vLLM's layout (plain tensors, `TensorStoreTarget`) is synced by a `WeightSync` and
@@ -285,7 +286,7 @@ def _refusals(actors, infos, engine) -> dict:
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[list[dict]]:
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     from tests.rollout_refs import hf_greedy
 
@@ -294,11 +295,15 @@ def results(tmp_path_factory) -> list[list[dict]]:
     for name, cfg in MODELS.items():
         cfg = dict(cfg)
         kind = cfg.pop("model_type")
-        config = (LlamaConfig if kind == "llama" else Qwen2Config)(
+        config = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}[kind](
             **cfg, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0
         )
         torch.manual_seed(len(name))
         model = AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():  # QK-norms far from 1 and from each other: a swap would show
+            for pname, p in model.named_parameters():
+                if pname.endswith(("q_norm.weight", "k_norm.weight")):
+                    p.uniform_(0.25, 1.75)
         model.generation_config.eos_token_id = None
         model.save_pretrained(root / name, safe_serialization=True)
         ckpts[name] = str(root / name)

@@ -147,6 +147,10 @@ SHIPPED = {
     "llama7b.yaml": (8, dict(num_attention_heads=32, num_key_value_heads=32, vocab=32000)),
     "qwen2.5_7b_grpo.yaml": (8, dict(num_attention_heads=28, num_key_value_heads=4, vocab=152064)),
     "llama3_8b_grpo.yaml": (8, dict(num_attention_heads=32, num_key_value_heads=8, vocab=128256)),
+    "qwen3_8b_grpo.yaml": (
+        8,
+        dict(num_attention_heads=32, num_key_value_heads=8, vocab=151936, model_type="qwen3"),
+    ),
     "qwen2.5_1.5b_1gpu.yaml": (
         1,
         dict(num_attention_heads=12, num_key_value_heads=2, vocab=151936),
@@ -162,7 +166,7 @@ def test_shipped_configs_validate(tmp_path, name):
     (tmp_path / "config.json").write_text(
         json.dumps(
             {
-                "model_type": "llama",
+                "model_type": arch.get("model_type", "llama"),
                 "hidden_size": 128 * arch["num_attention_heads"],
                 "num_hidden_layers": 32,
                 "num_attention_heads": arch["num_attention_heads"],

@@ -101,6 +101,46 @@ def test_mistral_sliding_window_and_transformer_config():
     assert cfg.layernorm_epsilon == info.rms_norm_eps and not cfg.add_qkv_bias
 
 
+def _qwen3(**kw) -> dict:
+    from transformers import Qwen3Config
+
+    base = dict(
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=True,
+    )
+    return Qwen3Config(**{**base, **kw}).to_dict()
+
+
+def test_qwen3_qk_norm_head_dim_and_tied_embeddings():
+    info = hc.parse_hf_config(_qwen3(rope_theta=1e6))
+    assert info.qk_layernorm and not info.qkv_bias and info.tie_word_embeddings
+    assert info.head_dim == 32 and info.rope_theta == 1e6  # head_dim != hidden / heads (16)
+    cfg = hc.transformer_config_from_hf(info, tp=2, dtype=torch.float32)
+    assert cfg.qk_layernorm and cfg.kv_channels == 32 and not cfg.add_qkv_bias
+    assert hc.gpt_model_kwargs(info)["share_embeddings_and_output_weights"]
+    assert not hc.transformer_config_from_hf(hc.parse_hf_config(_llama())).qk_layernorm
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (dict(attention_bias=True), "attention_bias=true is not supported for qwen3"),
+        (dict(use_sliding_window=True), "use_sliding_window=true is not supported for qwen3"),
+        (dict(layer_types=["full_attention", "sliding_attention"]), "use_sliding_window"),
+    ],
+)
+def test_qwen3_refusals(change, field):
+    with pytest.raises(hc.HFConfigError, match=field) as err:
+        hc.parse_hf_config({**_qwen3(), **change})
+    assert "\n" not in str(err.value)
+
+
 def test_vocab_padding_follows_tp():
     info = hc.parse_hf_config(_llama())
     assert hc.gpt_model_kwargs(info, tp=1)["vocab_size"] == 128

@@ -29,22 +29,22 @@ def test_the_config_parser_accepts_exactly_the_registered_families():
     for model_type, table in FAMILIES.items():
         info = parse_hf_config(dict(_CFG, model_type=model_type, sliding_window=8))
         assert info.qkv_bias == table.qkv_bias
+        assert info.qk_layernorm == table.qk_norm
         assert (info.sliding_window is not None) == table.sliding_window
 
 
 def test_a_per_layer_tensor_is_one_more_row():
-    # Qwen3's QK-norm, as the next issue will add it: the format already says it.
-    rows = (
-        Rule(M + "self_attention.q_layernorm.weight", ((H + "self_attn.q_norm.weight", ("d",)),),
-             COPY, None),
-        Rule(M + "self_attention.k_layernorm.weight", ((H + "self_attn.k_norm.weight", ("d",)),),
-             COPY, None),
-    )  # fmt: skip
-    table = Family("qwen3", "Qwen3", llama.LAYERS + rows)
-    assert [r.vllm_name for r in table.rules[-4:-2]] == [
-        H + "self_attn.q_norm.weight",
-        H + "self_attn.k_norm.weight",
-    ]
+    # Qwen3's QK-norm: Llama's rows plus one replicated [head_dim] row each for q and k.
+    table = FAMILIES["qwen3"]
+    assert table.layers[: len(llama.LAYERS)] == llama.LAYERS and not table.qkv_bias
+    assert [(r.megatron, r.hf, r.tp_dim, r.vllm_name) for r in table.rules[-4:-2]] == [
+        (M + "self_attention.q_layernorm.weight", ((H + "self_attn.q_norm.weight", ("d",)),),
+         None, H + "self_attn.q_norm.weight"),
+        (M + "self_attention.k_layernorm.weight", ((H + "self_attn.k_norm.weight", ("d",)),),
+         None, H + "self_attn.k_norm.weight"),
+    ]  # fmt: skip
+    info = parse_hf_config(dict(_CFG, model_type="qwen3", head_dim=32))
+    assert info.qk_layernorm and info.head_dim == 32 != _CFG["hidden_size"] // 4
 
 
 @pytest.mark.parametrize(
@@ -82,6 +82,16 @@ def test_a_malformed_row_is_refused_in_one_line(rule, message):
 def test_the_qkv_bias_flag_must_match_the_rows():
     with pytest.raises(TableError, match="qkv_bias=True but the table lacks"):
         Family("broken", "Broken", llama.LAYERS, qkv_bias=True)
+
+
+def test_the_qk_norm_flag_must_match_the_rows():
+    qwen3 = FAMILIES["qwen3"].layers
+    with pytest.raises(TableError, match="qk_norm=True but the table has no q/k"):
+        Family("broken", "Broken", llama.LAYERS, qk_norm=True)
+    with pytest.raises(TableError, match=r"qk_norm=True but the table has \['q_layernorm'\]"):
+        Family("broken", "Broken", qwen3[:-1], qk_norm=True)  # the k-norm row dropped
+    with pytest.raises(TableError, match="qk_norm=False but"):
+        Family("broken", "Broken", qwen3)
 
 
 def test_vllm_reads_the_same_rows_a_bias_right_after_its_weight():

@@ -116,7 +116,7 @@ class Case:
         return (weight_sync or self.weight_sync)._views.bound
 
 
-@pytest.fixture(params=["llama_gqa", "padded_vocab"])
+@pytest.fixture(params=["llama_gqa", "qwen3_padded_vocab"])
 def case(request) -> Case:
     return Case(request.param)
 

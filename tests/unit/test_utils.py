@@ -61,6 +61,13 @@ def test_flops_per_token_matches_hand_count():
     assert mfu(1000.0, llama7b, 4096, peak_tflops=989.0) == pytest.approx(
         1000 * flops_per_token(llama7b, 4096) / 989e12
     )
+    # Qwen3-0.6B: head_dim 128 while hidden / heads = 64, so q and o_proj are 2048 wide;
+    # its model card gives 0.44B non-embedding parameters (the tied head counts once more).
+    qwen3 = TransformerShape(28, 1024, 3072, 16, 8, 151936, head_dim=128)
+    assert qwen3.matmul_params() - 1024 * 151936 == pytest.approx(0.44e9, rel=0.01)
+    assert flops_per_token(qwen3, 4096, training=False) == pytest.approx(
+        2 * qwen3.matmul_params() + 2 * 28 * 2048 * 4096
+    )
 
 
 def test_launch_env_torchrun_then_slurm():
@@ -103,5 +110,8 @@ def test_transformer_shape_of_model_facts():
     from rl_megatron.utils.flops import TransformerShape
 
     info = SimpleNamespace(num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
-                           num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)  # fmt: skip
-    assert TransformerShape.of(info) == TransformerShape(32, 4096, 11008, 32, 8, 32000)
+                           num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                           head_dim=128)  # fmt: skip
+    assert TransformerShape.of(info) == TransformerShape(
+        32, 4096, 11008, 32, 8, 32000, head_dim=128
+    )

@@ -1,11 +1,13 @@
 """Resharding Megatron actors into vLLM (CPU build), in the same torchrun processes.
 
-Two torchrun runs of 2 ranks (tests/vllm/reshard_script.py), one engine each:
+Three torchrun runs of 2 ranks (tests/vllm/reshard_script.py), one engine each:
 
 * Llama-GQA (untied head) at rollout TP 2, from training layouts (t, p) = (2, 1) and
   (1, 2): same TP, and pipeline stages regrouped into one TP-2 replica;
 * Qwen2 with QKV bias, tied embeddings and a vocabulary of 100 (vLLM pads it to 128,
-  Megatron to 256 at t = 2) at rollout TP 1, from (2, 1), (1, 2) and (1, 1) with d = 2.
+  Megatron to 256 at t = 2) at rollout TP 1, from (2, 1), (1, 2) and (1, 1) with d = 2;
+* Qwen3 with QK-norm (weights away from 1, q's ≠ k's, different in A and B), head_dim 64 ≠
+  hidden / heads and tied embeddings, at rollout TP 2 from (2, 1) and (1, 2).
 
 The engine first loads checkpoint A itself; its greedy tokens and log-probs are the
 reference. Before each sync it is pushed checkpoint B, so stale weights would show.
@@ -58,6 +60,36 @@ def tiny_qwen2(seed: int):
     return Qwen2ForCausalLM(config).eval()
 
 
+def tiny_qwen3(seed: int):
+    """Qwen3: QK-norm, no QKV bias, head_dim 64 (hidden / heads = 32, the CPU kernels'
+    minimum), tied embeddings; the q/k norm weights perturbed so a dropped or swapped
+    one changes the tokens."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=128,
+        max_position_embeddings=256,
+        initializer_range=0.1,
+        rope_theta=1e6,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = Qwen3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.add_(0.3 * torch.randn(p.shape))
+    return model
+
+
 def _run(root: Path, name: str, make, tp: int, layouts: list[list[int]]) -> list[dict]:
     for ckpt, seed in (("a", 0), ("b", 1)):
         make(seed).save_pretrained(root / f"{name}_{ckpt}", safe_serialization=True)
@@ -78,11 +110,13 @@ def _run(root: Path, name: str, make, tp: int, layouts: list[list[int]]) -> list
     return run_script(SCRIPT, spec_path, out, RUN_TIMEOUT_S)
 
 
-@pytest.fixture(scope="module", params=["llama_tp2", "qwen2_tp1"])
+@pytest.fixture(scope="module", params=["llama_tp2", "qwen2_tp1", "qwen3_tp2"])
 def run(request, tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("vllm_reshard")
     if request.param == "llama_tp2":
         return _run(root, "llama", tiny_llama, 2, [[2, 1], [1, 2]])
+    if request.param == "qwen3_tp2":
+        return _run(root, "qwen3", tiny_qwen3, 2, [[2, 1], [1, 2]])
     return _run(root, "qwen2", tiny_qwen2, 1, [[2, 1], [1, 2], [1, 1]])
 
 

@@ -21,11 +21,12 @@ the flags its HF config needs. The HF loader and exporter, the checkpoint tools,
 Megatron engine's weight update and the resharding shard specs all read these rows
 (`checkpoint/hf_mapping.py` applies them); nothing else names a parameter.
 
+A per-layer tensor is one more row of `Family.layers`: Qwen3's QK-norm (`qwen3.py`) is
+`Rule(M + "self_attention.q_layernorm.weight", ((H + "self_attn.q_norm.weight", ("d",)),),
+COPY, None)` with `d` the head dim, and its key twin, with the flag `qk_norm`.
+
 What the next families add, in this format:
 
-* a per-layer tensor (Qwen3's QK-norm) is one more row of `Family.layers`, e.g.
-  `Rule(M + "self_attention.q_layernorm.weight", ((H + "self_attn.q_norm.weight", ("d",)),),
-  COPY, None)` with `d` the head dim;
 * fused expert tensors (MoE) use a second placeholder, `{expert}` (global expert index),
   and the symbols `E` (experts) and `Fe` (an expert's FFN size): a row whose HF names hold
   `{expert}` while its Megatron or vLLM name does not stacks every expert's tensors along a
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
     from rl_megatron.models.hf_config import HFModelInfo
 
 COPY, QKV, GATE_UP, VOCAB = "copy", "qkv", "gate_up", "vocab"
+# megatron-core's QK-norm modules (`SelfAttention.q_layernorm` / `k_layernorm`).
+_QK_NORMS = frozenset({"q_layernorm", "k_layernorm"})
 # How many HF tensors each transform consumes.
 _ARITY = {COPY: 1, QKV: 3, GATE_UP: 2, VOCAB: 1}
 
@@ -128,6 +131,7 @@ class Family:
     layers: tuple[Rule, ...]  # the rows of one decoder layer (names hold `{layer}`)
     qkv_bias: bool = False  # q/k/v projections carry a bias (needs a `linear_qkv.bias` row)
     sliding_window: bool = False  # config.json's `sliding_window` is honoured (Mistral)
+    qk_norm: bool = False  # RMSNorm on each head's q and k before RoPE (Qwen3; two rows)
     embedding: Rule = EMBEDDING
     final_norm: Rule = FINAL_NORM
     lm_head: Rule = LM_HEAD  # untied; a tied head is TIED_LM_HEAD, a value head VALUE_HEAD
@@ -145,6 +149,12 @@ class Family:
             raise TableError(
                 f"family '{self.model_type}': qkv_bias={self.qkv_bias} but the table "
                 f"{'has' if has_bias else 'lacks'} a linear_qkv.bias row"
+            )
+        norms = {r.megatron.rsplit(".", 2)[-2] for r in self.layers} & _QK_NORMS
+        if norms != (_QK_NORMS if self.qk_norm else set()):
+            raise TableError(
+                f"family '{self.model_type}': qk_norm={self.qk_norm} but the table has "
+                f"{sorted(norms) or 'no'} q/k layernorm rows"
             )
 
     @property
