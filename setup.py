@@ -27,9 +27,20 @@ setup(
             "transformers==5.19.0",
             "tensorboard",
             "pyarrow",
+            "matplotlib==3.11.2",
         ],
-        # GPU runtime. apex is optional and not listed: install NVIDIA's apex yourself (or
-        # use the Dockerfile's NGC base image) for its fused kernels.
-        "gpu": ["vllm>=0.26", "transformer-engine[pytorch]"],
+        # GPU runtime, two extras because they need different things (README, "Install"):
+        # `vllm` is prebuilt wheels and brings its own torch (vLLM 0.26.0, the version the
+        # engine supports and RESULTS.md measured, requires torch==2.11.0); `te` builds
+        # Transformer Engine's PyTorch extension from source against the installed torch
+        # (CUDA 13 toolkit with nvcc, ~20 min; pip install --no-build-isolation). The
+        # Dockerfile pins the same versions (tests/unit/test_container_pins.py). apex is
+        # not listed: with TE, megatron-core takes its fused kernels from TE.
+        "vllm": ["vllm==0.26.0"],
+        "te": ["transformer_engine[pytorch,core_cu13]==2.14.1"],
+        "gpu": ["vllm==0.26.0", "transformer_engine[pytorch,core_cu13]==2.14.1"],
+        "plot": ["matplotlib"],  # python -m rl_megatron.plot
+        "wandb": ["wandb"],  # logging.wandb=true
+        "data": ["datasets"],  # python -m rl_megatron.data.prepare with Hub names
     },
 )

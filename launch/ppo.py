@@ -19,6 +19,7 @@ import sys
 from rl_megatron.config import ConfigError, load_config, save_resolved, to_dict
 from rl_megatron.config_checks import validate
 from rl_megatron.distributed import (
+    RendezvousError,
     distributed_run,
     exit_with_launcher,
     gather_rank_table,
@@ -26,6 +27,7 @@ from rl_megatron.distributed import (
 )
 from rl_megatron.parallel import ParallelLayout
 from rl_megatron.resharding.layouts import format_layout_table, generation_layout_for, micro_dp
+from rl_megatron.utils import warning_filters
 from rl_megatron.utils.logging import format_config, get_logger
 from rl_megatron.utils.run_lock import run_dir_lock
 
@@ -79,8 +81,18 @@ def main(argv: list[str] | None = None) -> int:
         if env.rank == 0:
             print(f"config error: {exc}", file=sys.stderr)
         return 2
+    # Every rank filters the warning noise it raises itself (before megatron-core loads).
+    warning_filters.install(config.logging.level)
     log = get_logger(env.rank, config.logging.level)
     log.info("resolved config:\n%s", format_config(to_dict(config)))
+    try:
+        return _run(args, config, layout, env, log)
+    except RendezvousError as exc:  # the ranks never met: one line per rank, no traceback
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 2
+
+
+def _run(args: argparse.Namespace, config, layout: ParallelLayout, env, log) -> int:
     dry_run = args.dry_run or config.trainer.dry_run
     with (
         distributed_run(
@@ -88,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             seed=config.trainer.seed,
             timeout_s=config.parallel.timeout_s,
             deterministic=config.trainer.deterministic,
+            rendezvous_timeout_s=config.parallel.rendezvous_timeout_s,
         ) as run,
         run_dir_lock(config.run_dir, log) as lock,
     ):

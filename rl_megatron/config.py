@@ -36,7 +36,9 @@ TRAINER_SET_LLM_ARGS = (
     "block_size",
 )  # fmt: skip
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
-KLEstimator = Literal["k1", "k2", "k3"]
+# k1/k2/k3/abs from the sampled tokens' log-probs; full: exact, from both full distributions
+# (an extra reference forward per micro-batch; parallel.pp = 1).
+KLEstimator = Literal["k1", "k2", "k3", "abs", "full"]
 LossAggMode = Literal[
     "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 ]
@@ -81,6 +83,10 @@ class ParallelConfig:
     sequence_parallel: bool = False  # shard LayerNorm/dropout activations over tp
     # Seconds before a stuck collective fails the run instead of hanging it.
     timeout_s: int = 1800
+    # Seconds the ranks of a launch without torchrun (srun, one shell per rank) wait for each
+    # other at MASTER_ADDR:MASTER_PORT before failing with one line (torchrun: its
+    # --rdzv_conf join_timeout, RDZV_TIMEOUT_S in launch/slurm/ppo.sbatch).
+    rendezvous_timeout_s: int = 600
 
 
 @dataclass
@@ -99,12 +105,13 @@ class RolloutConfig:
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory vLLM may use (weights + KV)
     enable_sleep_mode: bool = True  # free vLLM's KV cache and weights while training runs
     enforce_eager: bool = False  # no CUDA graphs in generation (vLLM's, Megatron engine's)
-    # Ask vLLM for each sampled token's log-prob (verl's key and default: off). They feed
-    # only the rollout/logprob_diff_* metrics (PPO recomputes old log-probs), and vLLM
-    # builds them in Python on every decode step: 0.77-0.81x the tokens/s of the same
-    # engine without them on an H200 (benchmarks/RESULTS.md, fifth run). The Megatron
-    # engine has them from its logits and always reports them.
-    calculate_log_probs: bool = False
+    # Ask vLLM for each sampled token's log-prob (verl's key). null: exactly when
+    # algorithm.rollout_correction needs them (the behaviour policy's log-probs); with them
+    # the step also logs the mismatch metrics (rollout/logprob_diff_*, ...). vLLM builds
+    # them in Python on every decode step: 0.77-0.81x the tokens/s of the same engine
+    # without them on an H200 (benchmarks/RESULTS.md, fifth run). The Megatron engine has
+    # them from its logits and always reports them.
+    calculate_log_probs: bool | None = None
     weight_sync_bucket_mb: int = 512  # transfer bucket for 3D resharding, MiB
     # Further vllm.LLM arguments, passed as given (e.g. disable_custom_all_reduce: true,
     # compilation_config: {...}); the ones the trainer sets itself are refused here.
@@ -121,6 +128,32 @@ class KLControlConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    # Off-policy correction for the engine's mismatch (DESIGN.md §7, "Rollout correction"),
+    # from r = pi_old / mu per token (mu: the engine's log-probs). `token`: each token's
+    # ratio; `sequence`: the product over the response. null: off.
+    level: Literal["token", "sequence"] | None = None
+    # Importance weight on the policy loss: a number C (TIS: min(r, C)), or [lower, upper]
+    # (IcePop: r inside the band, 0 outside); null: no weights (rejection only).
+    threshold: float | list[float] | None = 2.0
+    batch_normalize: bool = False  # divide the weights by their batch mean (mean 1)
+    # Masked IS / rejection (MIS): [lower, upper]; tokens (or sequences) whose r leaves the
+    # band leave the actor's loss and its normaliser. null: none.
+    rejection: list[float] | None = None
+
+
+@dataclass
+class DynamicSamplingConfig:
+    # DAPO's dynamic sampling: drop groups whose n rewards are all equal and generate more
+    # prompts (data.train_batch_size per round) until the step has train_batch_size groups
+    # that differ. Needs rollout.n >= 2.
+    enable: bool = False
+    # Extra rounds of generation a step may take; when they run out, the step trains with
+    # the informative groups it found, filled up with uninformative ones (counted, warned).
+    max_extra_rounds: int = 8
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: AdvEstimator = "gae"
     gamma: float = 1.0  # discount
@@ -129,6 +162,8 @@ class AlgorithmConfig:
     use_kl_in_reward: bool = False  # subtract β·KL(actor‖ref) from token rewards
     kl_penalty: KLEstimator = "k1"  # estimator for the reward penalty
     kl_ctrl: KLControlConfig = field(default_factory=KLControlConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    dynamic_sampling: DynamicSamplingConfig = field(default_factory=DynamicSamplingConfig)
 
 
 @dataclass
@@ -160,7 +195,11 @@ class ActorConfig:
     ppo_epochs: int = 1
     clip_ratio_low: float = 0.2  # ε_low of the PPO clip
     clip_ratio_high: float = 0.2  # ε_high (clip-higher, DAPO)
-    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages; must be > 1
+    clip_ratio_c: float = 3.0  # dual-clip bound for negative advantages (vanilla); > 1
+    # vanilla: PPO's clip; gspo: the sequence ratio (arXiv 2507.18071; use
+    # loss_agg_mode seq-mean-token-mean and a small clip, e.g. 3e-4/4e-4); cispo: clipped,
+    # stop-gradient IS weight times log-prob (arXiv 2506.13585).
+    policy_loss: Literal["vanilla", "gspo", "cispo"] = "vanilla"
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False  # KL(actor‖ref) as a loss term (GRPO style)
     kl_loss_coef: float = 0.001
@@ -179,6 +218,7 @@ class CriticConfig:
     micro_batch_size: int = 1
     ppo_epochs: int = 1
     cliprange_value: float = 0.5  # clip of the value update
+    loss_agg_mode: LossAggMode = "token-mean"  # how the value loss is averaged
     init_from: str | None = None  # checkpoint of a reward model; None = the actor's weights
     offload: OffloadConfig = field(default_factory=OffloadConfig)
 
@@ -191,6 +231,15 @@ class ReferenceConfig:
 
 
 @dataclass
+class OverlongBufferConfig:
+    # DAPO's soft overlong punishment: a response in the last `length` tokens before
+    # rollout.max_response_length loses up to penalty_factor, linearly in its length.
+    enable: bool = False
+    length: int = 256  # L_cache, tokens; at most rollout.max_response_length
+    penalty_factor: float = 1.0  # the penalty at the maximum length (reward units)
+
+
+@dataclass
 class RewardConfig:
     type: Literal["rule", "model"] = "rule"
     # Rule reward: a registry name (gsm8k, boxed_math, exact_match) or "module:function".
@@ -200,6 +249,7 @@ class RewardConfig:
     # A reward function that raises on a sample: score it `error_score` and count it, or stop.
     on_error: Literal["score", "raise"] = "score"
     error_score: float = 0.0
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 
 @dataclass
@@ -250,12 +300,20 @@ class CheckpointConfig:
     save_on_sigterm: bool = True
     verify: bool = True  # check every file's checksum before resuming (refuses old checkpoints)
     allow_reshard: bool = False  # resume at another layout (dp_reshardable optimizer: DP only)
+    # Also write the actor as a Hugging Face model folder (config, tokenizer, safetensors) at
+    # every checkpoint and at the end: <run>/hf/step_XXXXXXXX, the last keep_last kept.
+    save_hf: bool = False
 
 
 @dataclass
 class LoggingConfig:
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     tensorboard: bool = False  # also write TensorBoard events (needs `tensorboard`)
+    # Also log every step's metrics to Weights & Biases (needs `wandb`; rank 0 only). The
+    # run is named trainer.experiment_name; WANDB_MODE=offline etc. work as usual.
+    wandb: bool = False
+    wandb_project: str = "rl_megatron"
+    wandb_entity: str | None = None  # team or user; None = wandb's default
     log_interval: int = 1  # steps between console lines
 
 
@@ -337,6 +395,9 @@ def _resolve_defaults(config: Config) -> None:
         config.critic.enable = config.algorithm.adv_estimator == "gae"
     if config.reference.enable is None:
         config.reference.enable = config.algorithm.use_kl_in_reward or config.actor.use_kl_loss
+    if config.rollout.calculate_log_probs is None:
+        # The behaviour policy's log-probs are what the correction's weights are made of.
+        config.rollout.calculate_log_probs = config.algorithm.rollout_correction.level is not None
 
 
 def save_resolved(config: Config, run_dir: Path) -> Path:

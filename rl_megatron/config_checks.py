@@ -7,6 +7,7 @@ Kept apart from `config.py` so that the schema there reads as a list of fields.
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import PurePosixPath
 
 from rl_megatron.config import (
@@ -94,6 +95,7 @@ def _check_parallel(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:
             f"pp·vpp = {p.pp * p.vpp} does not divide model.num_layers={m.num_layers}",
         )
     _require(p.timeout_s > 0, "parallel.timeout_s", "must be > 0")
+    _require(p.rendezvous_timeout_s > 0, "parallel.rendezvous_timeout_s", "must be > 0")
     ParallelLayout.from_config(p, world_size)  # and against the world size
 
 
@@ -163,6 +165,80 @@ def _check_algorithm(config: Config) -> None:
         )
     if a.use_kl_in_reward or config.actor.use_kl_loss:
         _require(bool(config.reference.enable), "reference.enable", "a KL term needs the reference")
+    full_kl = {
+        "algorithm.kl_penalty": a.use_kl_in_reward and a.kl_penalty == "full",
+        "actor.kl_loss_type": config.actor.use_kl_loss and config.actor.kl_loss_type == "full",
+    }
+    for key, used in full_kl.items():
+        # The reference runs beside the actor on each micro-batch: one pipeline stage only.
+        _require(
+            not used or config.parallel.pp == 1,
+            key,
+            f"full needs parallel.pp=1 (the reference's logits are computed beside the "
+            f"actor's on each micro-batch); got pp={config.parallel.pp}; use k3",
+        )
+    _check_rollout_correction(config)
+    ds = a.dynamic_sampling
+    _require(
+        ds.max_extra_rounds >= 0, "algorithm.dynamic_sampling.max_extra_rounds", "must be >= 0"
+    )
+    if ds.enable:
+        _require(
+            config.rollout.n >= 2,
+            "algorithm.dynamic_sampling.enable",
+            f"needs groups of rollout.n >= 2 samples to tell informative groups; n={config.rollout.n}",
+        )
+    ob = config.reward.overlong_buffer
+    if ob.enable:
+        max_len = config.rollout.max_response_length
+        _require(
+            0 < ob.length <= max_len,
+            "reward.overlong_buffer.length",
+            f"must be in (0, rollout.max_response_length={max_len}], got {ob.length}",
+        )
+        _require(ob.penalty_factor >= 0, "reward.overlong_buffer.penalty_factor", "must be >= 0")
+
+
+def _check_band(band: list[float], key: str) -> None:
+    _require(len(band) == 2, key, f"expected [lower, upper], got {band}")
+    lower, upper = band
+    _require(
+        0 <= lower <= 1 <= upper and lower < upper,
+        key,
+        f"needs 0 <= lower <= 1 <= upper (a ratio of 1, on-policy, is kept), got {band}",
+    )
+
+
+def _check_rollout_correction(config: Config) -> None:
+    rc = config.algorithm.rollout_correction
+    key = "algorithm.rollout_correction"
+    if rc.level is None:
+        _require(
+            rc.rejection is None,
+            f"{key}.rejection",
+            f"needs {key}.level (token or sequence) to say what is rejected",
+        )
+        return
+    _require(
+        rc.threshold is not None or rc.rejection is not None,
+        f"{key}.level",
+        f"is set but both {key}.threshold and {key}.rejection are null: nothing to correct",
+    )
+    if isinstance(rc.threshold, list):
+        _check_band(rc.threshold, f"{key}.threshold")
+    elif rc.threshold is not None:
+        _require(
+            rc.threshold >= 1,
+            f"{key}.threshold",
+            f"must be >= 1 (a ratio of 1, on-policy, keeps its weight), got {rc.threshold}",
+        )
+    if rc.rejection is not None:
+        _check_band(rc.rejection, f"{key}.rejection")
+    _require(
+        config.rollout.calculate_log_probs or config.rollout.engine == "megatron",
+        "rollout.calculate_log_probs",
+        f"is false, but {key} needs the engine's log-probs; set it true or leave it out",
+    )
 
 
 def _check_data(d: DataConfig, t: TrainerConfig) -> None:
@@ -268,6 +344,11 @@ def _check_run(t: TrainerConfig, c: CheckpointConfig, log: LoggingConfig) -> Non
     _require(c.save_interval >= 0, "checkpoint.save_interval", "must be >= 0")
     _require(c.keep_last >= 1, "checkpoint.keep_last", "must be >= 1")
     _require(log.log_interval >= 1, "logging.log_interval", "must be >= 1")
+    _require(
+        not log.wandb or importlib.util.find_spec("wandb") is not None,
+        "logging.wandb",
+        "needs the wandb package (pip install wandb); or set logging.wandb=false",
+    )
 
 
 def _check_experiment_name(name: str) -> None:

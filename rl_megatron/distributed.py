@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -136,11 +137,15 @@ class DistributedRun:
         return f"rank {self.env.rank} (tp={c['tp']}, pp={c['pp']}, dp={c['dp']}, cp={c['cp']})"
 
 
-def init_process_group(env: LaunchEnv, timeout_s: int) -> torch.device:
-    """NCCL on GPUs, gloo (with the CPU shim for megatron-core) without; returns the device."""
-    # megatron-core warns once per module and rank that TE/apex are absent; we run
-    # without them by design (DESIGN.md §1), so say it once in the docs instead.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+def init_process_group(
+    env: LaunchEnv, timeout_s: int, rendezvous_timeout_s: float = 600
+) -> torch.device:
+    """NCCL on GPUs, gloo (with the CPU shim for megatron-core) without; returns the device.
+
+    Without torchrun (srun, a shell per rank) the ranks meet through `rendezvous_store`, which
+    gives up after `rendezvous_timeout_s` with a `RendezvousError`; under torchrun its agents
+    have met already and the ranks use the agent's store.
+    """
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
         backend, device = "nccl", torch.device("cuda", torch.cuda.current_device())
@@ -152,13 +157,66 @@ def init_process_group(env: LaunchEnv, timeout_s: int) -> torch.device:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
+        store = None
+        if env.world_size > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+            store = rendezvous_store(env, rendezvous_timeout_s)
+            store.set_timeout(datetime.timedelta(seconds=timeout_s))  # from here on: collectives'
         dist.init_process_group(
             backend,
+            store=store,
             rank=env.rank,
             world_size=env.world_size,
             timeout=datetime.timedelta(seconds=timeout_s),
         )
     return device
+
+
+class RendezvousError(RuntimeError):
+    """The ranks did not meet at MASTER_ADDR:MASTER_PORT in time; the message is one line."""
+
+
+def rendezvous_store(env: LaunchEnv, timeout_s: float) -> dist.TCPStore:
+    """The launch's TCPStore at `env.master_addr:master_port`, hosted by rank 0 (collective).
+
+    Rank 0 waits for every other rank to connect; the others wait for rank 0's store to
+    accept connections, probing with plain sockets (torch's own client would print a C++
+    warning with a stack trace for every refused attempt). Either way, after `timeout_s`
+    seconds a `RendezvousError` names the address, this rank and its host.
+    """
+    where = f"{env.master_addr}:{env.master_port}"
+    me = f"rank {env.rank} of {env.world_size} on {socket.gethostname()}"
+    deadline = time.monotonic() + timeout_s
+    if env.rank != 0:
+        while not _accepts_connections(env.master_addr, env.master_port):
+            if time.monotonic() >= deadline:
+                raise RendezvousError(
+                    f"rendezvous: nothing answered at {where} within {timeout_s:g} s ({me}); "
+                    "is rank 0 running on that host, and is the port open between the nodes?"
+                )
+            time.sleep(0.5)
+    remaining = max(1.0, deadline - time.monotonic())
+    try:
+        return dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            env.world_size,
+            is_master=env.rank == 0,
+            timeout=datetime.timedelta(seconds=remaining),
+            wait_for_workers=True,
+        )
+    except (dist.DistError, RuntimeError) as exc:  # DistStoreError, DistNetworkError
+        reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise RendezvousError(
+            f"rendezvous at {where} failed within {timeout_s:g} s ({me}): {reason}"
+        ) from None
+
+
+def _accepts_connections(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 def init_megatron(layout: ParallelLayout, timeout_s: int) -> None:
@@ -227,13 +285,15 @@ def distributed_run(
     seed: int = 1234,
     timeout_s: int = 1800,
     deterministic: bool = False,
+    rendezvous_timeout_s: float = 600,
 ) -> Iterator[DistributedRun]:
     """Initialise torch.distributed + Megatron at `layout`; tear down on every way out.
 
     layout: from `ParallelLayout.from_config`; None = data parallelism over every rank.
+    rendezvous_timeout_s: how long ranks started without torchrun wait for each other.
     """
     env = launch_env()
-    device = init_process_group(env, timeout_s)
+    device = init_process_group(env, timeout_s, rendezvous_timeout_s)
     if layout is None:
         layout = ParallelLayout(tp=1, pp=1, dp=env.world_size)
     if layout.world_size != env.world_size:

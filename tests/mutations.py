@@ -1,6 +1,6 @@
 """Break one line of the trainer at a time; the tests that guard it must fail for each.
 
-    .venv/bin/python tests/mutations.py            # every mutation (~10 minutes on 2 cores)
+    .venv/bin/python tests/mutations.py            # every mutation (~25 minutes on 2 cores)
     .venv/bin/python tests/mutations.py sign GRPO  # those whose name contains a word
 
 Each mutation copies the repository (without .venv and .git) to a temporary folder,
@@ -8,7 +8,8 @@ replaces one exact line there, and runs the test that must catch it against the 
 (PYTHONPATH puts the copy first, spawned ranks included). A mutation the test does not
 catch is printed MISSED and the script exits 1. Not part of `make test`: it re-runs the
 slowest tests once per mutation. The faults are issue 17's list (the one-line faults that
-once passed the whole suite) and the bugs the reference step found.
+once passed the whole suite), the bugs the reference step found, and issue 20's wiring
+(rollout correction, GSPO / CISPO, DAPO, the critic's aggregation, the KL estimators).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ VPP = f"{REFERENCE}::test_four_ranks[pp2-vpp2-dp2]"
 NONFINITE = "tests/multirank/test_nonfinite_update.py"
 TRAINER = "rl_megatron/trainer/ppo_trainer.py"
 ROLES = "rl_megatron/trainer/roles.py"
+EXPERIENCE = "rl_megatron/trainer/experience.py"
 
 # (name, file, exact text, replacement, the test that must fail)
 MUTATIONS = [
@@ -136,6 +138,150 @@ MUTATIONS = [
         "    if bad_rank < dist.get_world_size():\n",
         "    if False:\n",
         NONFINITE,
+    ),
+    # Issue 20: rollout correction, GSPO / CISPO, DAPO, the critic's aggregation, the KL
+    # estimators. The trainer's wiring is guarded by the reference step's cases 6-10, the
+    # pure functions by their unit tests.
+    (
+        "rollout IS weights not passed to the policy loss",
+        TRAINER,
+        'rollout_is_weights=mb.get("rollout_is_weights"),',
+        "rollout_is_weights=None,",
+        ONE_RANK,
+    ),
+    (
+        "actor.policy_loss ignored",
+        TRAINER,
+        "loss_mode=a.policy_loss,",
+        'loss_mode="vanilla",',
+        ONE_RANK,
+    ),
+    (
+        "rollout log-ratio sign flipped (mu / pi_old)",
+        EXPERIENCE,
+        'log_ratio = batch["old_log_prob"] - batch["rollout_log_prob"]',
+        'log_ratio = batch["rollout_log_prob"] - batch["old_log_prob"]',
+        ONE_RANK,
+    ),
+    (
+        "rollout log-ratio from the reference's log-probs",
+        EXPERIENCE,
+        'log_ratio = batch["old_log_prob"] - batch["rollout_log_prob"]',
+        'log_ratio = batch["ref_log_prob"] - batch["rollout_log_prob"]',
+        ONE_RANK,
+    ),
+    (
+        "rejected tokens kept in the actor's loss",
+        EXPERIENCE,
+        'actor["response_mask"], m = rejection_mask(',
+        "_, m = rejection_mask(",
+        ONE_RANK,
+    ),
+    (
+        "actor trained on the uncorrected batch",
+        TRAINER,
+        'roles.actor, actor_batch, self._actor_loss, "actor", kl_to=beside',
+        'roles.actor, batch, self._actor_loss, "actor", kl_to=beside',
+        ONE_RANK,
+    ),
+    ("critic.loss_agg_mode ignored", TRAINER, "c.loss_agg_mode,", '"token-mean",', ONE_RANK),
+    (
+        "overlong penalty added with the wrong sign",
+        TRAINER,
+        'scores, per_row["overlong_penalty"] = scores + penalty, penalty',
+        'scores, per_row["overlong_penalty"] = scores - penalty, penalty',
+        ONE_RANK,
+    ),
+    (
+        "overlong penalty from the prompt's length",
+        TRAINER,
+        "rollout.response_lengths, limit, ob.length, ob.penalty_factor",
+        "rollout.prompt_lengths, limit, ob.length, ob.penalty_factor",
+        ONE_RANK,
+    ),
+    (
+        "mismatch metrics' arguments swapped",
+        TRAINER,
+        'batch["rollout_log_prob"], batch["old_log_prob"], mask, group=self.dp_group',
+        'batch["old_log_prob"], batch["rollout_log_prob"], mask, group=self.dp_group',
+        ONE_RANK,
+    ),
+    (
+        "full KL penalty from the wrong tensor",
+        TRAINER,
+        'full_kl=old.get("kl_full"),',
+        'full_kl=old["entropy"],',
+        ONE_RANK,
+    ),
+    (
+        "full KL loss without its gradient",
+        TRAINER,
+        'full_kl=out.get("kl_full"),',
+        'full_kl=out["kl_full"].detach() if "kl_full" in out else None,',
+        ONE_RANK,
+    ),
+    (
+        "dynamic sampling never filters",
+        TRAINER,
+        "                ds.enable,",
+        "                False,",
+        ONE_RANK,
+    ),
+    (
+        "dynamic sampling keeps the uninformative groups",
+        "rl_megatron/trainer/dynamic_sampling.py",
+        "useful = [g for g, ok in enumerate(informative) if ok][: groups_per_rank - have]",
+        "useful = [g for g, ok in enumerate(informative) if not ok][: groups_per_rank - have]",
+        ONE_RANK,
+    ),
+    (
+        "sequence IS ratio from the mean log-ratio, not the product",
+        "rl_megatron/algorithms/rollout_correction.py",
+        "return lr.sum(dim=-1, keepdim=True), valid.any(dim=-1, keepdim=True)",
+        "return lr.mean(dim=-1, keepdim=True), valid.any(dim=-1, keepdim=True)",
+        "tests/unit/test_rollout_correction.py",
+    ),
+    (
+        "TIS weights not truncated",
+        "rl_megatron/algorithms/rollout_correction.py",
+        "w = torch.exp(log_rho.clamp(max=log_upper))",
+        "w = torch.exp(log_rho)",
+        "tests/unit/test_rollout_correction.py",
+    ),
+    (
+        "IS batch normalisation skipped",
+        "rl_megatron/algorithms/rollout_correction.py",
+        "w = w / torch.where(mean > 0, mean, 1.0)",
+        "w = w",
+        ONE_RANK,
+    ),
+    (
+        "GSPO's sequence ratio not stopped (gradient doubled)",
+        "rl_megatron/algorithms/losses.py",
+        "log_s = seq_log_ratio.detach() + lp - lp.detach()",
+        "log_s = seq_log_ratio + lp - lp.detach()",
+        ONE_RANK,
+    ),
+    (
+        "CISPO's weight not clipped",
+        "rl_megatron/algorithms/losses.py",
+        "weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)",
+        "weight = ratio",
+        ONE_RANK,
+    ),
+    (
+        "k3 not clamped",
+        "rl_megatron/algorithms/kl.py",
+        "return k3.clamp(-_K3_BOUND, _K3_BOUND)",
+        "return k3",
+        "tests/unit/test_kl.py",
+    ),
+    (
+        "exact KL's gradient sign flipped in its KL term",
+        "rl_megatron/models/vocab_parallel.py",
+        "grad = log_p.sub_(log_q).sub_(kl.unsqueeze(-1)).mul_(p)",
+        "grad = log_p.sub_(log_q).add_(kl.unsqueeze(-1)).mul_(p)",
+        ONE_RANK,
     ),
 ]
 

@@ -16,7 +16,13 @@ and not mathematics, are the documented ones of the config keys (verl's):
 * V(s_k) is read where response token k is predicted; the step after the last token is
   terminal;
 * weight decay is decoupled (AdamW) and spares 1-D parameters (norms), as Megatron-LM's;
-  the gradient is clipped by its global norm with coefficient clip / (norm + 1e-6).
+  the gradient is clipped by its global norm with coefficient clip / (norm + 1e-6);
+* k3 is clamped to [-10, 10] (verl's `low_var_kl`, OpenRLHF's k3);
+* the rollout correction's ratio is pi_old / mu (old log-prob minus the engine's); rejection
+  comes first and takes tokens out of the loss and its normaliser, the weights of what is
+  left come after; `batch_normalize` divides by the mean over the units that are left;
+* dynamic sampling is not re-done here: the reference trains on the rows the trainer kept,
+  and `tests/trainer_probe.py` checks what it kept.
 """
 
 from __future__ import annotations
@@ -70,6 +76,16 @@ class Settings:
     cliprange_value: float | None
     actor_optim: Optim
     critic_optim: Optim | None
+    policy_loss: str = "vanilla"
+    critic_loss_agg_mode: str = "token-mean"
+    # Rollout correction: level (None = off), weight threshold (C or (lower, upper)),
+    # batch normalisation, rejection band.
+    rc_level: str | None = None
+    rc_threshold: float | tuple[float, float] | None = None
+    rc_batch_normalize: bool = False
+    rc_rejection: tuple[float, float] | None = None
+    # DAPO's overlong shaping: (buffer length, penalty factor), None = off.
+    overlong: tuple[int, float] | None = None
 
 
 @dataclass
@@ -79,6 +95,7 @@ class Row:
     prompt: list[int]
     response: list[int]
     group: tuple  # rows of one prompt share it
+    rollout_log_prob: torch.Tensor | None = None  # the engine's log-probs, [len(response)]
 
 
 @dataclass
@@ -122,6 +139,14 @@ def token_log_probs(model, row: Row, temperature: float) -> tuple[torch.Tensor, 
     return taken, entropy
 
 
+def token_log_softmax(model, row: Row, temperature: float) -> torch.Tensor:
+    """log π(· | s_k) over the whole vocabulary for each response token, `[len, vocab]`."""
+    ids = torch.tensor([row.prompt + row.response])
+    logits = model(input_ids=ids).logits[0].to(F64)
+    start = len(row.prompt) - 1
+    return torch.log_softmax(logits[start : start + len(row.response)] / temperature, dim=-1)
+
+
 def token_values(model, head: torch.Tensor, row: Row) -> torch.Tensor:
     """V(s_k) = w · h_{prompt_len - 1 + k} (final-normed hidden state), `[len]`."""
     ids = torch.tensor([row.prompt + row.response])
@@ -143,15 +168,31 @@ def digit_echo_score(row: Row) -> float:
     return sum(1.0 if t == answer else 0.2 if t in DIGIT_IDS else 0.0 for t in chars) / len(chars)
 
 
+def overlong_score(length: int, max_length: int, buffer: int, factor: float) -> float:
+    """DAPO eq. 13: 0 up to L_max - L_cache, then linear down to -1 at L_max; times factor."""
+    expected = max_length - buffer
+    if length <= expected:
+        return 0.0
+    if length <= max_length:
+        return factor * (expected - length) / buffer
+    return -factor
+
+
 def kl_estimate(log_p: torch.Tensor, log_q: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token estimate of KL(p || q) from samples of p (Schulman 2020, k1/k2/k3)."""
+    """Per-token estimate of KL(p || q) from samples of p (Schulman 2020, k1/k2/k3), k3
+    clamped to [-10, 10]; `abs` is |log p - log q|. For `full`, log_p and log_q are the
+    whole distributions `[len, vocab]`: sum_v p (log p - log q)."""
+    if kind == "full":
+        return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
     log_r = log_q - log_p
     if kind == "k1":
         return -log_r
     if kind == "k2":
         return 0.5 * log_r**2
     if kind == "k3":
-        return torch.exp(log_r) - 1 - log_r
+        return torch.clamp(torch.exp(log_r) - 1 - log_r, -10.0, 10.0)
+    if kind == "abs":
+        return log_r.abs()
     raise ValueError(kind)
 
 
@@ -239,20 +280,44 @@ def _token_mean(per_row: list[torch.Tensor]) -> float:
     return float(torch.cat([x.detach().to(F64) for x in per_row]).mean())
 
 
-def actor_loss(s: Settings, log_prob, entropy, old, adv, ref):
-    """PPO clipped surrogate (Schulman et al. 2017 eq. 7) with clip-higher (DAPO) and dual
-    clip (Ye et al. 2020), minus the entropy bonus, plus the KL loss (GRPO eq. 4)."""
+def actor_loss(s: Settings, log_prob, entropy, old, adv, ref, weights=None, full=None):
+    """The policy loss of `s.policy_loss`, each token's times its rollout IS weight, minus
+    the entropy bonus, plus the KL loss (GRPO eq. 4):
+    vanilla: PPO's clipped surrogate (Schulman et al. 2017 eq. 7) with clip-higher (DAPO)
+        and dual clip (Ye et al. 2020);
+    gspo: GSPO-token (Zheng et al. 2025, arXiv 2507.18071, eq. 13-14): s_t = sg[s] π_t /
+        sg[π_t] with s = exp(mean log(π / π_old)), log s clamped at 10, clipped as PPO's;
+    cispo: -sg(clip(π / π_old, 1 - ε_low, 1 + ε_high)) A log π (arXiv 2506.13585, eq. 4).
+    weights: the rollout IS weights per row (None: 1). With the `full` KL loss, `full` holds
+    each row's `[len, vocab]` log-softmax of the policy and `ref` the reference's."""
     pg, frac = [], {"clip": [], "upper": [], "lower": [], "dual": [], "ppo_kl": []}
-    for lp, o, a in zip(log_prob, old, adv):
+    if weights is None:
+        weights = [torch.ones_like(lp) for lp in log_prob]
+    for lp, o, a, w in zip(log_prob, old, adv, weights):
         ratio = torch.exp(lp - o)
+        dual = torch.zeros_like(ratio, dtype=torch.bool)
+        if s.policy_loss == "cispo":
+            weight = ratio.detach().clamp(1 - s.clip_ratio_low, 1 + s.clip_ratio_high)
+            surrogate = -weight * a * lp
+            upper = ratio > 1 + s.clip_ratio_high
+            lower = ratio < 1 - s.clip_ratio_low
+            pg.append(surrogate * w)
+            frac["clip"].append((upper | lower).to(F64))
+            frac["upper"].append(upper.to(F64))
+            frac["lower"].append(lower.to(F64))
+            frac["dual"].append(dual.to(F64))
+            frac["ppo_kl"].append(o - lp)
+            continue
+        if s.policy_loss == "gspo":
+            seq = (lp - o).mean().detach()
+            ratio = torch.exp(torch.clamp(seq + lp - lp.detach(), max=10.0))
         surrogate = torch.maximum(
             -a * ratio, -a * ratio.clamp(1 - s.clip_ratio_low, 1 + s.clip_ratio_high)
         )
-        dual = torch.zeros_like(surrogate, dtype=torch.bool)
-        if s.clip_ratio_c is not None:
+        if s.clip_ratio_c is not None and s.policy_loss == "vanilla":
             dual = (a < 0) & (surrogate > -a * s.clip_ratio_c)
             surrogate = torch.where(a < 0, torch.minimum(surrogate, -a * s.clip_ratio_c), surrogate)
-        pg.append(surrogate)
+        pg.append(surrogate * w)
         upper = (a > 0) & (ratio > 1 + s.clip_ratio_high)
         lower = (a < 0) & (ratio < 1 - s.clip_ratio_low)
         frac["clip"].append((upper | lower).to(F64))
@@ -277,7 +342,9 @@ def actor_loss(s: Settings, log_prob, entropy, old, adv, ref):
         metrics["actor/entropy"] = float(bonus)
     if s.use_kl_loss:
         kl = aggregate(
-            [kl_estimate(lp, r, s.kl_loss_type) for lp, r in zip(log_prob, ref)],
+            [kl_estimate(lp, r, s.kl_loss_type) for lp, r in zip(log_prob, ref)]
+            if s.kl_loss_type != "full"
+            else [kl_estimate(f, r, "full") for f, r in zip(full, ref)],
             s.loss_agg_mode,
             norm,
         )
@@ -288,7 +355,8 @@ def actor_loss(s: Settings, log_prob, entropy, old, adv, ref):
 
 
 def critic_loss(s: Settings, values, old_values, returns):
-    """0.5 · max((V - R)^2, (V_clip - R)^2), token mean (PPO's value clipping)."""
+    """0.5 · max((V - R)^2, (V_clip - R)^2), aggregated as critic.loss_agg_mode says
+    (PPO's value clipping)."""
     per_row, clipped = [], []
     for v, o, r in zip(values, old_values, returns):
         err = (v - r) ** 2
@@ -300,7 +368,7 @@ def critic_loss(s: Settings, values, old_values, returns):
         err_clip = (v_clip - r) ** 2
         per_row.append(torch.maximum(err, err_clip))
         clipped.append(((err_clip > err) & ((v - o).abs() > s.cliprange_value)).to(F64))
-    loss = 0.5 * aggregate(per_row, "token-mean", s.max_response_length)
+    loss = 0.5 * aggregate(per_row, s.critic_loss_agg_mode, s.max_response_length)
     metrics = {
         "critic/vf_loss": float(loss),
         "critic/loss": float(loss),
@@ -337,6 +405,81 @@ def adamw_step(
     return norm
 
 
+# ------------------------------------------------------------------ rollout correction
+
+
+def rollout_correction(s: Settings, rows: list[Row], old: list[torch.Tensor]):
+    """Which tokens of each row stay in the actor's loss, and their IS weights.
+
+    ρ = π_old / μ per token (`token`) or the product over the response (`sequence`).
+    Rejection (MIS, Liu et al. 2025): a unit whose ρ leaves [lower, upper] leaves the loss.
+    Weights of what is left: min(ρ, C) (TIS, Yao et al. 2025) or ρ · 1[lower <= ρ <= upper]
+    (IcePop, arXiv 2510.18855), divided by their mean over the units left when
+    batch_normalize. Returns (keep per row, weights per row, metrics).
+    """
+    per_row_rho = []
+    for row, o in zip(rows, old):
+        log_rho = o - row.rollout_log_prob
+        if s.rc_level == "sequence":
+            log_rho = torch.full_like(log_rho, float(log_rho.sum()))
+        per_row_rho.append(torch.exp(log_rho))
+    keep = [torch.ones_like(r, dtype=torch.bool) for r in per_row_rho]
+    metrics: dict[str, float] = {}
+    if s.rc_rejection is not None:
+        lower, upper = s.rc_rejection
+        keep = [(r >= lower) & (r <= upper) for r in per_row_rho]
+        rejected = [~k for k in keep]
+        metrics["rollout_corr/rejected_token_frac"] = _token_mean(rejected)
+        metrics["rollout_corr/rejected_seq_frac"] = sum(bool(x.any()) for x in rejected) / len(rows)
+    if s.rc_threshold is None:
+        return keep, None, metrics
+    weights, units, clipped = [], [], []
+    for i, rho in enumerate(per_row_rho):
+        if isinstance(s.rc_threshold, tuple):
+            lower, upper = s.rc_threshold
+            inside = (rho >= lower) & (rho <= upper)
+            w = torch.where(inside, rho, 0.0)
+            out = ~inside
+        else:
+            w = rho.clamp(max=s.rc_threshold)
+            out = rho > s.rc_threshold
+        weights.append(w)
+        kept = keep[i]
+        if s.rc_level == "sequence":
+            if kept.any():  # one unit per sequence
+                units.append(float(w[0]))
+                clipped.append(float(out[0]))
+        else:
+            units.extend(w[kept].tolist())
+            clipped.extend(out[kept].float().tolist())
+    u = torch.tensor(units, dtype=F64)
+    mean = float(u.mean())
+    metrics.update(
+        {
+            "rollout_corr/is_weight_mean": mean,
+            "rollout_corr/is_weight_max": float(u.max()),
+            "rollout_corr/is_weight_min": float(u.min()),
+            "rollout_corr/is_clipped_frac": sum(clipped) / len(clipped),
+            "rollout_corr/is_ess": float(u.sum() ** 2 / (len(u) * (u**2).sum())),
+        }
+    )
+    if s.rc_batch_normalize:
+        weights = [w / mean for w in weights]
+    return keep, weights, metrics
+
+
+def mismatch(rows: list[Row], old: list[torch.Tensor]) -> dict[str, float]:
+    """|log π_old - log μ| (mean, max), mean π_old / μ and KL(μ || π_old) by k1 and k3."""
+    d = torch.cat([o - r.rollout_log_prob for r, o in zip(rows, old)])
+    return {
+        "rollout/logprob_diff_mean": float(d.abs().mean()),
+        "rollout/logprob_diff_max": float(d.abs().max()),
+        "rollout/prob_ratio_mean": float(d.exp().mean()),
+        "rollout/mismatch_kl_k1": float((-d).mean()),
+        "rollout/mismatch_kl_k3": float((d.exp() - 1 - d).mean()),
+    }
+
+
 # ---------------------------------------------------------------------------- the step
 
 
@@ -346,6 +489,8 @@ class Result:
 
     old_log_prob: list[torch.Tensor]
     ref_log_prob: list[torch.Tensor] | None
+    keep: list[torch.Tensor]  # tokens in the actor's loss (rollout rejection)
+    is_weights: list[torch.Tensor] | None  # rollout IS weights
     values: list[torch.Tensor] | None
     token_level_rewards: list[torch.Tensor]
     advantages: list[torch.Tensor]
@@ -375,12 +520,18 @@ def reference_step(
     The Adam states carry over between calls, like the trainer's optimizer.
     """
     policy = llama(hf_config, actor)
+    full_kl = (s.use_kl_in_reward and s.kl_penalty == "full") or (
+        s.use_kl_loss and s.kl_loss_type == "full"
+    )
     with torch.no_grad():
         old, old_entropy = zip(*[token_log_probs(policy, r, s.temperature) for r in rows])
-        ref = None
+        ref = ref_full = old_full = None
         if reference is not None:
             ref_model = llama(hf_config, reference)
             ref = [token_log_probs(ref_model, r, s.temperature)[0] for r in rows]
+            if full_kl:
+                ref_full = [token_log_softmax(ref_model, r, s.temperature) for r in rows]
+                old_full = [token_log_softmax(policy, r, s.temperature) for r in rows]
         old_values = None
         if critic is not None:
             value_model = llama(hf_config, critic)
@@ -390,10 +541,15 @@ def reference_step(
     for r in rows:
         x = torch.zeros(len(r.response), dtype=F64)
         x[-1] = digit_echo_score(r)
+        if s.overlong is not None:
+            x[-1] += overlong_score(len(r.response), s.max_response_length, *s.overlong)
         rewards.append(x)
     reward_kl = None
     if s.use_kl_in_reward:
-        kls = [kl_estimate(o, q, s.kl_penalty) for o, q in zip(old, ref)]
+        if s.kl_penalty == "full":
+            kls = [kl_estimate(o, q, "full") for o, q in zip(old_full, ref_full)]
+        else:
+            kls = [kl_estimate(o, q, s.kl_penalty) for o, q in zip(old, ref)]
         rewards = [x - s.kl_coef * k for x, k in zip(rewards, kls)]
         reward_kl = _token_mean(kls)
     adv, returns = advantages_and_returns(s, rows, rewards, old_values)
@@ -415,18 +571,33 @@ def reference_step(
             critic_steps.append({"metrics": metrics, "grads": grads})
         critic_after = {k: p.detach() for k, p in params.items()}
 
+    keep = [torch.ones(len(r.response), dtype=torch.bool) for r in rows]
+    weights, correction = None, {}
+    if s.rc_level is not None:
+        keep, weights, correction = rollout_correction(s, rows, old)
+
     params = {k: v.to(F64).clone() for k, v in actor.items()}
     actor_steps = []
     for mini in actor_mini_batches:
         model = llama(hf_config, params)
+        # Rejected tokens are not in the loss; a row left without any is not either.
+        mini = [i for i in mini if keep[i].any()]
         outs = [token_log_probs(model, rows[i], s.temperature) for i in mini]
+        k = [keep[i] for i in mini]
+        full = None
+        if s.use_kl_loss and s.kl_loss_type == "full":
+            full = [token_log_softmax(model, rows[i], s.temperature)[m] for i, m in zip(mini, k)]
         loss, metrics = actor_loss(
             s,
-            [o[0] for o in outs],
-            [o[1] for o in outs],
-            [old[i] for i in mini],
-            [adv[i] for i in mini],
-            None if ref is None else [ref[i] for i in mini],
+            [o[0][m] for o, m in zip(outs, k)],
+            [o[1][m] for o, m in zip(outs, k)],
+            [old[i][m] for i, m in zip(mini, k)],
+            [adv[i][m] for i, m in zip(mini, k)],
+            None
+            if ref is None
+            else [(ref_full if full is not None else ref)[i][m] for i, m in zip(mini, k)],
+            None if weights is None else [weights[i][m] for i, m in zip(mini, k)],
+            full,
         )
         grads = _grads(loss, dict(model.named_parameters()), params)
         metrics["actor/grad_norm"] = adamw_step(params, grads, s.actor_optim, actor_adam)
@@ -443,9 +614,14 @@ def reference_step(
     if critic is not None:
         stats["critic/values_mean"] = _token_mean(old_values)
         stats["critic/returns_mean"] = _token_mean(returns)
+    if rows[0].rollout_log_prob is not None:
+        stats.update(mismatch(rows, old))
+    stats.update(correction)
     return Result(
         old_log_prob=list(old),
         ref_log_prob=ref,
+        keep=keep,
+        is_weights=weights,
         values=old_values,
         token_level_rewards=rewards,
         advantages=adv,

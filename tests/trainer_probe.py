@@ -7,7 +7,12 @@ Each rank builds the trainer as `launch/ppo.py` does (`build_data`, `build_roles
 `PPOTrainer`) from `yaml_configs/tiny_cpu.yaml` plus overrides, except for the rollout
 engine: `ReplayEngine` answers every prompt with seeded random tokens, so that any layout
 (PP included, which the Megatron engine does not generate with) trains on a known rollout,
-and responses of every length (EOS-ended or cut at the limit) meet the loss.
+and responses of every length (EOS-ended or cut at the limit) meet the loss. Its log-probs
+(the behaviour policy mu of the rollout correction) are the actor's own, computed in
+float64 from its gathered weights, plus seeded noise of a known size (`LOG_PROB_NOISE`), so
+that importance weights, truncation and rejection all meet non-trivial ratios. A case may
+set `replay.repeat_frac=x`: that share of prompts (seeded) gets n identical responses, so
+their groups' rewards are all equal (dynamic sampling's uninformative groups).
 
 For each case (config overrides of the loss and the algorithm, applied to the trainer's
 config between steps), one `train_step` runs while a recorder keeps what the trainer made
@@ -38,6 +43,19 @@ TOL_TOKEN = 2e-5  # log-probs, values, rewards, advantages, returns (|x| up to ~
 TOL_METRIC = 1e-5  # relative, losses and metrics (fractions are exact counts)
 TOL_GRAD = 1e-4  # relative to the largest |grad| of the tensor
 TOL_WEIGHT = 1e-3  # relative to lr: |Δ| against an update of ~lr per element
+
+# Std of the seeded noise added to the actor's log-probs to make the replayed engine's:
+# token ratios pi_old / mu of about exp(+-0.3), sequence ratios (up to 8 tokens) exp(+-0.85).
+LOG_PROB_NOISE = 0.3
+
+# What a step with dynamic sampling logs (`check_dynamic_sampling`).
+DYNAMIC_SAMPLING_METRICS = (
+    "dynamic_sampling/rounds",
+    "dynamic_sampling/groups_generated",
+    "dynamic_sampling/groups_informative",
+    "dynamic_sampling/groups_filled",
+    "dynamic_sampling/cap_reached",
+)
 
 # Keys compared with the reference, per role, when the trainer reports them.
 ACTOR_METRICS = (
@@ -90,8 +108,13 @@ BASE = [
 # ------------------------------------------------------------------------------ engine
 
 
-def replay_engine(vocab_size: int, eos_id: int):
-    """A `RolloutEngine` that answers with seeded random tokens (digits half the time)."""
+def replay_engine(vocab_size: int, eos_id: int, actor_chunks=None, info=None, hf_config=None):
+    """A `RolloutEngine` that answers with seeded random tokens (digits half the time).
+
+    With the actor's chunks, its HF `info` and `hf_config`, it also returns log-probs: the
+    actor's (transformers' Llama in float64 on its gathered weights) plus seeded noise.
+    """
+    from rl_megatron.checkpoint.hf_export import iter_hf_tensors
     from rl_megatron.rollout.batch import FinishReason, RolloutBatch
     from rl_megatron.rollout.engine import RolloutEngine
 
@@ -99,6 +122,20 @@ def replay_engine(vocab_size: int, eos_id: int):
         # Stands in for tiny_cpu.yaml's Megatron engine: the actor stays on the device
         # while it "generates", and a sync only stamps the version.
         generates_with_trainer_modules = True
+        repeat_frac = 0.0  # share of prompts answered n times alike (uninformative groups)
+
+        def _log_probs(self, prompts, responses, temperature: float):
+            """The actor's log-probs of each response plus noise. Global rank 0 gathers the
+            weights; every rank gets them and scores its own replica's rows (in float64,
+            identically on the ranks of a replica)."""
+            box = [dict(iter_hf_tensors(actor_chunks, info, head="lm"))]  # collective
+            dist.broadcast_object_list(box, src=0)
+            model = ref.llama(hf_config, box[0])
+            with torch.no_grad():
+                return [
+                    ref.token_log_probs(model, ref.Row(p, r, ()), temperature)[0].float()
+                    for p, r in zip(prompts, responses)
+                ]
 
         def sync_from(self, model_chunks, version: int) -> None:
             self.update_weights({}, version)
@@ -115,9 +152,13 @@ def replay_engine(vocab_size: int, eos_id: int):
 
         def _generate(self, prompt_token_ids, sampling, output_layout):
             gen = torch.Generator().manual_seed(sampling.seed)
+            # Repeats and noise from a stream of their own: the tokens stay those of a
+            # replay without them.
+            extra = torch.Generator().manual_seed(sampling.seed + 7)
             prompts, responses, reasons, groups = [], [], [], []
             for i, prompt in enumerate(prompt_token_ids):
-                for _ in range(sampling.n):
+                repeat = bool(torch.rand(1, generator=extra) < self.repeat_frac)
+                for j in range(sampling.n):
                     length = int(torch.randint(1, sampling.max_new_tokens + 1, (1,), generator=gen))
                     digits = torch.randint(2, 12, (length,), generator=gen)
                     other = torch.randint(2, vocab_size, (length,), generator=gen)
@@ -128,12 +169,22 @@ def replay_engine(vocab_size: int, eos_id: int):
                     )
                     if stop:
                         tokens[-1] = eos_id
+                    reason = FinishReason.STOP if stop else FinishReason.LENGTH
+                    if repeat and j:  # the group's first response again
+                        tokens, reason = list(responses[-j]), reasons[-j]
                     prompts.append(list(prompt))
                     responses.append(tokens)
-                    reasons.append(FinishReason.STOP if stop else FinishReason.LENGTH)
+                    reasons.append(reason)
                     groups.append(i)
+            log_probs = None
+            if actor_chunks is not None:
+                actor = self._log_probs(prompts, responses, sampling.temperature)
+                log_probs = [
+                    (lp + LOG_PROB_NOISE * torch.randn(len(lp), generator=extra)).tolist()
+                    for lp in actor
+                ]
             return RolloutBatch.from_sequences(
-                prompts, responses, None, reasons, group_index=groups
+                prompts, responses, log_probs, reasons, group_index=groups
             )
 
     return ReplayEngine()
@@ -157,14 +208,20 @@ def probe_config(tmp_path: Path, layout: dict, overrides: Sequence[str]):
 
 def build_probe_trainer(config, run, total_steps: int):
     """The trainer `launch/ppo.py` builds, with `replay_engine` as its rollout engine."""
-    from rl_megatron.trainer.build import build_data, build_roles, model_info
+    from rl_megatron.trainer.build import build_data, build_roles, model_info, random_init_hf_config
     from rl_megatron.trainer.ppo_trainer import PPOTrainer
 
     log = logging.getLogger("trainer_probe")
     data = build_data(config, log)
     info = model_info(config)
     roles = build_roles(config, info, total_steps=total_steps, groups=run.groups)
-    engine = replay_engine(config.model.vocab_size, data.tokenizer.eos_token_id)
+    engine = replay_engine(
+        config.model.vocab_size,
+        data.tokenizer.eos_token_id,
+        roles.actor.model,
+        info,
+        random_init_hf_config(config),
+    )
     return PPOTrainer(config, run, data, info, roles, engine, total_steps, log)
 
 
@@ -264,6 +321,11 @@ def settings_of(config, kl_coef: float) -> ref.Settings:
     def optim(o) -> ref.Optim:
         return ref.Optim(o.lr, o.weight_decay, o.adam_beta1, o.adam_beta2, o.adam_eps, o.clip_grad)
 
+    rc, ob = al.rollout_correction, config.reward.overlong_buffer
+
+    def band(x):
+        return tuple(x) if isinstance(x, list) else x
+
     return ref.Settings(
         temperature=config.rollout.temperature,
         n=config.rollout.n,
@@ -286,6 +348,13 @@ def settings_of(config, kl_coef: float) -> ref.Settings:
         cliprange_value=c.cliprange_value,
         actor_optim=optim(a.optim),
         critic_optim=optim(c.optim) if c.enable else None,
+        policy_loss=a.policy_loss,
+        critic_loss_agg_mode=c.loss_agg_mode,
+        rc_level=rc.level,
+        rc_threshold=band(rc.threshold),
+        rc_batch_normalize=rc.batch_normalize,
+        rc_rejection=band(rc.rejection),
+        overlong=(ob.length, ob.penalty_factor) if ob.enable else None,
     )
 
 
@@ -294,15 +363,19 @@ def rows_of(replicas: list[dict[str, torch.Tensor]], n: int) -> tuple[list[ref.R
 
     A prompt's samples are consecutive rows of one replica (the engine's documented
     layout), so its group is (replica, row // n) — derived here, not read from the trainer.
+    The response tokens are read from the attention mask: the actor's `response_mask` has
+    lost the tokens a rollout rejection removed.
     """
     rows, offsets = [], []
     for d, b in enumerate(replicas):
         offsets.append(len(rows))
         p = b["prompts"].shape[1]
         for i in range(b["prompts"].shape[0]):
+            real = b["attention_mask"][i, p:].bool()
             prompt = b["prompts"][i][b["attention_mask"][i, :p].bool()].tolist()
-            response = b["responses"][i][b["response_mask"][i].bool()].tolist()
-            rows.append(ref.Row(prompt, response, group=(d, i // n)))
+            response = b["responses"][i][real].tolist()
+            mu = b["rollout_log_prob"][i][real].double() if "rollout_log_prob" in b else None
+            rows.append(ref.Row(prompt, response, group=(d, i // n), rollout_log_prob=mu))
     return rows, offsets
 
 
@@ -355,13 +428,32 @@ def compare(
     critic: bool,
 ) -> None:
     """Assert the trainer's step equals the reference's, within the stated tolerances."""
+
+    def real(b):  # every response token, rejected or not (`rows_of`)
+        return b["attention_mask"][:, b["prompts"].shape[1] :]
+
     trained = {
-        k: [v for b in replicas for v in _per_row(b[k], b["response_mask"])]
+        k: [v for b in replicas for v in _per_row(b[k], real(b))]
         for k in replicas[0]
         if replicas[0][k].shape[1:] == replicas[0]["response_mask"].shape[1:]
-        and k != "response_mask"
         and replicas[0][k].is_floating_point()
     }
+    kept = [v.bool() for b in replicas for v in _per_row(b["response_mask"], real(b))]
+    for i, (got, want) in enumerate(zip(kept, result.keep)):
+        assert torch.equal(got, want), (
+            f"tokens in the actor's loss (rollout rejection), row {i}: trainer "
+            f"{got.int().tolist()}, reference {want.int().tolist()}"
+        )
+    if result.is_weights is not None:
+        assert "rollout_is_weights" in trained, "the actor's batch has no rollout_is_weights"
+        _close(
+            "rollout_is_weights",
+            [g[k] for g, k in zip(trained["rollout_is_weights"], result.keep)],
+            [w[k] for w, k in zip(result.is_weights, result.keep)],
+            TOL_TOKEN,
+        )
+    else:
+        assert "rollout_is_weights" not in trained, "IS weights without rollout correction"
     _close("old_log_prob", trained["old_log_prob"], result.old_log_prob, TOL_TOKEN)
     if result.ref_log_prob is not None:
         _close("ref_log_prob", trained["ref_log_prob"], result.ref_log_prob, TOL_TOKEN)
@@ -417,6 +509,39 @@ def compare(
         )
 
 
+def check_dynamic_sampling(config, rows: list[ref.Row], metrics: dict[str, float]) -> None:
+    """The step's groups under dynamic sampling, from the reference's own rewards.
+
+    Every round reads data.train_batch_size prompts; the step trains on exactly that many
+    groups; without the cap reached all of them have rewards that differ (by the
+    reference's digit_echo score plus overlong shaping), and with it the rounds are
+    1 + max_extra_rounds and the uninformative groups trained on are the ones counted.
+    """
+    missing = [k for k in DYNAMIC_SAMPLING_METRICS if k not in metrics]
+    assert not missing, f"dynamic sampling on, but the step logged no {missing}"
+    ds, want = config.algorithm.dynamic_sampling, config.data.train_batch_size
+    ob = config.reward.overlong_buffer
+    scores: dict[tuple, list[float]] = {}
+    for r in rows:
+        score = ref.digit_echo_score(r)
+        if ob.enable:
+            score += ref.overlong_score(
+                len(r.response), config.rollout.max_response_length, ob.length, ob.penalty_factor
+            )
+        scores.setdefault(r.group, []).append(score)
+    assert len(scores) == want, f"{len(scores)} groups trained on, data.train_batch_size={want}"
+    idle = sum(max(g) == min(g) for g in scores.values())
+    rounds = metrics["dynamic_sampling/rounds"]
+    assert 1 <= rounds <= 1 + ds.max_extra_rounds, rounds
+    assert metrics["dynamic_sampling/groups_generated"] == rounds * want
+    assert metrics["dynamic_sampling/groups_filled"] == idle, (idle, metrics)
+    if metrics["dynamic_sampling/cap_reached"]:
+        assert rounds == 1 + ds.max_extra_rounds and idle > 0
+        assert metrics["dynamic_sampling/groups_informative"] == want - idle
+    else:
+        assert idle == 0 and metrics["dynamic_sampling/groups_informative"] >= want
+
+
 # ---------------------------------------------------------------------- on each rank
 
 
@@ -449,6 +574,13 @@ def check_trainer_against_reference(
         adam = {"actor": ref.AdamState(), "critic": ref.AdamState()}
         heads = {"actor": "lm", "critic": "value"}
         for case in cases:
+            # `replay.<attribute>=<value>` entries set the replay engine, the rest the config.
+            trainer.engine.repeat_frac = 0.0
+            for entry in case:
+                if entry.startswith("replay."):
+                    name, value = entry.removeprefix("replay.").split("=")
+                    setattr(trainer.engine, name, float(value))
+            case = [entry for entry in case if not entry.startswith("replay.")]
             trainer.config = probe_config(tmp_path, layout, [*base, *case])
             kl = trainer.config.algorithm.kl_ctrl
             trainer.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
@@ -490,6 +622,8 @@ def check_trainer_against_reference(
             )
             try:
                 compare(s, result, replicas, metrics, grads, after, critic)
+                if trainer.config.algorithm.dynamic_sampling.enable:
+                    check_dynamic_sampling(trainer.config, rows, metrics)
             except AssertionError as exc:
                 raise AssertionError(
                     f"case {list(case)} at layout {config.parallel}: {exc}"

@@ -5,7 +5,13 @@ log r = ref_log_prob - log_prob with the estimators of J. Schulman, "Approximati
 divergence" (2020, http://joschu.net/blog/kl-approx.html):
     k1 = -log r                  unbiased, high variance, can be negative
     k2 = (log r)^2 / 2           biased, low variance; its gradient is the KL's gradient
-    k3 = (r - 1) - log r         unbiased, low variance, always >= 0
+    k3 = (r - 1) - log r         unbiased, low variance, always >= 0; clamped to [-10, 10]
+                                 as verl's `low_var_kl` and OpenRLHF's k3 do, so that one
+                                 diverged token (r ~ e^20) cannot dominate a batch's KL
+    abs = |log r|                a distance, not an estimate of the KL (verl's `abs`)
+and, from the two full distributions at each position rather than the sampled token,
+    full = sum_v pi(v) (log pi(v) - log pi_ref(v))   exact; `kl_full` (vocabulary-parallel
+                                 in `models.vocab_parallel.vocab_parallel_kl`).
 The KL can enter as a per-token reward penalty (`apply_kl_penalty`, as in Ziegler et al.
 2019 and InstructGPT) or as a loss term (`kl_loss`, as in GRPO, Shao et al. 2024 eq. 4).
 """
@@ -19,10 +25,13 @@ import torch.distributed as dist
 
 from rl_megatron.algorithms.aggregation import BatchTotals, aggregate
 
-KL_KINDS = ("k1", "k2", "k3")
+KL_KINDS = ("k1", "k2", "k3", "abs")  # estimators from the sampled token's log-probs
+FULL = "full"  # the exact KL from both full distributions (`kl_full`)
 
 # exp(20) ~ 5e8: far beyond any ratio a healthy run sees, yet finite in fp32 and bf16.
 _MAX_LOG_RATIO = 20.0
+# k3's value bound (verl's low_var_kl clamps it to [-10, 10]; k3 >= 0, so only 10 binds).
+_K3_BOUND = 10.0
 
 
 def kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.Tensor:
@@ -30,9 +39,10 @@ def kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.T
 
     log_prob, ref_log_prob: `[batch, response_len]` log-probabilities of the sampled tokens
         under the policy and the reference policy.
-    kind: `k1`, `k2` or `k3`. For k3 the log-ratio is clamped to +-20 before exp so that a
-        diverged token gives a large finite value instead of inf.
+    kind: `k1`, `k2`, `k3` or `abs`. For k3 the log-ratio is clamped to +-20 before exp,
+        and the estimate to [-10, 10] (no gradient beyond), as verl and OpenRLHF do.
     Returns `[batch, response_len]`, unmasked (aggregate it with the response_mask).
+    `full` needs both distributions, not these log-probs: `kl_full`.
     """
     if log_prob.shape != ref_log_prob.shape:
         raise ValueError(
@@ -46,8 +56,38 @@ def kl(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, kind: str) -> torch.T
         return 0.5 * log_ratio.square()
     if kind == "k3":
         log_ratio = log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO)
-        return torch.expm1(log_ratio) - log_ratio  # expm1: exact near r = 1, where k3 ~ 0
+        k3 = torch.expm1(log_ratio) - log_ratio  # expm1: exact near r = 1, where k3 ~ 0
+        return k3.clamp(-_K3_BOUND, _K3_BOUND)
+    if kind == "abs":
+        return log_ratio.abs()
+    if kind == FULL:
+        raise ValueError(
+            "kl: the full KL needs both full distributions, not the sampled tokens' "
+            "log-probs; use kl_full (or models.vocab_parallel.vocab_parallel_kl)"
+        )
     raise ValueError(f"kl: kind must be one of {', '.join(KL_KINDS)}; got {kind!r}")
+
+
+def kl_full(
+    logits: torch.Tensor, ref_logits: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Exact KL(pi || pi_ref) at each position, from the whole vocabulary's logits.
+
+    logits: `[..., vocab]` the policy's (with gradient); ref_logits: `[..., vocab]` the
+        reference's (no gradient flows into it). Both are divided by `temperature` (the
+        sampling policies), then KL = sum_v pi(v) (log pi(v) - log pi_ref(v)).
+    Returns `[...]` in the logits' dtype (at least float32). The tensor-parallel version,
+    for vocabulary-sharded logits, is `models.vocab_parallel.vocab_parallel_kl`.
+    """
+    if logits.shape != ref_logits.shape:
+        raise ValueError(
+            f"kl_full: logits {tuple(logits.shape)} and ref_logits "
+            f"{tuple(ref_logits.shape)} must have the same shape"
+        )
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    log_p = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
+    log_q = torch.log_softmax(ref_logits.detach().to(dtype) / temperature, dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(dim=-1)
 
 
 def kl_loss(
@@ -59,13 +99,16 @@ def kl_loss(
     *,
     totals: BatchTotals | None = None,
     norm_len: int | None = None,
+    full_kl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """KL to the reference as a loss term; the actor adds `kl_loss_coef * loss`.
 
     log_prob: `[batch, response_len]` current policy log-probs (with gradient).
     ref_log_prob, response_mask: `[batch, response_len]`.
-    kind: estimator (`k3` is GRPO's choice, Shao et al. 2024 eq. 4).
+    kind: estimator (`k3` is GRPO's choice, Shao et al. 2024 eq. 4), or `full`.
     agg_mode, totals, norm_len: see `aggregation.aggregate`.
+    full_kl: with kind `full`, the exact per-token KL `[batch, response_len]` (with
+        gradient; `models.vocab_parallel.vocab_parallel_kl`).
     Returns (loss, {"actor/kl_loss"}); metrics are detached 0-d tensors.
     """
     if log_prob.shape != response_mask.shape:
@@ -76,7 +119,13 @@ def kl_loss(
     valid = response_mask.bool()
     # Select before the estimator: padding may hold -inf log-probs, and exp/grad of those
     # would turn into NaN even though the aggregate ignores them.
-    per_token = kl(torch.where(valid, log_prob, 0.0), torch.where(valid, ref_log_prob, 0.0), kind)
+    per_token = _per_token_kl(
+        "kl_loss",
+        torch.where(valid, log_prob, 0.0),
+        torch.where(valid, ref_log_prob, 0.0),
+        kind,
+        full_kl,
+    )
     loss = aggregate(per_token, response_mask, agg_mode, totals, norm_len)
     return loss, {"actor/kl_loss": loss.detach()}
 
@@ -90,12 +139,15 @@ def apply_kl_penalty(
     kl_coef: float,
     kind: str = "k1",
     group: dist.ProcessGroup | None = None,
+    *,
+    full_kl: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Subtract `kl_coef * KL` from every valid token's reward (Ziegler et al. 2019).
 
     token_level_scores: `[batch, response_len]` reward-model/rule scores per token.
     old_log_prob, ref_log_prob, response_mask: `[batch, response_len]`.
     kl_coef: the controller's current value.
+    kind: estimator, or `full` with `full_kl` the exact per-token KL `[batch, response_len]`.
     group: the ranks holding the rest of the batch (data parallel); None: this batch only.
     Returns (token_level_rewards, metrics). "actor/reward_kl_penalty" is the mean KL per valid
     token (nats/token) of the whole batch (all ranks of `group`): feed it to the KL
@@ -109,9 +161,14 @@ def apply_kl_penalty(
                 f"must all be [batch, response_len]"
             )
     valid = response_mask.bool()
-    per_token = kl(
-        torch.where(valid, old_log_prob, 0.0), torch.where(valid, ref_log_prob, 0.0), kind
+    per_token = _per_token_kl(
+        "apply_kl_penalty",
+        torch.where(valid, old_log_prob, 0.0),
+        torch.where(valid, ref_log_prob, 0.0),
+        kind,
+        full_kl,
     )
+    per_token = torch.where(valid, per_token, 0.0)
     rewards = torch.where(valid, token_level_scores - kl_coef * per_token, 0.0)
     # Token sum and count over the group: a mean of per-rank means would weigh a token of
     # a rank with fewer tokens more.
@@ -123,6 +180,25 @@ def apply_kl_penalty(
         "actor/reward_kl_penalty_coeff": torch.tensor(float(kl_coef)),
     }
     return rewards, metrics
+
+
+def _per_token_kl(
+    fn: str,
+    log_prob: torch.Tensor,
+    ref_log_prob: torch.Tensor,
+    kind: str,
+    full_kl: torch.Tensor | None,
+) -> torch.Tensor:
+    """The estimator `kind` of the sampled tokens, or the given exact KL for `full`."""
+    if kind != FULL:
+        return kl(log_prob, ref_log_prob, kind)
+    if full_kl is None or full_kl.shape != log_prob.shape:
+        got = None if full_kl is None else tuple(full_kl.shape)
+        raise ValueError(
+            f"{fn}: kind 'full' needs full_kl of shape {tuple(log_prob.shape)} (the exact "
+            f"per-token KL from both distributions), got {got}"
+        )
+    return full_kl
 
 
 def adaptive_kl_coef(

@@ -1,4 +1,5 @@
-"""PPO policy loss (clip-higher, dual clip), clipped value loss and entropy bonus.
+"""Policy losses (PPO's clip with clip-higher and dual clip, GSPO, CISPO), the clipped
+value loss and the entropy bonus.
 
 Every loss takes `[batch, response_len]` tensors and a 0/1 `response_mask`, reduces with
 `aggregate` (see aggregation.py for the global-batch normalisation; pass `totals`) and
@@ -24,6 +25,7 @@ from rl_megatron.algorithms.aggregation import BatchTotals, aggregate
 from rl_megatron.algorithms.kl import kl, kl_loss
 
 __all__ = [
+    "LOSS_MODES",
     "aggregate",
     "entropy_bonus",
     "explained_variance",
@@ -33,8 +35,13 @@ __all__ = [
     "value_loss",
 ]
 
+LOSS_MODES = ("vanilla", "gspo", "cispo")
+
 # exp(20) ~ 5e8: a finite bound on the importance ratio, far outside any clip range.
 _MAX_LOG_RATIO = 20.0
+# GSPO's sequence log-ratio is clamped from above at 10 (exp(10) ~ 2.2e4), as the
+# reference implementations do: a long response's mean can still be far off at the start.
+_GSPO_MAX_LOG_RATIO = 10.0
 _POLICY_MEANS = (
     "actor/pg_clipfrac",
     "actor/pg_clipfrac_upper",
@@ -75,8 +82,12 @@ def policy_loss(
     *,
     totals: BatchTotals | None = None,
     norm_len: int | None = None,
+    loss_mode: str = "vanilla",
+    rollout_is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate loss (Schulman et al. 2017, arXiv 1707.06347, eq. 7), negated.
+    """The policy-gradient loss of `loss_mode`, negated for minimisation.
+
+    `vanilla`: PPO's clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7).
 
     Per token, with r = exp(log_prob - old_log_prob) and A the advantage:
         L = max(-A r, -A clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high)).
@@ -86,16 +97,39 @@ def policy_loss(
     also bounds the loss of negative-advantage tokens by -A c, so a huge ratio on a bad
     token cannot dominate the update: L = min(L, -A c) where A < 0.
 
+    `gspo`: Group Sequence Policy Optimization (Zheng et al. 2025, arXiv 2507.18071, eq. 5-7,
+    and GSPO-token, eq. 13-14): the ratio is the sequence's,
+        s_i = exp(mean over the response of log r_t) = (pi(y_i) / pi_old(y_i))^(1/|y_i|),
+    put on every token with the paper's stop-gradient construction
+        s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)]    (value s_i, gradient s_i * grad log pi(y_t))
+    and clipped as above: L = max(-A s, -A clip(s, 1 - low, 1 + high)). The log of s is
+    clamped at 10 from above. With `seq-mean-token-mean` aggregation this is the paper's
+    objective; no dual clip (the paper has none).
+
+    `cispo`: Clipped IS-weight Policy Optimization (MiniMax 2025, arXiv 2506.13585, eq. 4-5):
+        L = -sg(clip(r, 1 - low, 1 + high)) * A * log pi,
+    REINFORCE with a clipped, constant importance weight: every token keeps a gradient
+    (no token is dropped by the clip), bounded by the clip. No dual clip.
+
+    rollout_is_weights multiplies each token's loss before aggregation (rollout correction,
+    `rollout_correction.is_weights`: the behaviour policy's importance weight pi_old / mu,
+    a constant); the ratio r above is always pi / pi_old (decoupled PPO, DESIGN.md §7).
+
     log_prob: `[batch, response_len]` current policy log-probs (with gradient).
-    old_log_prob: `[batch, response_len]` log-probs of the policy that sampled the batch.
+    old_log_prob: `[batch, response_len]` log-probs of pi_old (the proximal policy: the
+        policy at the start of the step, recomputed by the trainer).
     advantages, response_mask: `[batch, response_len]`.
     agg_mode, totals, norm_len: see `aggregation.aggregate`.
+    loss_mode: `vanilla`, `gspo` or `cispo`.
+    rollout_is_weights: `[batch, response_len]` or None; no gradient flows into it.
 
     Returns (loss, metrics) with metrics (fractions of valid tokens, as shares; module doc):
-        actor/pg_loss; actor/pg_clipfrac: the clipped term is the active one;
-        actor/pg_clipfrac_upper: A > 0 and r > 1 + high; actor/pg_clipfrac_lower: A < 0 and
-        r < 1 - low; actor/pg_clipfrac_dual: the dual clip is active;
+        actor/pg_loss; actor/pg_clipfrac: the clip is active (vanilla, gspo: the clipped
+        term is the one taken; cispo: the weight was clipped); actor/pg_clipfrac_upper:
+        r > 1 + high (vanilla, gspo: and A > 0); actor/pg_clipfrac_lower: r < 1 - low
+        (vanilla, gspo: and A < 0); actor/pg_clipfrac_dual: the dual clip is active;
         actor/ppo_kl: mean of old_log_prob - log_prob (k1 estimate of KL(old || new)).
+        For gspo, r is the sequence ratio s.
     """
     _check_shapes(
         "policy_loss",
@@ -103,7 +137,12 @@ def policy_loss(
         log_prob=log_prob,
         old_log_prob=old_log_prob,
         advantages=advantages,
+        **({} if rollout_is_weights is None else {"rollout_is_weights": rollout_is_weights}),
     )
+    if loss_mode not in LOSS_MODES:
+        raise ValueError(
+            f"policy_loss: loss_mode must be one of {', '.join(LOSS_MODES)}; got {loss_mode!r}"
+        )
     if clip_ratio_low < 0 or clip_ratio_high < 0:
         raise ValueError(
             f"policy_loss: clip_ratio_low ({clip_ratio_low}) and clip_ratio_high "
@@ -114,19 +153,28 @@ def policy_loss(
     valid = response_mask.bool()
     log_ratio = torch.where(valid, log_prob - old_log_prob, 0.0)
     adv = torch.where(valid, advantages, 0.0).to(log_ratio.dtype)
-    ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
-    loss_unclipped = -adv * ratio
-    loss_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
-    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
-    with torch.no_grad():
-        upper = (adv > 0) & (ratio > 1.0 + clip_ratio_high)
-        lower = (adv < 0) & (ratio < 1.0 - clip_ratio_low)
+    if loss_mode == "cispo":
+        loss_mat, upper, lower = _cispo(
+            log_prob, log_ratio, adv, valid, clip_ratio_low, clip_ratio_high
+        )
         dual = torch.zeros_like(valid)
-    if clip_ratio_c is not None:
-        loss_dual = -adv * clip_ratio_c
-        with torch.no_grad():
-            dual = (adv < 0) & (loss_mat > loss_dual)
-        loss_mat = torch.where(adv < 0, torch.minimum(loss_mat, loss_dual), loss_mat)
+    else:
+        if loss_mode == "gspo":
+            ratio = _gspo_ratio(log_prob, log_ratio, valid)
+        else:
+            ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        loss_mat, upper, lower, dual = _clipped_surrogate(
+            ratio,
+            adv,
+            clip_ratio_low,
+            clip_ratio_high,
+            clip_ratio_c if loss_mode == "vanilla" else None,
+        )
+    if rollout_is_weights is not None:
+        # A constant per token: the behaviour policy's correction, never differentiated.
+        loss_mat = loss_mat * torch.where(valid, rollout_is_weights.detach(), 0.0).to(
+            loss_mat.dtype
+        )
     loss = aggregate(loss_mat, response_mask, agg_mode, totals, norm_len)
     with torch.no_grad():
         # One masked mean over the stacked per-token values, not five: this runs once per
@@ -138,6 +186,65 @@ def policy_loss(
         metrics = {"actor/pg_loss": loss.detach()}
         metrics.update(zip(_POLICY_MEANS, shares.unbind()))
     return loss, metrics
+
+
+def _clipped_surrogate(
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_ratio_c: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """max(-A r, -A clip(r)) per token, with the dual clip when clip_ratio_c is given;
+    and where the upper, lower and dual clips are active."""
+    loss_unclipped = -adv * ratio
+    loss_clipped = -adv * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(loss_unclipped, loss_clipped)
+    with torch.no_grad():
+        upper = (adv > 0) & (ratio > 1.0 + clip_ratio_high)
+        lower = (adv < 0) & (ratio < 1.0 - clip_ratio_low)
+        dual = torch.zeros_like(upper)
+    if clip_ratio_c is not None:
+        loss_dual = -adv * clip_ratio_c
+        with torch.no_grad():
+            dual = (adv < 0) & (loss_mat > loss_dual)
+        loss_mat = torch.where(adv < 0, torch.minimum(loss_mat, loss_dual), loss_mat)
+    return loss_mat, upper, lower, dual
+
+
+def _gspo_ratio(
+    log_prob: torch.Tensor, log_ratio: torch.Tensor, valid: torch.Tensor
+) -> torch.Tensor:
+    """GSPO-token's s_i,t = sg[s_i] * pi(y_t) / sg[pi(y_t)] (arXiv 2507.18071, eq. 13-14).
+
+    Its value is the sequence ratio s_i = exp(mean of log r over the response's valid
+    tokens); its gradient is s_i * grad log pi(y_t).
+    """
+    lengths = valid.sum(dim=-1, keepdim=True).clamp(min=1)
+    seq_log_ratio = log_ratio.sum(dim=-1, keepdim=True) / lengths
+    # where, not multiply: padding may hold -inf log-probs (and -inf - -inf is NaN).
+    lp = torch.where(valid, log_prob, 0.0)
+    log_s = seq_log_ratio.detach() + lp - lp.detach()
+    return torch.exp(log_s.clamp(max=_GSPO_MAX_LOG_RATIO))
+
+
+def _cispo(
+    log_prob: torch.Tensor,
+    log_ratio: torch.Tensor,
+    adv: torch.Tensor,
+    valid: torch.Tensor,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CISPO's -sg(clip(r)) A log pi per token (arXiv 2506.13585, eq. 4); and where the
+    weight's upper and lower clips are active."""
+    with torch.no_grad():
+        ratio = torch.exp(log_ratio.clamp(-_MAX_LOG_RATIO, _MAX_LOG_RATIO))
+        weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+        upper = ratio > 1.0 + clip_ratio_high
+        lower = ratio < 1.0 - clip_ratio_low
+    lp = torch.where(valid, log_prob, 0.0)
+    return -adv * weight * lp, upper, lower
 
 
 def value_loss(

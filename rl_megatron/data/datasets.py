@@ -28,6 +28,7 @@ __all__ = [
     "PromptDataset",
     "load_prompt_dataset",
     "dataset_from_config",
+    "read_records",
     "validate_prompt",
 ]
 
@@ -131,26 +132,36 @@ def load_prompt_dataset(
     samples: list[dict[str, Any]] = []
     sources: list[str] = []
     for file in files:
-        path = Path(file)
-        if not path.is_file():
-            raise DataError(f"{what}: file not found: {path}")
-        suffix = path.suffix.lower()
-        if suffix in JSONL_SUFFIXES:
-            records = _read_jsonl(path)
-        elif suffix in PARQUET_SUFFIXES:
-            records = _read_parquet(path)
-        else:
-            raise DataError(
-                f"{what}: {path}: unsupported file type {suffix or '(none)'!r}; "
-                "use .jsonl (one JSON object per line) or .parquet"
-            )
-        for where, record in records:
+        for where, record in read_records(file, what):
             _check_record(record, where, prompt_key, required_keys)
             samples.append(record)
             sources.append(where)
     if not samples:
         raise DataError(f"{what}: no records in {', '.join(str(f) for f in files)}")
     return PromptDataset(samples, sources, prompt_key, [str(f) for f in files])
+
+
+def read_records(
+    file: str | Path, what: str = "data files", as_jsonl: bool = False
+) -> Iterator[tuple[str, Any]]:
+    """Yield (`where`, record) for every record of a `.jsonl` or `.parquet` file, in order.
+
+    `where` is `"file:line"` (JSONL, 1-based) or `"file row n"` (Parquet, 0-based). Raises
+    DataError (one line) for a missing file, another suffix or a malformed record.
+    as_jsonl: read the file as JSON lines whatever its suffix.
+    """
+    path = Path(file)
+    if not path.is_file():
+        raise DataError(f"{what}: file not found: {path}")
+    suffix = path.suffix.lower()
+    if as_jsonl or suffix in JSONL_SUFFIXES:
+        return _read_jsonl(path)
+    if suffix in PARQUET_SUFFIXES:
+        return _read_parquet(path)
+    raise DataError(
+        f"{what}: {path}: unsupported file type {suffix or '(none)'!r}; "
+        "use .jsonl (one JSON object per line) or .parquet"
+    )
 
 
 def dataset_from_config(config: Config, split: str = "train") -> PromptDataset:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import string
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -84,6 +85,25 @@ class CharTokenizer:
 
     def __len__(self) -> int:
         return len(ALPHABET) + 2
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write this tokenizer as a Hugging Face one (`tokenizer.json` and its config), so
+        an exported model loads with `AutoTokenizer` and encodes every text as `encode` does.
+
+        Characters outside the alphabet, which `encode` refuses, become `<unk>` (one id past
+        the alphabet: the models' vocabularies have room for it).
+        """
+        from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"<pad>": PAD_ID, "</s>": EOS_ID, **self._ids, "<unk>": len(self)}
+        tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        fast = PreTrainedTokenizerFast(
+            tokenizer_object=tok, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+        )
+        fast.save_pretrained(str(directory))
 
 
 def synthetic_dataset(

@@ -89,6 +89,10 @@ class PromptTokenizer:
             raise DataError("model.tokenizer_path: not set (and no model.hf_path to default to)")
         return cls.from_pretrained(path, config.data.apply_chat_template)
 
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write the tokenizer's files (what an exported model folder carries)."""
+        self.tokenizer.save_pretrained(str(directory))
+
     def render(self, prompt: Prompt) -> str:
         """The prompt as the text the model sees (chat template applied when enabled)."""
         if self.apply_chat_template:

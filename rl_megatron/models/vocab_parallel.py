@@ -1,4 +1,4 @@
-"""Log-probs and entropy from tensor-parallel (vocabulary-sharded) logits.
+"""Log-probs, entropy and the exact KL from tensor-parallel (vocabulary-sharded) logits.
 
 Megatron's output layer leaves each TP rank with logits for a contiguous slice of the
 (padded) vocabulary: rank r holds ids `[r * V_r, (r + 1) * V_r)` in `[..., V_r]`. The
@@ -193,3 +193,80 @@ def vocab_parallel_entropy(
         logits, None, tp_group, temperature, vocab_size, True
     )
     return entropy
+
+
+class _VocabParallelKL(torch.autograd.Function):
+    """KL(softmax(x) || softmax(y)) per position, x with gradient, y a constant.
+
+    With z = x - max x, w = y - max y (shifted, so exp cannot overflow) and Z, W their sums
+    of exp: KL = sum_v e^z (z - w) / Z - log Z + log W. One all-reduce MAX of both shifts,
+    one all-reduce SUM of [Z, W, sum e^z (z - w)]. The backward needs no communication:
+    d KL / d x_j = p_j (log p_j - log q_j - KL), each rank's own slice.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, ref_logits, group, temperature, vocab_size):
+        tp_size, tp_rank = _group_info(group)
+        start = tp_rank * logits.shape[-1]
+        x = _scaled_logits(logits, temperature, start, vocab_size)
+        y = _scaled_logits(ref_logits.detach(), temperature, start, vocab_size)
+        shifts = torch.stack([x.amax(dim=-1), y.amax(dim=-1)])
+        if tp_size > 1:
+            dist.all_reduce(shifts, op=dist.ReduceOp.MAX, group=group)
+        x.sub_(shifts[0].unsqueeze(-1))
+        y.sub_(shifts[1].unsqueeze(-1))
+        ex = torch.exp(x)
+        sums = [ex.sum(dim=-1), torch.exp(y).sum(dim=-1)]
+        # Padding is -inf in both (e^z = 0): floored, its z - w is 0 instead of NaN.
+        x.clamp_(min=_LOG_FLOOR)
+        y.clamp_(min=_LOG_FLOOR)
+        sums.append((ex * (x - y)).sum(dim=-1))
+        del ex, x, y
+        stats = torch.stack(sums)
+        if tp_size > 1:
+            dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+        log_z, log_w = stats[0].log(), stats[1].log()
+        kl = stats[2] / stats[0] - log_z + log_w
+        ctx.save_for_backward(logits, ref_logits, shifts[0] + log_z, shifts[1] + log_w, kl)
+        ctx.start, ctx.temperature, ctx.vocab_size = start, temperature, vocab_size
+        return kl
+
+    @staticmethod
+    def backward(ctx, grad_kl):
+        logits, ref_logits, lse_x, lse_y, kl = ctx.saved_tensors
+        log_p = _scaled_logits(logits, ctx.temperature, ctx.start, ctx.vocab_size)
+        log_p.sub_(lse_x.unsqueeze(-1)).clamp_(min=_LOG_FLOOR)
+        log_q = _scaled_logits(ref_logits, ctx.temperature, ctx.start, ctx.vocab_size)
+        log_q.sub_(lse_y.unsqueeze(-1)).clamp_(min=_LOG_FLOOR)
+        p = torch.exp(log_p)
+        grad = log_p.sub_(log_q).sub_(kl.unsqueeze(-1)).mul_(p)
+        del p, log_q
+        grad.mul_(grad_kl.unsqueeze(-1))
+        if ctx.temperature != 1.0:
+            grad.div_(ctx.temperature)
+        return grad.to(logits.dtype), None, None, None, None
+
+
+def vocab_parallel_kl(
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    tp_group: dist.ProcessGroup | None,
+    temperature: float = 1.0,
+    vocab_size: int | None = None,
+) -> torch.Tensor:
+    """Exact KL(pi || pi_ref) at each position, from both models' TP shards of the logits.
+
+    pi = softmax(logits / temperature), pi_ref = softmax(ref_logits / temperature) over the
+    true vocabulary (`algorithms.kl.kl_full` for whole logits).
+    logits: `[..., vocab/tp]` this rank's slice of the policy's logits (with gradient).
+    ref_logits: `[..., vocab/tp]` the same slice of the reference's (no gradient).
+    tp_group, temperature, vocab_size: as `vocab_parallel_log_probs_and_entropy`.
+    Returns `[...]` float32 (float64 for float64 logits), replicated on the group's ranks.
+    """
+    _check("vocab_parallel_kl", logits, None, tp_group, temperature, vocab_size)
+    if ref_logits.shape != logits.shape:
+        raise ValueError(
+            f"vocab_parallel_kl: ref_logits {tuple(ref_logits.shape)} must match logits "
+            f"{tuple(logits.shape)}"
+        )
+    return _VocabParallelKL.apply(logits, ref_logits, tp_group, temperature, vocab_size)

@@ -11,11 +11,14 @@ from collections.abc import Mapping
 import torch
 import torch.distributed as dist
 
+from rl_megatron.algorithms.rollout_correction import is_weights, rejection_mask
+from rl_megatron.config import RolloutCorrectionConfig
 from rl_megatron.rollout.batch import RolloutBatch
 
 __all__ = [
     "dp_mean",
     "mini_batch_rows",
+    "rollout_correction",
     "sequence_scores_at_last_token",
     "token_level_scores",
     "training_batch",
@@ -60,6 +63,46 @@ def sequence_scores_at_last_token(
     lengths = response_mask.long().sum(dim=-1)
     index = (lengths - 1).clamp(min=0).unsqueeze(-1)
     return torch.where(lengths > 0, values.gather(-1, index).squeeze(-1), 0.0)
+
+
+def rollout_correction(
+    batch: dict[str, torch.Tensor],
+    config: RolloutCorrectionConfig,
+    group: dist.ProcessGroup | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The actor's batch with `algorithm.rollout_correction` applied (DESIGN.md §7).
+
+    From log r = old_log_prob - rollout_log_prob (pi_old / mu): rejection (MIS) first, which
+    zeroes the rejected tokens (or sequences) in the actor's `response_mask`, then the
+    importance weights of what is left (`rollout_is_weights`, TIS or IcePop). The batch
+    itself is not changed: the critic, advantages and metrics keep every token.
+    group: the data-parallel group (batch statistics, batch normalisation).
+    Returns (actor batch, rollout_corr/* metrics of the whole batch); with the correction
+    off, the batch itself and no metrics.
+    """
+    if config.level is None:
+        return batch, {}
+    log_ratio = batch["old_log_prob"] - batch["rollout_log_prob"]
+    actor = dict(batch)
+    metrics: dict[str, torch.Tensor] = {}
+    if config.rejection is not None:
+        lower, upper = config.rejection
+        actor["response_mask"], m = rejection_mask(
+            log_ratio, batch["response_mask"], config.level, lower, upper, group=group
+        )
+        metrics.update(m)
+    if config.threshold is not None:
+        threshold = config.threshold
+        actor["rollout_is_weights"], m = is_weights(
+            log_ratio,
+            actor["response_mask"],
+            config.level,
+            tuple(threshold) if isinstance(threshold, list) else threshold,
+            config.batch_normalize,
+            group=group,
+        )
+        metrics.update(m)
+    return actor, {k: float(v) for k, v in metrics.items()}
 
 
 def mini_batch_rows(num_rows: int, rows_per_mini_batch: int, generator: torch.Generator):

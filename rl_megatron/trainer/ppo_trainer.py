@@ -1,8 +1,10 @@
 """The PPO / GRPO loop (DESIGN.md §2), one step read top to bottom in `train_step`.
 
-    rollout   actor weights → engine (reshard), generate n responses per prompt
-    score     actor old log-probs, reference log-probs, critic values, rewards
+    rollout   actor weights → engine (reshard), generate n responses per prompt, rewards
+              (with dynamic sampling, rounds until the step's groups are informative)
+    score     actor old log-probs, reference log-probs, critic values
     advantage GAE / GRPO / RLOO / REINFORCE++ (pure functions, DP-reduced statistics)
+    correct   importance weights / rejection for the rollout engine's mismatch
     update    PPO epochs × mini-batches × micro-batches: critic, then actor
     bookkeep  metrics, evaluation, checkpoint, SIGTERM
 
@@ -21,24 +23,27 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron.algorithms.advantages import compute_advantages
+from rl_megatron.algorithms.dapo import overlong_penalty
 from rl_megatron.algorithms.kl import apply_kl_penalty, build_kl_controller, kl_loss
 from rl_megatron.algorithms.losses import entropy_bonus, explained_variance, policy_loss, value_loss
+from rl_megatron.algorithms.rollout_correction import mismatch_metrics
 from rl_megatron.checkpoint.training_state import CheckpointManager
 from rl_megatron.config import Config
 from rl_megatron.data.sampler import PromptSampler, eval_batches
 from rl_megatron.distributed import DistributedRun
 from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.rollout.batch import RolloutBatch
-from rl_megatron.rollout.logprob_parity import log_prob_mismatch
 from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.trainer import checkpointing
 from rl_megatron.trainer import experience as ex
 from rl_megatron.trainer.build import Roles, TrainingData
+from rl_megatron.trainer.dynamic_sampling import Collected, Round, collect_groups
+from rl_megatron.trainer.hf_snapshots import HFSnapshots
 from rl_megatron.trainer.optimizer_step import NonFiniteUpdateError
 from rl_megatron.trainer.reporting import batch_stats, console_line, throughput
 from rl_megatron.trainer.roles import MegatronRole
 from rl_megatron.trainer.scoring import RewardScorer
-from rl_megatron.utils.metrics import MetricsTracker
+from rl_megatron.utils.metrics import MetricsTracker, wandb_settings
 from rl_megatron.utils.timers import PhaseTimer
 
 Batch = dict[str, torch.Tensor]
@@ -72,7 +77,9 @@ class PPOTrainer:
         )
         kl = config.algorithm.kl_ctrl
         self.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
-        self.metrics = MetricsTracker(config.run_dir, run.env.rank, config.logging.tensorboard)
+        self.metrics = MetricsTracker(
+            config.run_dir, run.env.rank, config.logging.tensorboard, wandb=wandb_settings(config)
+        )
         # What a resumed run needs, registered by name (trainer/checkpointing.py).
         self.checkpoints = checkpointing.RunCheckpoints(
             CheckpointManager(
@@ -86,6 +93,12 @@ class PPOTrainer:
             self.checkpoints.register_role(name, role, sidecar)
         self.checkpoints.register("sampler", self.sampler)
         self.checkpoints.register("kl_ctrl", self.kl_ctrl)
+        # checkpoint.save_hf: the actor as an HF model folder beside every checkpoint.
+        self.hf_snapshots = (
+            HFSnapshots(config, info, data.tokenizer, run.env.rank)
+            if config.checkpoint.save_hf
+            else None
+        )
         self.phases = PhaseTimer()
         self.step = 0  # optimizer steps of the actor taken so far = the next step's index
         self.resumed = False
@@ -122,18 +135,21 @@ class PPOTrainer:
         """One PPO iteration; returns this step's metrics (identical on every rank)."""
         roles, cfg = self.roles, self.config
         self._collect_garbage()
-        indices = self.sampler.next_batch()
-        prompts = [self.data.train.input_ids[i] for i in indices]
 
-        # 1. Rollout: the engine gets this step's weights, then samples n responses each.
-        rollout, sync = self._rollout(prompts, self._sampling(self.step))
+        # 1. Rollout: the engine gets this step's weights, then samples n responses to each
+        #    prompt, which are scored (reward function or model, DAPO's overlong shaping).
+        #    With dynamic sampling, more prompts until every group's rewards differ.
+        collected, sync = self._rollout()
+        rollout, scores = collected.rollout, collected.scores
         batch = self._to_device(ex.training_batch(rollout))
         mask = batch["response_mask"]
 
         # 2. Score: recompute the sampling policy's log-probs (never trust the engine's),
-        #    the reference's, the critic's values and the rewards.
-        with self.phases.time("old_log_probs"), roles.actor.on_device():
-            old = roles.actor.forward_only(batch, with_entropy=True)
+        #    the reference's and the critic's values. An exact (`full`) KL penalty needs
+        #    the reference's logits beside the actor's.
+        beside = self._full_kl_reference(cfg.algorithm.use_kl_in_reward, cfg.algorithm.kl_penalty)
+        with self.phases.time("old_log_probs"), roles.actor.on_device(), _on_device(beside):
+            old = roles.actor.forward_only(batch, with_entropy=True, kl_to=beside)
         batch["old_log_prob"] = old["log_prob"]
         if roles.reference is not None:
             with self.phases.time("reference"), roles.reference.on_device():
@@ -141,12 +157,6 @@ class PPOTrainer:
         if roles.critic is not None:
             with self.phases.time("values"), roles.critic.on_device():
                 batch["values"] = roles.critic.forward_only(batch)["values"]
-        with self.phases.time("reward"):
-            samples = [indices[int(g)] for g in rollout.group_index]
-            # The step as the console numbers it (from 1), for the error message.
-            scores, reward_metrics = self.scorer.score(
-                rollout, self.data.train.dataset, samples, batch, self.step + 1
-            )
 
         # 3. Advantages.
         rewards = ex.token_level_scores(scores.to(self.device), mask)
@@ -160,6 +170,7 @@ class PPOTrainer:
                 self.kl_ctrl.value,
                 cfg.algorithm.kl_penalty,
                 group=self.dp_group,
+                full_kl=old.get("kl_full"),
             )
             kl_metrics = {k: float(v) for k, v in raw.items()}  # already over all of DP
         batch["token_level_rewards"] = rewards
@@ -175,7 +186,14 @@ class PPOTrainer:
             group=self.dp_group,
         )
 
-        # 4. Update: critic first (it does not depend on the actor's new weights).
+        # 4. Off-policy correction: the engine's policy mu sampled the batch, the clip's
+        #    proximal policy is old_log_prob (decoupled PPO, DESIGN.md §7). The actor's loss
+        #    gets importance weights pi_old / mu, and loses the tokens rejection removes.
+        actor_batch, correction_metrics = ex.rollout_correction(
+            batch, cfg.algorithm.rollout_correction, self.dp_group
+        )
+
+        # 5. Update: critic first (it does not depend on the actor's new weights).
         critic_metrics: dict[str, float] = {}
         if roles.critic is not None:
             with self.phases.time("update_critic"), roles.critic.on_device():
@@ -183,27 +201,27 @@ class PPOTrainer:
             critic_metrics["critic/explained_variance"] = float(
                 explained_variance(batch["values"], batch["returns"], mask, self.dp_group)
             )
-        with self.phases.time("update_actor"), roles.actor.on_device():
-            actor_metrics = self._update(roles.actor, batch, self._actor_loss, "actor")
+        beside = self._full_kl_reference(cfg.actor.use_kl_loss, cfg.actor.kl_loss_type)
+        with self.phases.time("update_actor"), roles.actor.on_device(), _on_device(beside):
+            actor_metrics = self._update(
+                roles.actor, actor_batch, self._actor_loss, "actor", kl_to=beside
+            )
         if cfg.algorithm.use_kl_in_reward:
             # The batch's KL over all replicas, so every rank's controller stays the same.
             kl = kl_metrics["actor/reward_kl_penalty"]
             self.kl_ctrl.update(kl, cfg.data.train_batch_size * cfg.rollout.n)
 
-        # 5. Metrics (DP-averaged where they are per-replica statistics).
-        local = {
-            **rollout.metrics(),
-            # Absent when the engine was not asked for log-probs (rollout.calculate_log_probs).
-            **(
-                log_prob_mismatch(batch["rollout_log_prob"], batch["old_log_prob"], mask)
-                if "rollout_log_prob" in batch
-                else {}
-            ),
-            **reward_metrics,
-        }
+        # 6. Metrics (DP-averaged where they are per-replica statistics).
+        local = {**rollout.metrics(), **collected.reward_metrics()}
         metrics = ex.dp_mean(local, self.dp_group, sums=("reward/errors", "rollout/num_samples"))
         # Token statistics of the whole batch (sums over DP, not a mean of per-rank means).
         metrics.update(batch_stats(batch, old["entropy"], self.dp_group), **kl_metrics)
+        if "rollout_log_prob" in batch:  # the engine's log-probs, when it computed them
+            mismatch = mismatch_metrics(
+                batch["rollout_log_prob"], batch["old_log_prob"], mask, group=self.dp_group
+            )
+            metrics.update({k: float(v) for k, v in mismatch.items()})
+        metrics.update(correction_metrics, **collected.metrics)
         metrics.update(actor_metrics, **critic_metrics, **sync, **self.sampler.metrics())
         metrics.update(self.data.metrics())  # rollout/prompts_truncated: counted at load
         metrics["actor/kl_coef"] = self.kl_ctrl.value
@@ -225,14 +243,18 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------ rollout
 
-    def _sampling(self, step: int, evaluation: bool = False) -> SamplingParams:
-        r = self.config.rollout
+    def _sampling(
+        self, step: int, evaluation: bool = False, round_index: int = 0
+    ) -> SamplingParams:
+        r, ds = self.config.rollout, self.config.algorithm.dynamic_sampling
         eos = self.data.tokenizer.eos_token_id
         n = 1 if evaluation else r.n
         local = self.sampler.local_batch_size
-        # Seeds unique per (step, replica, prompt, sample) and a function of the step only,
-        # so a resumed run draws exactly the samples the uninterrupted run drew.
-        seed = self.config.trainer.seed + (step * self.dp_size + self.dp_rank) * local * r.n
+        # Seeds unique per (step, round, replica, prompt, sample) and a function of these
+        # only, so a resumed run draws exactly the samples the uninterrupted run drew.
+        rounds = 1 + ds.max_extra_rounds if ds.enable and not evaluation else 1
+        draw = step * rounds + round_index
+        seed = self.config.trainer.seed + (draw * self.dp_size + self.dp_rank) * local * r.n
         return SamplingParams(
             temperature=r.val_temperature if evaluation else r.temperature,
             top_p=1.0 if evaluation else r.top_p,
@@ -246,21 +268,54 @@ class PPOTrainer:
             stop_token_ids=None if eos is None else (eos,),
         )
 
-    def _rollout(
-        self, prompts: list[list[int]], sampling: SamplingParams
-    ) -> tuple[RolloutBatch, dict[str, float]]:
-        """Sync the engine to the actor's weights (version = step), generate, and let the
-        engine sleep while the roles train."""
+    def _rollout(self) -> tuple[Collected, dict[str, float]]:
+        """Sync the engine to the actor's weights (version = step), then the step's rounds
+        of generation and scoring (`dynamic_sampling.collect_groups`); the engine sleeps
+        after each, and while the roles train."""
+        ds = self.config.algorithm.dynamic_sampling
         with contextlib.ExitStack() as actor_on_device:
             actor_on_device.enter_context(self.roles.actor.on_device())
             with self.phases.time("reshard"):
                 sync = self._sync_engine(version=self.step)
             if not self.engine.generates_with_trainer_modules:
                 actor_on_device.close()  # the engine has its own copy now
-            with self.phases.time("generate"):
-                rollout = self._generate(prompts, sampling)
+            collected = collect_groups(
+                self._rollout_round,
+                self.sampler.local_batch_size,
+                self.config.rollout.n,
+                ds.enable,
+                ds.max_extra_rounds,
+                self.dp_group,
+                self.log,
+            )
+        return collected, sync
+
+    def _rollout_round(self, round_index: int) -> Round:
+        """The next prompts' n responses each, scored; the engine sleeps afterwards."""
+        if round_index:
+            self.engine.wake()
+        indices = self.sampler.next_batch()
+        prompts = [self.data.train.input_ids[i] for i in indices]
+        with self.phases.time("generate"):
+            rollout = self._generate(prompts, self._sampling(self.step, round_index=round_index))
         self.engine.sleep(level=1)
-        return rollout, sync
+        with self.phases.time("reward"):
+            samples = [indices[int(g)] for g in rollout.group_index]
+            # Only a reward model reads the batch; the step as the console numbers it.
+            batch = None
+            if self.roles.reward_model is not None:
+                batch = self._to_device(ex.training_batch(rollout))
+            scores, m = self.scorer.score(
+                rollout, self.data.train.dataset, samples, batch, self.step + 1
+            )
+            per_row = {}
+            ob, limit = self.config.reward.overlong_buffer, self.config.rollout.max_response_length
+            if ob.enable:  # DAPO's soft overlong punishment, part of the reward
+                penalty = overlong_penalty(
+                    rollout.response_lengths, limit, ob.length, ob.penalty_factor
+                )
+                scores, per_row["overlong_penalty"] = scores + penalty, penalty
+        return Round(rollout, scores, per_row, m.get("reward/errors"))
 
     def _sync_engine(self, version: int) -> dict[str, float]:
         """Put the actor's current weights into the engine as `version`: the engine's
@@ -302,6 +357,8 @@ class PPOTrainer:
             a.loss_agg_mode,
             totals=totals,
             norm_len=norm_len,
+            loss_mode=a.policy_loss,
+            rollout_is_weights=mb.get("rollout_is_weights"),
         )
         if a.entropy_coeff:
             bonus, m = entropy_bonus(
@@ -318,24 +375,36 @@ class PPOTrainer:
                 a.loss_agg_mode,
                 totals=totals,
                 norm_len=norm_len,
+                full_kl=out.get("kl_full"),
             )
             loss = loss + a.kl_loss_coef * kl
             metrics.update(m)
         return loss, metrics
 
     def _critic_loss(self, out: Batch, mb: Batch, totals):
+        c = self.config.critic
         return value_loss(
             out["values"],
             mb["values"],
             mb["returns"],
             mb["response_mask"],
-            self.config.critic.cliprange_value,
+            c.cliprange_value,
+            c.loss_agg_mode,
             totals=totals,
+            norm_len=self.config.rollout.max_response_length,
         )
 
-    def _update(self, role: MegatronRole, batch: Batch, loss_fn, name: str) -> dict[str, float]:
+    def _full_kl_reference(self, used: bool, kind: str) -> MegatronRole | None:
+        """The reference role when a KL term is the exact one (`full`): its logits are
+        computed beside the actor's on each micro-batch (`MegatronRole.forward_only`)."""
+        return self.roles.reference if used and kind == "full" else None
+
+    def _update(
+        self, role: MegatronRole, batch: Batch, loss_fn, name: str, kl_to=None
+    ) -> dict[str, float]:
         """PPO epochs over shuffled mini-batches; metrics averaged over optimizer steps,
-        `<name>/steps_skipped` counts the steps a non-finite loss or grad norm dropped."""
+        `<name>/steps_skipped` counts the steps a non-finite loss or grad norm dropped.
+        kl_to: the reference, for an exact KL loss (`_full_kl_reference`)."""
         section = self.config.actor if name == "actor" else self.config.critic
         rows = batch["prompts"].shape[0]
         per_rank = section.mini_batch_size // self.dp_size
@@ -348,7 +417,9 @@ class PPOTrainer:
             for mini in ex.mini_batch_rows(rows, per_rank, generator)
         ]
         try:
-            per_step = role.train_steps(batch, steps, loss_fn, with_entropy=with_entropy)
+            per_step = role.train_steps(
+                batch, steps, loss_fn, with_entropy=with_entropy, kl_to=kl_to
+            )
         except NonFiniteUpdateError as exc:
             # Raised on every rank alike, before the optimizer step: the weights the
             # engine would get next are the last finite ones. Steps count from 1 here,
@@ -409,6 +480,9 @@ class PPOTrainer:
         """Checkpoint the run after `self.step` optimizer steps (collective)."""
         with self.phases.time("checkpoint"):
             self.checkpoints.save(self.step)
+        if self.hf_snapshots is not None:
+            with self.phases.time("save_hf"), self.roles.actor.on_device():
+                self.hf_snapshots.save(self.roles.actor.model, self.step, self.log)
 
     def resume(self) -> None:
         """Continue from `checkpoint.resume_from`, or the run's newest checkpoint (auto)."""
@@ -427,6 +501,11 @@ class PPOTrainer:
         flag = torch.tensor([1.0 if self.run.stop_requested else 0.0], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+
+def _on_device(role: MegatronRole | None):
+    """`role.on_device()`, or nothing for no role."""
+    return contextlib.nullcontext() if role is None else role.on_device()
 
 
 def build_trainer(config: Config, run: DistributedRun, logger) -> PPOTrainer:

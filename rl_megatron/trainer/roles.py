@@ -5,7 +5,9 @@ runs them through megatron-core's pipeline schedules (`get_forward_backward_func
 pipelining, 1F1B, or interleaved when there is one chunk per virtual stage):
 
 * `forward_only(batch)` → per-token outputs of the response tokens, on every rank:
-  `log_prob` (and `entropy`) for LM heads, `values` for value heads, `[b, R]` float32.
+  `log_prob` (and `entropy`) for LM heads, `values` for value heads, `[b, R]` float32;
+  with `kl_to=<another LM role>` also `kl_full`, the exact KL to that role's policy, its
+  logits computed on the same micro-batch beside ours (pp = 1).
 * `train_step(mini_batch, loss_fn)` → one optimizer step over this rank's part of a
   mini-batch, in micro-batches; returns metrics.
 
@@ -57,6 +59,7 @@ from rl_megatron.algorithms.aggregation import BatchTotals, batch_totals
 from rl_megatron.config import OffloadConfig, OptimConfig
 from rl_megatron.models.builders import ValueHead
 from rl_megatron.models.vocab_parallel import (
+    vocab_parallel_kl,
     vocab_parallel_log_probs,
     vocab_parallel_log_probs_and_entropy,
 )
@@ -250,8 +253,15 @@ class MegatronRole:
             host_mask=host_mask,
         )
 
-    def _forward_step(self, data_iterator: Iterator, model: torch.nn.Module, loss_func):
-        """Megatron forward_step_func: one micro-batch through one chunk."""
+    def _forward_step(
+        self,
+        data_iterator: Iterator,
+        model: torch.nn.Module,
+        loss_func,
+        kl_to: MegatronRole | None = None,
+    ):
+        """Megatron forward_step_func: one micro-batch through one chunk (and, with
+        `kl_to`, through that role's model too: its logits go to `_per_token`)."""
         batch = next(data_iterator)
         if "cu_seqlens" in batch:
             cu = batch["cu_seqlens"]
@@ -263,13 +273,16 @@ class MegatronRole:
                 max_seqlen_q=max_len,
                 max_seqlen_kv=max_len,
             )
-            output = model(
-                batch["packed_ids"], batch["packed_position_ids"], None, packed_seq_params=params
-            )
-            return output, partial(loss_func, batch)
-        # Left-aligned rows (`micro_batches.left_align`): padding only at the ends of rows,
-        # so plain causal attention (no mask) is exact for every real token.
-        output = model(batch["input_ids"], batch["position_ids"], None)
+            args = (batch["packed_ids"], batch["packed_position_ids"], None)
+            kwargs = {"packed_seq_params": params}
+        else:
+            # Left-aligned rows (`micro_batches.left_align`): padding only at the ends of
+            # rows, so plain causal attention (no mask) is exact for every real token.
+            args, kwargs = (batch["input_ids"], batch["position_ids"], None), {}
+        output = model(*args, **kwargs)
+        if kl_to is not None:
+            with torch.no_grad():  # a constant of the loss
+                batch = {**batch, "kl_ref_logits": kl_to.model[0](*args, **kwargs)}
         return output, partial(loss_func, batch)
 
     def _per_token(
@@ -288,16 +301,26 @@ class MegatronRole:
         if self.value_head:
             return {"values": cols[..., 0].float()}
         labels = batch["responses"].to(self.device)
+        out = {}
+        if "kl_ref_logits" in batch:
+            ref = batch["kl_ref_logits"]
+            if "cu_seqlens" in batch:
+                ref_cols = ref[0].index_select(0, index.view(-1)).view(*index.shape, -1)
+            else:
+                ref_cols = ref.gather(1, index[..., None].expand(-1, -1, ref.shape[-1]))
+            out["kl_full"] = vocab_parallel_kl(
+                cols, ref_cols, self.groups.tp, self.temperature, self.vocab_size
+            )
         if not with_entropy:
             # The entropy costs another pass over the vocabulary (and its backward).
-            log_prob = vocab_parallel_log_probs(
+            out["log_prob"] = vocab_parallel_log_probs(
                 cols, labels, self.groups.tp, self.temperature, self.vocab_size
             )
-            return {"log_prob": log_prob}
-        log_prob, entropy = vocab_parallel_log_probs_and_entropy(
+            return out
+        out["log_prob"], out["entropy"] = vocab_parallel_log_probs_and_entropy(
             cols, labels, self.groups.tp, self.temperature, self.vocab_size
         )
-        return {"log_prob": log_prob, "entropy": entropy}
+        return out
 
     def _run(self, micro: list[dict], forward_step, forward_only: bool) -> list:
         """All micro-batches through the schedule; returns what the loss funcs reported.
@@ -326,27 +349,36 @@ class MegatronRole:
 
     @torch.no_grad()
     def forward_only(
-        self, batch: Batch, *, with_entropy: bool = False, micro_batch_size: int | None = None
+        self,
+        batch: Batch,
+        *,
+        with_entropy: bool = False,
+        micro_batch_size: int | None = None,
+        kl_to: MegatronRole | None = None,
     ) -> dict[str, torch.Tensor]:
         """Per-token outputs of the response tokens of every row, on every rank.
 
         batch: the dict layout of the module docstring (this rank's rows).
         with_entropy: also return `entropy` (LM heads).
         micro_batch_size: override the role's (fixed mode); None = the role's setting.
-        Returns `log_prob` (+ `entropy`) or `values`, each `[b, R]` float32, 0 where
-        `response_mask` is 0 (or on right padding), identical on all TP and PP ranks.
+        kl_to: another LM role (the reference), on the device: also return `kl_full`, the
+            exact KL(this policy || its policy) at each response token (`_check_kl_to`).
+        Returns `log_prob` (+ `entropy`, `kl_full`) or `values`, each `[b, R]` float32, 0
+        where `response_mask` is 0 (or on right padding), identical on all TP and PP ranks.
         """
         self._check_loaded()
+        self._check_kl_to(kl_to)
         for chunk in self.model:
             chunk.eval()
         split = self._split(batch, micro_batch_size)
         micro = self._micro_batches(batch, split)
         keys = ["values"] if self.value_head else ["log_prob"] + ["entropy"] * with_entropy
+        keys += ["kl_full"] * (kl_to is not None)
 
         def loss_func(mbatch, output, non_loss_data=False):
             return self._per_token(output, mbatch, with_entropy)
 
-        step = partial(self._forward_step, loss_func=loss_func)
+        step = partial(self._forward_step, loss_func=loss_func, kl_to=kl_to)
         b, r = batch["responses"].shape
         results = {k: torch.zeros(b, r, dtype=torch.float32, device=self.device) for k in keys}
         outs = self._run(micro, step, forward_only=True)
@@ -397,26 +429,46 @@ class MegatronRole:
         *,
         with_entropy: bool = False,
         micro_batch_size: int | None = None,
+        kl_to: MegatronRole | None = None,
     ) -> list[dict[str, float]]:
         """One optimizer step per entry of `steps`, in order: `train_step` on those rows.
 
         batch: this rank's rows (module docstring layout); steps: each step's mini-batch,
         as row indices into `batch`. Returns each step's `train_step` metrics.
+        kl_to: as in `forward_only`: the loss function's outputs then hold `kl_full`, with
+        gradient (the exact KL loss).
         The host waits for the device twice per phase rather than twice per step: the
         mask's host copy (micro-batch shapes) is made once, and the metrics of every step
         are read together at the end (`step_metrics`); in between, the host prepares and
         launches the next step while the device still runs the last optimizer update.
         """
         self._check_trainable()
+        self._check_kl_to(kl_to)
         host_mask = None if self.pack or self.interleaved else batch["attention_mask"].cpu()
         pending = []
         for rows in steps:
             mini_batch = mb.select_rows(batch, rows)
             rows_mask = None if host_mask is None else host_mask.index_select(0, mb.row_index(rows))
             pending.append(
-                self._optimizer_step(mini_batch, rows_mask, loss_fn, with_entropy, micro_batch_size)
+                self._optimizer_step(
+                    mini_batch, rows_mask, loss_fn, with_entropy, micro_batch_size, kl_to
+                )
             )
         return self._resolve(pending)
+
+    def _check_kl_to(self, other: MegatronRole | None) -> None:
+        """The other role runs beside this one on each micro-batch: one pipeline stage,
+        the same vocabulary shards; in eval mode (a constant of the loss)."""
+        if other is None:
+            return
+        if len(self.model) != 1 or self.groups.pp_size != 1 or other.value_head:
+            raise ValueError(
+                "kl_to: the full KL needs pp=1 and an LM head on both roles (the other "
+                "role's logits are computed beside this role's on each micro-batch)"
+            )
+        other._check_loaded()
+        for chunk in other.model:
+            chunk.eval()
 
     def _check_trainable(self) -> None:
         if self.optimizer is None:
@@ -438,6 +490,7 @@ class MegatronRole:
         loss_fn: LossFn,
         with_entropy: bool,
         micro_batch_size: int | None,
+        kl_to: MegatronRole | None = None,
     ) -> step_metrics.PendingMetrics:
         for chunk in self.model:
             chunk.train()
@@ -459,7 +512,7 @@ class MegatronRole:
             reported.update({k: v.detach().float() for k, v in metrics.items()})
             return loss * scale, reported
 
-        step = partial(self._forward_step, loss_func=loss_func)
+        step = partial(self._forward_step, loss_func=loss_func, kl_to=kl_to)
         per_micro = self._run(micro, step, forward_only=False)
         local_loss = (
             torch.stack([m["loss"] for m in per_micro]).sum()

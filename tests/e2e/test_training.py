@@ -79,6 +79,39 @@ def test_reward_improves(tmp_path, estimator, extra):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "name, extra",
+    [
+        # GSPO with the paper's clip range and aggregation (arXiv 2507.18071, §5.1).
+        (
+            "gspo",
+            [
+                "actor.policy_loss=gspo",
+                "actor.loss_agg_mode=seq-mean-token-mean",
+                "actor.clip_ratio_low=0.0003",
+                "actor.clip_ratio_high=0.0004",
+            ],
+        ),
+        ("cispo", ["actor.policy_loss=cispo", "actor.clip_ratio_high=0.28"]),
+    ],
+)
+def test_reward_improves_with_gspo_and_cispo(tmp_path, name, extra):
+    """The new policy losses learn the demo task (the rollout correction's run is the vLLM
+    engine's, tests/vllm/test_trainer_vllm.py)."""
+    result = _train(
+        tmp_path,
+        "trainer.total_steps=40",
+        "trainer.val_interval=0",
+        "checkpoint.save_interval=0",
+        *extra,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = _metrics(tmp_path / "tiny_cpu")
+    gain = _improvement(rows)
+    assert gain > MIN_IMPROVEMENT, f"{name}: reward improved by {gain:.3f} only"
+
+
+@pytest.mark.slow
 def test_kl_terms_reference_and_offload(tmp_path):
     """KL loss + KL reward penalty (adaptive β) with the reference role; every role's
     params, grads and optimizer state offloaded between phases."""

@@ -74,3 +74,42 @@ def _dp_body(rank, world_size):
 
 def test_dp_whitening_and_global_loss_normalisation():
     run_on_ranks(_dp_body, world_size=2)
+
+
+def _correction_body(rank, world_size):
+    """Rollout correction's batch statistics over DP equal one rank's on the whole batch."""
+    from rl_megatron.algorithms.rollout_correction import (
+        is_weights,
+        mismatch_metrics,
+        rejection_mask,
+    )
+
+    group = dist.new_group(list(range(world_size)))
+    gen = torch.Generator().manual_seed(0)
+    log_ratio = 0.5 * torch.randn(8, 6, generator=gen, dtype=torch.float64)
+    mu = torch.randn(8, 6, generator=gen, dtype=torch.float64) - 2
+    lengths = torch.tensor([6, 2, 5, 0, 6, 1, 3, 4])
+    mask = (torch.arange(6) < lengths.unsqueeze(-1)).long()
+    rows = slice(rank * 4, rank * 4 + 4)
+    for level in ("token", "sequence"):
+        for threshold in (1.3, (0.6, 1.6)):
+            local, m_local = is_weights(
+                log_ratio[rows], mask[rows], level, threshold, True, group=group
+            )
+            whole, m_whole = is_weights(log_ratio, mask, level, threshold, True)
+            torch.testing.assert_close(local, whole[rows], atol=1e-6, rtol=0)
+            for key in m_whole:
+                torch.testing.assert_close(m_local[key], m_whole[key], msg=key)
+        kept, m_local = rejection_mask(log_ratio[rows], mask[rows], level, 0.7, 1.4, group=group)
+        kept_whole, m_whole = rejection_mask(log_ratio, mask, level, 0.7, 1.4)
+        assert torch.equal(kept, kept_whole[rows])
+        for key in m_whole:
+            torch.testing.assert_close(m_local[key], m_whole[key], msg=key)
+    local = mismatch_metrics(mu[rows], mu[rows] + log_ratio[rows], mask[rows], group=group)
+    whole = mismatch_metrics(mu, mu + log_ratio, mask)
+    for key in whole:  # the max is the max over both halves, not a mean of the two
+        torch.testing.assert_close(local[key], whole[key], msg=key)
+
+
+def test_dp_rollout_correction_statistics():
+    run_on_ranks(_correction_body, world_size=2)

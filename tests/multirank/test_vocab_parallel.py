@@ -1,4 +1,4 @@
-"""Vocab-parallel log-probs/entropy on TP=2 and TP=4 ranks (gloo, or NCCL on GPUs).
+"""Vocab-parallel log-probs/entropy/KL on TP=2 and TP=4 ranks (gloo, or NCCL on GPUs).
 
 Vocab-parallel: every rank builds the same full logits from one seed, keeps its vocabulary
 slice, and compares log-probs, entropy and the gradient of its slice with a single-rank
@@ -93,12 +93,44 @@ def _check_vocab_parallel(rank, world_size, padded_vocab, vocab_size, temperatur
     torch.testing.assert_close(shard_b.grad.float(), want, atol=ATOL, rtol=grad_rtol)
 
 
+def _reference_kl(full, full_ref, temperature, vocab_size):
+    log_p = torch.log_softmax(full[..., :vocab_size] / temperature, dim=-1)
+    log_q = torch.log_softmax(full_ref[..., :vocab_size] / temperature, dim=-1)
+    return (log_p.exp() * (log_p - log_q)).sum(-1)
+
+
+def _check_kl(rank, world_size, padded_vocab, vocab_size, temperature, seed):
+    """The exact KL from shards equals the full-vocabulary one, values and gradients."""
+    from rl_megatron.models.vocab_parallel import vocab_parallel_kl
+
+    group = dist.new_group(list(range(world_size)))
+    gen = torch.Generator().manual_seed(seed + 1)
+    full, full_ref = (3 * torch.randn(2, 5, 3, padded_vocab, generator=gen)).unbind()
+    full[..., vocab_size:] += 10
+    full_ref[..., vocab_size:] -= 10
+    g = torch.randn(5, 3, generator=gen)
+    device = test_device()
+    full, full_ref, g = full.to(device), full_ref.to(device), g.to(device)
+    ref_logits = full.clone().requires_grad_(True)
+    want = _reference_kl(ref_logits, full_ref, temperature, vocab_size)
+    (want * g).sum().backward()
+    part = padded_vocab // world_size
+    cols = slice(rank * part, (rank + 1) * part)
+    shard = full[..., cols].clone().requires_grad_(True)
+    kl = vocab_parallel_kl(shard, full_ref[..., cols], group, temperature, vocab_size)
+    torch.testing.assert_close(kl, want.detach(), atol=ATOL, rtol=0)
+    (kl * g).sum().backward()
+    torch.testing.assert_close(shard.grad, ref_logits.grad[..., cols], atol=ATOL, rtol=0)
+    assert torch.isfinite(shard.grad).all()
+
+
 def _vocab_parallel_body(rank, world_size, cases):
     for padded_vocab, vocab_size, temperature in cases:
         for dtype in (torch.float32, torch.bfloat16):
             _check_vocab_parallel(
                 rank, world_size, padded_vocab, vocab_size, temperature, seed=0, dtype=dtype
             )
+        _check_kl(rank, world_size, padded_vocab, vocab_size, temperature, seed=0)
 
 
 def test_vocab_parallel_tp2():
@@ -145,6 +177,31 @@ def test_vocab_parallel_single_rank_and_bad_input():
         vocab_parallel_log_probs_and_entropy(logits, labels, None, 0.0)
     with pytest.raises(ValueError, match="vocab_size 11"):
         vocab_parallel_log_probs_and_entropy(logits, labels, None, 1.0, 11)
+
+
+def test_vocab_parallel_kl_single_rank_matches_kl_full():
+    import pytest
+
+    from rl_megatron.algorithms.kl import kl_full
+    from rl_megatron.models.vocab_parallel import vocab_parallel_kl
+
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 4, 10, generator=gen, dtype=torch.float64, requires_grad=True)
+    ref = torch.randn(3, 4, 10, generator=gen, dtype=torch.float64)
+    kl = vocab_parallel_kl(logits, ref, None, 0.8)
+    want = kl_full(logits, ref, 0.8)
+    torch.testing.assert_close(kl, want, atol=1e-12, rtol=0)
+    assert torch.autograd.gradcheck(lambda x: vocab_parallel_kl(x, ref, None, 0.8, 8), (logits,))
+    # Padding ids (>= vocab_size) are no tokens: the KL of the first 8 ids only.
+    torch.testing.assert_close(
+        vocab_parallel_kl(logits, ref, None, 0.8, 8),
+        kl_full(logits[..., :8], ref[..., :8], 0.8),
+        atol=1e-12,
+        rtol=0,
+    )
+    assert vocab_parallel_kl(ref, ref, None).abs().max().item() < 1e-12
+    with pytest.raises(ValueError, match="ref_logits"):
+        vocab_parallel_kl(logits, ref[..., :5], None)
 
 
 # ----------------------------------------------------------------------------- DP reductions

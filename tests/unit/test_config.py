@@ -225,6 +225,12 @@ def test_engine_kwargs_pass_through_but_cannot_override_the_trainer():
 
 def test_calculate_log_probs_defaults_off_and_takes_only_booleans():
     assert load_config(TINY, []).rollout.calculate_log_probs is False  # verl's default
+    # ...unless the rollout correction needs them: then on by default.
+    rc = ["algorithm.rollout_correction.level=token"]
+    assert load_config(TINY, rc).rollout.calculate_log_probs is True
+    rc_off = [*rc, "rollout.engine=vllm", "rollout.calculate_log_probs=false"]
+    message = _error(TINY, rc_off)
+    assert message.startswith("rollout.calculate_log_probs: is false, but algorithm.rollout_")
     config = load_config(TINY, ["rollout.calculate_log_probs=true"])
     assert config.rollout.calculate_log_probs is True
     validate(config, world_size=4)
@@ -271,3 +277,111 @@ def test_experiment_name_may_be_a_sub_folder():
     config = load_config(TINY, [*ONE_RANK, "trainer.experiment_name=team/exp1"])
     validate(config, world_size=1)
     assert config.run_dir == Path("runs/team/exp1")
+
+
+RC = "algorithm.rollout_correction"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        ([f"{RC}.rejection=[0.5, 2.0]"], f"{RC}.rejection: needs {RC}.level"),
+        ([f"{RC}.level=token", f"{RC}.threshold=0.5"], f"{RC}.threshold: must be >= 1"),
+        ([f"{RC}.level=token", f"{RC}.threshold=[2.0, 3.0]"], f"{RC}.threshold: needs 0 <="),
+        ([f"{RC}.level=token", f"{RC}.threshold=[0.5]"], f"{RC}.threshold: expected [lower, "),
+        ([f"{RC}.level=sequence", f"{RC}.rejection=[0.5, 0.9]"], f"{RC}.rejection: needs 0 <="),
+        (
+            [f"{RC}.level=token", f"{RC}.threshold=null"],
+            f"{RC}.level: is set but both {RC}.threshold and {RC}.rejection are null",
+        ),
+        ([f"{RC}.level=tokens"], f"{RC}.level: 'tokens' is not one of token, sequence"),
+        (["actor.policy_loss=gpso"], "actor.policy_loss: 'gpso' is not one of vanilla"),
+        (["critic.loss_agg_mode=sum"], "critic.loss_agg_mode: 'sum' is not one of token-mean"),
+        (["algorithm.dynamic_sampling.enable=true", "rollout.n=1"], "rollout.n: algorithm"),
+        (
+            [
+                "algorithm.adv_estimator=gae",
+                "algorithm.dynamic_sampling.enable=true",
+                "rollout.n=1",
+            ],
+            "algorithm.dynamic_sampling.enable: needs groups of rollout.n >= 2",
+        ),
+        (
+            ["algorithm.dynamic_sampling.max_extra_rounds=-1"],
+            "algorithm.dynamic_sampling.max_extra_rounds: must be >= 0",
+        ),
+        (
+            ["reward.overlong_buffer.enable=true", "reward.overlong_buffer.length=9"],
+            "reward.overlong_buffer.length: must be in (0, rollout.max_response_length=8]",
+        ),
+        (
+            [
+                "reward.overlong_buffer.enable=true",
+                "reward.overlong_buffer.length=4",
+                "reward.overlong_buffer.penalty_factor=-1",
+            ],
+            "reward.overlong_buffer.penalty_factor: must be >= 0",
+        ),
+    ],
+)
+def test_correction_loss_and_dapo_settings_are_checked(overrides, expected):
+    message = _error(TINY, overrides)
+    assert message.startswith(expected), message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.use_kl_in_reward=true", "algorithm.kl_penalty=full"],
+        ["actor.use_kl_loss=true", "actor.kl_loss_type=full"],
+    ],
+)
+def test_full_kl_needs_one_pipeline_stage(overrides):
+    config = load_config(TINY, [*ONE_RANK, *overrides])
+    validate(config, world_size=1)
+    key = overrides[1].split("=")[0]
+    message = _error(TINY, [*overrides, "parallel.pp=2"], world_size=2)
+    assert message.startswith(f"{key}: full needs parallel.pp=1"), message
+
+
+def test_correction_loss_and_dapo_settings_load():
+    config = load_config(
+        TINY,
+        [
+            *ONE_RANK,
+            f"{RC}.level=sequence",
+            f"{RC}.threshold=[0.5, 2.0]",
+            f"{RC}.rejection=[0.25, 4]",
+            f"{RC}.batch_normalize=true",
+            "actor.policy_loss=cispo",
+            "critic.loss_agg_mode=seq-mean-token-sum",
+            "algorithm.dynamic_sampling.enable=true",
+            "reward.overlong_buffer.enable=true",
+            "reward.overlong_buffer.length=4",
+        ],
+    )
+    validate(config, world_size=1)
+    rc = config.algorithm.rollout_correction
+    assert rc.threshold == [0.5, 2.0] and rc.rejection == [0.25, 4.0] and rc.batch_normalize
+    assert config.rollout.calculate_log_probs is True
+    assert load_config(TINY, [f"{RC}.threshold=1.5"]).algorithm.rollout_correction.threshold == 1.5
+
+
+# Qwen2.5-7B's config.json, for recipes whose checkpoint is not on this machine.
+QWEN25_7B = [
+    "model.hf_path=null",
+    "model.num_layers=28",
+    "model.hidden_size=3584",
+    "model.num_attention_heads=28",
+    "model.num_query_groups=4",
+    "model.ffn_hidden_size=18944",
+    "model.vocab_size=152064",
+]
+
+
+def test_dapo_recipe_validates():
+    config = load_config(TINY.parent / "dapo_qwen2.5_7b.yaml", QWEN25_7B)
+    validate(config, world_size=8)
+    assert config.rollout.calculate_log_probs is True  # for the correction's weights
+    assert config.algorithm.dynamic_sampling.enable and config.reward.overlong_buffer.enable
+    assert config.actor.loss_agg_mode == "token-mean" and config.actor.clip_ratio_high == 0.28

@@ -19,6 +19,7 @@ from rl_megatron.algorithms.kl import (
     apply_kl_penalty,
     build_kl_controller,
     kl,
+    kl_full,
     kl_loss,
 )
 
@@ -72,12 +73,55 @@ def test_k3_is_finite_for_extreme_ratios():
     assert torch.isfinite(out).all() and (out > 0).all()
 
 
+def test_k3_is_clamped_to_10_as_reference_implementations_do():
+    # verl's low_var_kl and OpenRLHF's k3 clamp the estimate to [-10, 10]: a token whose
+    # reference probability is e^12 times the policy's counts 10, with no gradient.
+    lp = torch.tensor([[-13.0, -1.0]], dtype=F64, requires_grad=True)
+    ref = torch.tensor([[-1.0, -1.5]], dtype=F64)
+    out = kl(lp, ref, "k3")
+    assert out[0, 0].item() == 10.0
+    assert out[0, 1].item() == pytest.approx(math.exp(-0.5) - 1 + 0.5)  # unclamped
+    out.sum().backward()
+    assert lp.grad[0, 0].item() == 0.0 and lp.grad[0, 1].item() != 0.0
+
+
+def test_abs_estimator():
+    lp = torch.tensor([[-1.0, -2.0]], dtype=F64)
+    ref = torch.tensor([[-1.5, -1.25]], dtype=F64)
+    assert kl(lp, ref, "abs").tolist() == [[0.5, 0.75]]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_kl_full_is_the_exact_kl_of_the_two_distributions(temperature):
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(2, 3, 11, generator=gen, dtype=F64).requires_grad_(True)
+    ref_logits = torch.randn(2, 3, 11, generator=gen, dtype=F64)
+    out = kl_full(logits, ref_logits, temperature)
+    assert out.shape == (2, 3)
+    for i in range(2):
+        for t in range(3):
+            p = torch.softmax(logits[i, t].detach() / temperature, -1)
+            q = torch.softmax(ref_logits[i, t] / temperature, -1)
+            want = sum(p[v] * math.log(p[v] / q[v]) for v in range(11))
+            assert out[i, t].item() == pytest.approx(want.item(), abs=1e-12)
+    # Its gradient is p_j (log p_j - log q_j - KL) / temperature (zero at p = q).
+    out.sum().backward()
+    log_p = torch.log_softmax(logits.detach() / temperature, -1)
+    log_q = torch.log_softmax(ref_logits / temperature, -1)
+    want_grad = log_p.exp() * (log_p - log_q - out.detach()[..., None]) / temperature
+    torch.testing.assert_close(logits.grad, want_grad, atol=1e-12, rtol=0)
+    same = kl_full(ref_logits, ref_logits.clone(), temperature)
+    assert same.abs().max().item() < 1e-12
+
+
 def test_kl_bad_input():
-    with pytest.raises(ValueError, match="kind must be one of k1, k2, k3"):
+    with pytest.raises(ValueError, match="kind must be one of k1, k2, k3, abs"):
         kl(torch.zeros(1, 2), torch.zeros(1, 2), "low_var")
+    with pytest.raises(ValueError, match="needs both full distributions"):
+        kl(torch.zeros(1, 2), torch.zeros(1, 2), "full")
     with pytest.raises(ValueError, match="same shape"):
         kl(torch.zeros(1, 2), torch.zeros(2, 1), "k1")
-    assert KL_KINDS == ("k1", "k2", "k3")
+    assert KL_KINDS == ("k1", "k2", "k3", "abs")
 
 
 @pytest.mark.parametrize("kind", KL_KINDS)

@@ -12,6 +12,7 @@ import statistics
 import pytest
 import torch
 
+from rl_megatron.algorithms.aggregation import batch_totals
 from rl_megatron.algorithms.losses import (
     aggregate,
     entropy_bonus,
@@ -168,6 +169,195 @@ def test_policy_loss_other_agg_mode_and_totals_pass_through():
     r = (log_prob - old).exp()
     per_token = torch.maximum(-adv * r, -adv * r.clamp(0.8, 1.2))
     assert loss.item() == pytest.approx(aggregate(per_token, mask, "seq-mean-token-sum").item())
+
+
+# ------------------------------------------------- GSPO, CISPO and rollout IS weights
+
+
+def naive_gspo_sequence_loss(log_prob, old_log_prob, adv, mask, low, high):
+    """GSPO's sequence objective (arXiv 2507.18071, eq. 5-7) with seq-mean-token-mean, one
+    sequence at a time and without any stop-gradient: s_i = exp(mean_t log r_t) is a
+    function of every token's log-prob, and the sequence's loss is max(-A s, -A clip(s))."""
+    terms = []
+    for i in range(mask.shape[0]):
+        valid = [t for t in range(mask.shape[1]) if mask[i, t]]
+        if not valid:
+            continue
+        s = torch.exp(sum(log_prob[i, t] - old_log_prob[i, t] for t in valid) / len(valid))
+        a = adv[i, valid[0]].item()  # GRPO's advantage: one per sequence
+        terms.append(max(-a * s, -a * torch.clamp(s, 1 - low, 1 + high)))
+    return sum(terms) / len(terms)
+
+
+def _sequence_advantages(seed, shape=(5, 6)):
+    log_prob, old, adv, mask = _policy_batch(seed)
+    adv = adv[:, :1].expand(shape).clone()  # one advantage per sequence, as GRPO's
+    mask[:, 0] = 1
+    return log_prob, old, adv, mask
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_gspo_matches_the_sequence_objective(seed):
+    # GSPO-token with its stop-gradients equals the paper's sequence objective in value and
+    # gradient when the advantage is per sequence (eq. 13-14 vs eq. 5-7).
+    log_prob, old, adv, mask = _sequence_advantages(seed)
+    old = log_prob + 0.05 * (old - log_prob)  # sequence ratios near 1, some clipped
+    lp_a = log_prob.clone().requires_grad_(True)
+    lp_b = log_prob.clone().requires_grad_(True)
+    loss, m = policy_loss(
+        lp_a, old, adv, mask, 3e-3, 4e-3, 3.0, "seq-mean-token-mean", loss_mode="gspo"
+    )  # the paper's clip range (§5.1)
+    want = naive_gspo_sequence_loss(lp_b, old, adv, mask, 3e-3, 4e-3)
+    assert loss.item() == pytest.approx(want.item(), abs=TOL)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(lp_a.grad, lp_b.grad, atol=TOL, rtol=0)
+    assert 0 < m["actor/pg_clipfrac"].item() < 1  # both regimes occur
+    assert m["actor/pg_clipfrac_dual"].item() == 0  # GSPO has no dual clip
+
+
+def test_gspo_equals_vanilla_when_token_ratios_are_equal():
+    log_prob, old, adv, mask = _sequence_advantages(5)
+    # Every token of row i has the same log-ratio c_i: s_i = r_i,t, so the losses agree.
+    c = torch.tensor([0.3, -0.5, 0.05, 0.1, -0.02], dtype=F64)[:, None]
+    old = log_prob - c
+    grads = []
+    losses = []
+    for mode in ("vanilla", "gspo"):
+        lp = log_prob.clone().requires_grad_(True)
+        loss, _ = policy_loss(lp, old, adv, mask, 0.2, 0.28, None, loss_mode=mode)
+        loss.backward()
+        losses.append(loss.item())
+        grads.append(lp.grad)
+    assert losses[0] == pytest.approx(losses[1], abs=TOL)
+    torch.testing.assert_close(grads[0], grads[1], atol=TOL, rtol=0)
+
+
+def test_gspo_clamps_the_sequence_log_ratio_at_10():
+    log_prob = torch.zeros(1, 3, dtype=F64, requires_grad=True)
+    old = torch.full((1, 3), -30.0, dtype=F64)  # mean log-ratio 30
+    adv = torch.full((1, 3), -1.0, dtype=F64)
+    loss, _ = policy_loss(log_prob, old, adv, torch.ones(1, 3), 0.2, 0.2, loss_mode="gspo")
+    assert loss.item() == pytest.approx(math.exp(10.0))  # -A exp(10), finite
+    loss.backward()
+    assert (log_prob.grad == 0).all()  # beyond the clamp: no gradient
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cispo_gradient_flows_only_through_log_prob(seed):
+    log_prob, old, adv, mask = _policy_batch(seed)
+    lp = log_prob.clone().requires_grad_(True)
+    loss, m = policy_loss(lp, old, adv, mask, 0.2, 0.28, 3.0, loss_mode="cispo")
+    loss.backward()
+    valid = mask.bool()
+    n = valid.sum().item()
+    # L = -sum sg(clip(r)) A log pi / N: d L / d log pi = -clip(r) A / N, with r a constant.
+    weight = (log_prob - old).exp().clamp(0.8, 1.28)
+    want_grad = torch.where(valid, -weight * adv / n, 0.0)
+    torch.testing.assert_close(lp.grad, want_grad, atol=TOL, rtol=0)
+    want = sum(
+        (-weight[i, t] * adv[i, t] * log_prob[i, t]).item()
+        for i in range(5)
+        for t in range(6)
+        if mask[i, t]
+    )
+    assert loss.item() == pytest.approx(want / n, abs=TOL)
+    # Tokens PPO's clip would silence keep their (bounded) gradient here.
+    r = (log_prob - old).exp()
+    silenced = valid & (adv > 0) & (r > 1.28)
+    assert silenced.any() and (lp.grad[silenced] != 0).all()
+    upper = (valid & (r > 1.28)).sum().item() / n
+    assert m["actor/pg_clipfrac_upper"].item() == pytest.approx(upper)
+
+
+def test_cispo_gradient_equals_ppo_at_the_start_of_a_step():
+    # At log_prob = old_log_prob (the first mini-batch), r = 1: both are REINFORCE's -A grad.
+    log_prob, _, adv, mask = _policy_batch(6)
+    grads = []
+    for mode in ("vanilla", "cispo"):
+        lp = log_prob.clone().requires_grad_(True)
+        loss, _ = policy_loss(lp, log_prob, adv, mask, 0.2, 0.2, loss_mode=mode)
+        loss.backward()
+        grads.append(lp.grad)
+    torch.testing.assert_close(grads[0], grads[1], atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "gspo", "cispo"])
+def test_rollout_is_weights_scale_each_rows_loss(mode):
+    # One weight per row: the weighted loss is the weighted sum of the rows' own losses
+    # (each a share of the whole batch's token count), in value and gradient.
+    log_prob, old, adv, mask = _sequence_advantages(7)
+    totals = batch_totals(mask)
+    row_w = torch.tensor([0.5, 1.5, 0.0, 2.0, 1.0], dtype=F64)
+    weights = row_w[:, None].expand(5, 6).clone()
+    weights[~mask.bool()] = float("nan")  # padding is ignored
+    weights.requires_grad_(True)  # and nothing flows into the weights
+    lp_a = log_prob.clone().requires_grad_(True)
+    loss, _ = policy_loss(
+        lp_a, old, adv, mask, 0.2, 0.28, 3.0, loss_mode=mode, rollout_is_weights=weights
+    )
+    lp_b = log_prob.clone().requires_grad_(True)
+    want = 0.0
+    for i in range(5):
+        only = torch.zeros_like(mask)
+        only[i] = mask[i]
+        part, _ = policy_loss(lp_b, old, adv, only, 0.2, 0.28, 3.0, totals=totals, loss_mode=mode)
+        want = want + row_w[i] * part
+    assert loss.item() == pytest.approx(want.item(), abs=TOL)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(lp_a.grad, lp_b.grad, atol=TOL, rtol=0)
+    assert weights.grad is None
+    # Weights of 1 change nothing.
+    plain, _ = policy_loss(log_prob, old, adv, mask, 0.2, 0.28, 3.0, loss_mode=mode)
+    ones, _ = policy_loss(
+        log_prob,
+        old,
+        adv,
+        mask,
+        0.2,
+        0.28,
+        3.0,
+        loss_mode=mode,
+        rollout_is_weights=torch.ones(5, 6, dtype=F64),
+    )
+    assert ones.item() == plain.item()
+
+
+@pytest.mark.parametrize("mode", ["vanilla", "cispo"])
+def test_rollout_is_weights_match_naive(mode):
+    log_prob, old, adv, mask = _policy_batch(8)
+    w = 0.5 + torch.rand(5, 6, generator=torch.Generator().manual_seed(2), dtype=F64)
+    lp_a = log_prob.clone().requires_grad_(True)
+    loss, _ = policy_loss(
+        lp_a, old, adv, mask, 0.2, 0.28, None, loss_mode=mode, rollout_is_weights=w
+    )
+    lp_b = log_prob.clone().requires_grad_(True)
+    terms = []
+    for i in range(5):
+        for t in range(6):
+            if not mask[i, t]:
+                continue
+            r = torch.exp(lp_b[i, t] - old[i, t])
+            a = adv[i, t].item()
+            if mode == "vanilla":
+                term = max(-a * r, -a * torch.clamp(r, 0.8, 1.28))
+            else:
+                term = -torch.clamp(r.detach(), 0.8, 1.28) * a * lp_b[i, t]
+            terms.append(w[i, t].item() * term)
+    want = sum(terms) / len(terms)
+    assert loss.item() == pytest.approx(want.item(), abs=TOL)
+    loss.backward()
+    want.backward()
+    torch.testing.assert_close(lp_a.grad, lp_b.grad, atol=TOL, rtol=0)
+
+
+def test_policy_loss_refuses_an_unknown_mode_and_misshapen_weights():
+    log_prob, old, adv, mask = _policy_batch(0)
+    with pytest.raises(ValueError, match="loss_mode must be one of vanilla, gspo, cispo"):
+        policy_loss(log_prob, old, adv, mask, 0.2, 0.2, loss_mode="grpo")
+    with pytest.raises(ValueError, match="rollout_is_weights has shape"):
+        policy_loss(log_prob, old, adv, mask, 0.2, 0.2, rollout_is_weights=adv[:, :2])
 
 
 # ----------------------------------------------------------------------------- value loss

@@ -254,3 +254,32 @@ def test_run_checkpoints_save_and_restore_what_owners_registered():
     checkpoints.register("late", _Counter())
     with pytest.raises(CheckpointError, match="holds no state for late"):
         checkpoints.resume(logging.getLogger("test"))
+
+
+def test_rollout_correction_builds_the_actors_batch_only():
+    """Rejection first (the actor's response_mask), weights of what is left; the batch the
+    critic and the statistics use is not touched; off: the batch itself, no metrics."""
+    import math
+
+    from rl_megatron.config import RolloutCorrectionConfig
+
+    old = torch.tensor([[-1.0, -1.0, -1.0], [-2.0, -2.0, 0.0]])
+    mu = old - torch.tensor([[math.log(3.0), 0.0, math.log(1.5)], [0.0, math.log(0.5), 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    batch = {"old_log_prob": old, "rollout_log_prob": mu, "response_mask": mask}
+    same, metrics = ex.rollout_correction(batch, RolloutCorrectionConfig())
+    assert same is batch and metrics == {}
+    config = RolloutCorrectionConfig(level="token", threshold=1.2, rejection=[0.6, 2.0])
+    actor, metrics = ex.rollout_correction(batch, config)
+    assert actor["response_mask"].tolist() == [[0, 1, 1], [1, 0, 0]]
+    assert batch["response_mask"] is mask and mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    want = torch.tensor([[0.0, 1.0, 1.2], [1.0, 0.0, 0.0]])
+    torch.testing.assert_close(actor["rollout_is_weights"], want, atol=1e-6, rtol=0)
+    assert metrics["rollout_corr/rejected_token_frac"] == pytest.approx(2 / 5)
+    assert metrics["rollout_corr/is_clipped_frac"] == pytest.approx(1 / 3)  # of 3 kept
+    assert "rollout_is_weights" not in batch
+    # Sequence level: row 0's ratio is 3 * 1 * 1.5 = 4.5, row 1's 1 * 0.5.
+    rejection_only = RolloutCorrectionConfig(level="sequence", threshold=None, rejection=[0.4, 2])
+    actor, _ = ex.rollout_correction(batch, rejection_only)
+    assert "rollout_is_weights" not in actor
+    assert actor["response_mask"].tolist() == [[0, 0, 0], [1, 1, 0]]

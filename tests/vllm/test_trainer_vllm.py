@@ -6,9 +6,11 @@ If a sync put any weight in the wrong place, vLLM's sampling log-probs would dri
 actor's recomputed ones; the fp32 CPU parity of the two is ~1e-6 (tests/vllm), so the
 mismatch bound below (1e-3) catches any wrong row while the weights change every step.
 
-That run asks vLLM for its log-probs (`rollout.calculate_log_probs=true`); a second run
-(1 rank, 2 steps) keeps the default, none: the trainer must train as before, without the
-mismatch metrics.
+That run turns the rollout correction on (sequence-level TIS and rejection), which makes
+the trainer ask vLLM for its log-probs (`rollout.calculate_log_probs` left at its default);
+with the fp32 CPU parity the weights stay 1 and nothing is rejected. A second run (1 rank,
+2 steps) keeps the defaults, no correction and no log-probs: the trainer must train as
+before, without the mismatch metrics.
 """
 
 from __future__ import annotations
@@ -63,10 +65,16 @@ def run_trainer(tmp_path, nproc: int, steps: int, overrides: list[str]) -> list[
 @pytest.mark.slow
 def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
     overrides = ["parallel.tp=1", "parallel.pp=2", "trainer.val_interval=2"]
-    overrides.append("rollout.calculate_log_probs=true")  # the mismatch metric (off by default)
+    overrides += [
+        "algorithm.rollout_correction.level=sequence",  # asks vLLM for log-probs itself
+        "algorithm.rollout_correction.rejection=[0.5, 2.0]",
+    ]
     rows = run_trainer(tmp_path, nproc=2, steps=STEPS, overrides=overrides)
     for row in rows:
         assert row["rollout/logprob_diff_max"] < 1e-3, row["rollout/logprob_diff_max"]
+        assert abs(row["rollout_corr/is_weight_mean"] - 1.0) < 1e-2, row
+        assert row["rollout_corr/rejected_seq_frac"] == 0.0
+        assert 0 <= row["rollout/mismatch_kl_k3"] < 1e-4
         assert row["rollout/num_samples"] == 64 and row["rollout/response_length_mean"] > 0
         # Step 1 generates with the weights vLLM loaded from hf_path (the actor's too);
         # later steps need a sync: each stage holds half the layers, each engine all.
@@ -90,3 +98,26 @@ def test_grpo_without_engine_log_probs(tmp_path):
     # permutes in place: no bytes cross ranks).
     assert "reshard/bytes_received_gb" not in rows[0]
     assert rows[1]["reshard/bytes_received_gb"] == 0.0
+
+
+@pytest.mark.slow
+def test_reward_improves_with_rollout_correction(tmp_path):
+    """GRPO with token-level TIS and rejection, vLLM sampling at TP=2 on 4 ranks (TP=2 x
+    DP=2): the engine's log-probs reach the batch by themselves and the demo task's reward
+    climbs as in `tests/e2e/test_training.py` (same bound, same 40 steps)."""
+    from tests.e2e.test_training import MIN_IMPROVEMENT, _improvement
+
+    overrides = ["parallel.tp=2", "rollout.tp=2", "trainer.val_interval=0"]
+    overrides += [
+        "checkpoint.save_interval=0",
+        "algorithm.rollout_correction.level=token",
+        "algorithm.rollout_correction.threshold=2.0",
+        "algorithm.rollout_correction.rejection=[0.5, 2.0]",
+    ]
+    rows = run_trainer(tmp_path, nproc=4, steps=40, overrides=overrides)
+    gain = _improvement(rows)
+    assert gain > MIN_IMPROVEMENT, f"reward improved by {gain:.3f} only"
+    for row in rows:  # fp32 on CPU: the engine's policy is the trainer's to ~1e-6
+        assert abs(row["rollout_corr/is_weight_mean"] - 1.0) < 1e-3, row
+        assert row["rollout_corr/rejected_token_frac"] == 0.0
+        assert row["rollout/logprob_diff_max"] < 1e-3

@@ -1,0 +1,107 @@
+"""The actor as a Hugging Face model folder while it trains (`checkpoint.save_hf`).
+
+    snapshots = HFSnapshots(config, info, tokenizer, rank)   # every rank
+    path = snapshots.save(actor.model, step)                  # collective
+
+Each save writes `<run>/hf/step_XXXXXXXX/` (config.json, tokenizer files, safetensors) with
+`checkpoint.hf_export.save_hf_checkpoint`, the code `checkpoints_tools/megatron_to_hf.py`
+runs: every tensor verified, written into a hidden sibling and renamed into place, so a
+kill leaves the previous folders as they were. The trainer saves one next to every
+training checkpoint (interval, end of run, SIGTERM); like those, only the newest
+`checkpoint.keep_last` are kept.
+
+What the folder carries besides the weights is staged once, by rank 0, in
+`<run>/hf/.source/`: the model's config.json and generation_config.json (`model.hf_path`'s,
+or the config of a random init), and the tokenizer the run trains with, as its
+`save_pretrained` writes it (so a `model.tokenizer_path` other than the model's goes along,
+and the synthetic task's character tokenizer becomes an HF one).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rl_megatron.checkpoint.hf_export import save_hf_checkpoint
+from rl_megatron.config import Config
+from rl_megatron.models.hf_config import HFModelInfo
+
+SOURCE_DIR = ".source"
+STEP_DIR = re.compile(r"^step_(\d{8})$")
+
+
+class HFSnapshots:
+    """Writes and prunes `<run>/hf/step_XXXXXXXX/`; stages the non-weight files at start.
+
+    Args:
+        config: the run's config (run folder, `model.*`, `checkpoint.keep_last`).
+        info: the actor's architecture.
+        tokenizer: the run's tokenizer (anything with `save_pretrained(directory)`).
+        rank: global rank; rank 0 writes (every rank must call `save`).
+    """
+
+    def __init__(self, config: Config, info: HFModelInfo, tokenizer: Any, rank: int) -> None:
+        self.root = config.run_dir / "hf"
+        self.source = self.root / SOURCE_DIR
+        self.info, self.rank = info, rank
+        self.keep_last = config.checkpoint.keep_last
+        if rank == 0:
+            stage_source(self.source, config, tokenizer)
+
+    def save(
+        self, model_chunks: list[torch.nn.Module], step: int, log: logging.Logger | None = None
+    ) -> Path:
+        """Export the actor after `step` optimizer steps (collective); returns the folder."""
+        out = self.root / f"step_{step:08d}"
+        started = time.perf_counter()
+        # force: a resumed run may save a step again; the old folder goes only at the rename.
+        save_hf_checkpoint(model_chunks, self.info, out, src_dir=self.source, force=True)
+        if self.rank == 0:
+            prune(self.root, self.keep_last)
+            if log is not None:
+                log.info("hf export step %d: %s (%.1f s)", step, out, time.perf_counter() - started)
+        return out
+
+
+def stage_source(directory: Path, config: Config, tokenizer: Any) -> None:
+    """Write (afresh) what an export copies besides the weights: config, tokenizer."""
+    from rl_megatron.trainer.build import random_init_hf_config
+
+    tmp = directory.parent / f"{directory.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    hf_path = config.model.hf_path
+    if hf_path is not None:
+        for name in ("config.json", "generation_config.json"):
+            if (Path(hf_path) / name).is_file():
+                shutil.copy2(Path(hf_path) / name, tmp / name)
+    else:
+        hf_config = random_init_hf_config(config)
+        # The run's tokenizer decides where a response ends and what pads it.
+        for key in ("eos_token_id", "pad_token_id"):
+            if getattr(tokenizer, key, None) is not None:
+                hf_config.setdefault(key, getattr(tokenizer, key))
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
+    tokenizer.save_pretrained(tmp)
+    shutil.rmtree(directory, ignore_errors=True)
+    os.replace(tmp, directory)
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Delete all but the newest `keep_last` step folders (each out of sight first, so a
+    kill during the removal leaves no complete-looking folder with files missing)."""
+    for leftover in root.glob(".step_*.deleting"):
+        shutil.rmtree(leftover, ignore_errors=True)
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name)))
+    for _, path in steps[:-keep_last]:
+        doomed = path.parent / f".{path.name}.deleting"
+        os.replace(path, doomed)
+        shutil.rmtree(doomed)
