@@ -74,8 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     env = launch_env()
     try:
         config = load_config(args.config, args.overrides)
-        validate(config, env.world_size)
-        layout = ParallelLayout.from_config(config.parallel, env.world_size)
+        layout = validate(config, env.world_size)
     except ConfigError as exc:
         # Every rank sees the same config error; one line from rank 0 is enough.
         if env.rank == 0:

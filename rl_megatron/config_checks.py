@@ -30,8 +30,10 @@ from rl_megatron.parallel import ParallelLayout, check_degrees
 __all__ = ["validate"]
 
 
-def validate(config: Config, world_size: int) -> None:
+def validate(config: Config, world_size: int) -> ParallelLayout:
     """Every range and cross-field check; raises ConfigError naming the dotted key.
+
+    Returns the run's parallel layout, built (and checked) once here.
 
     Args:
         config: a loaded config (`load_config`), with its `None = derived` defaults resolved.
@@ -39,15 +41,15 @@ def validate(config: Config, world_size: int) -> None:
     """
     p = config.parallel
     _check_model(config.model)
-    _check_parallel(p, config.model, world_size)
-    dp = ParallelLayout.from_config(p, world_size).dp
+    layout = _check_parallel(p, config.model, world_size)
     _check_rollout(config.rollout, p, config.model)
     _check_algorithm(config)
     _check_data(config.data, config.trainer)
     if config.rollout.engine == "megatron":
         _check_megatron_engine(config.rollout, p)
-    _check_actor_critic(config, dp)
+    _check_actor_critic(config, layout.dp)
     _check_run(config.trainer, config.checkpoint, config.logging)
+    return layout
 
 
 def _require(condition: bool, key: str, message: str) -> None:
@@ -78,7 +80,7 @@ def _check_model(m: ModelConfig) -> None:
     )
 
 
-def _check_parallel(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:
+def _check_parallel(p: ParallelConfig, m: ModelConfig, world_size: int) -> ParallelLayout:
     check_degrees(p)  # the layout's own checks, before any division by a degree
     for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
         size = getattr(m, key)
@@ -96,7 +98,7 @@ def _check_parallel(p: ParallelConfig, m: ModelConfig, world_size: int) -> None:
         )
     _require(p.timeout_s > 0, "parallel.timeout_s", "must be > 0")
     _require(p.rendezvous_timeout_s > 0, "parallel.rendezvous_timeout_s", "must be > 0")
-    ParallelLayout.from_config(p, world_size)  # and against the world size
+    return ParallelLayout.from_config(p, world_size)  # and against the world size
 
 
 def _check_rollout(r: RolloutConfig, p: ParallelConfig, m: ModelConfig) -> None:

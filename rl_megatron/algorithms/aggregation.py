@@ -55,15 +55,6 @@ def batch_totals(
     return BatchTotals(num_tokens=counts[0], num_seqs=counts[1])
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of `x` over positions where `mask` is 1 (0 when nothing is valid); for metrics.
-
-    x, mask: same shape. Positions outside the mask may hold NaN/inf; they are ignored.
-    """
-    valid = mask.bool()
-    return torch.where(valid, x, 0.0).sum() / valid.sum().clamp(min=1)
-
-
 def aggregate(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,

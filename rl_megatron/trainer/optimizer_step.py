@@ -45,12 +45,14 @@ def step_if_finite(
     if optimizer.prepare_grads():
         return StepOutcome(stepped=False, grad_norm=math.nan, nonfinite=None)
     grad_norm = float(optimizer.get_grad_norm())
-    rank = dist.get_rank()
-    # The lowest rank whose loss is not finite (world size if none): one all-reduce.
-    first_bad = torch.tensor(
-        [rank if not bool(torch.isfinite(local_loss).all()) else dist.get_world_size()],
-        dtype=torch.float64,
-        device=local_loss.device,
+    # The lowest rank whose loss is not finite (world size if none): built on the device,
+    # one all-reduce, one read.
+    first_bad = (
+        torch.where(
+            torch.isfinite(local_loss).all(), float(dist.get_world_size()), float(dist.get_rank())
+        )
+        .to(torch.float64)
+        .reshape(1)
     )
     dist.all_reduce(first_bad, op=dist.ReduceOp.MIN, group=group)
     bad_rank = int(first_bad.item())
