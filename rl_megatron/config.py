@@ -64,7 +64,6 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     dtype: Dtype = "bf16"  # parameter / compute dtype; optimizer state stays fp32
     tokenizer_path: str | None = None  # HF tokenizer; None = hf_path
-    recompute_activations: bool = False  # full activation recompute per layer
     # Pack each micro-batch's sequences into one (THD layout: no FLOP on padding) in the
     # training and scoring passes. Off by default: without Transformer Engine the packed
     # attention runs one SDPA call per sequence, and on one H200 (0.85B, responses of
@@ -188,6 +187,36 @@ class OffloadConfig:
 
 
 @dataclass
+class RecomputeConfig:
+    # Activation recompute in this role's training passes (megatron-core's): the chosen
+    # activations are not kept for the backward but computed again from their inputs.
+    # none: keep everything (fastest). selective: `modules` of every layer — core_attn
+    # (the attention scores of an unfused kernel; our SDPA attention keeps almost nothing
+    # there: 0.3 % of the demo model's saved bytes), mlp (the MLP's FFN-wide activations:
+    # 45 %), layernorm (the norms' outputs; needs Transformer Engine), moe /
+    # shared_experts (MoE layers). full: whole layers keep only their input (10 %):
+    # method uniform recomputes every layer in units of num_layers, block the first
+    # num_layers layers of each pipeline stage. The shares are measured by
+    # tests/multirank/test_recompute.py; GPU memory and speed in benchmarks/RESULTS.md.
+    granularity: Literal["none", "selective", "full"] = "none"
+    modules: list[str] = field(default_factory=lambda: ["core_attn"])
+    method: Literal["uniform", "block"] = "uniform"
+    num_layers: int = 1
+
+    def transformer_config(self) -> dict[str, Any]:
+        """The megatron-core `TransformerConfig` fields for this setting."""
+        if self.granularity == "none":
+            return {}
+        if self.granularity == "selective":
+            return {"recompute_granularity": "selective", "recompute_modules": list(self.modules)}
+        return {
+            "recompute_granularity": "full",
+            "recompute_method": self.method,
+            "recompute_num_layers": self.num_layers,
+        }
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     mini_batch_size: int = 8  # sequences per optimizer step (global)
@@ -208,6 +237,7 @@ class ActorConfig:
     use_dynamic_batch: bool = False  # token-budget micro-batches instead of fixed size
     max_tokens_per_micro_batch: int = 16384  # with use_dynamic_batch
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
 
 @dataclass
@@ -221,6 +251,7 @@ class CriticConfig:
     loss_agg_mode: LossAggMode = "token-mean"  # how the value loss is averaged
     init_from: str | None = None  # checkpoint of a reward model; None = the actor's weights
     offload: OffloadConfig = field(default_factory=OffloadConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
 
 
 @dataclass

@@ -22,6 +22,7 @@ from rl_megatron.config import (
     ModelConfig,
     OptimConfig,
     ParallelConfig,
+    RecomputeConfig,
     RolloutConfig,
     TrainerConfig,
 )
@@ -293,6 +294,7 @@ def _check_actor_critic(config: Config, dp: int) -> None:
         if section == "critic" and not cr.enable:
             continue
         _check_role(role, section, sequences, dp)
+        _check_recompute(role.recompute, f"{section}.recompute")
     _require(0 <= act.clip_ratio_low < 1, "actor.clip_ratio_low", "must be in [0, 1)")
     _require(
         0 <= act.clip_ratio_high < 1,
@@ -323,6 +325,30 @@ def _check_role(role: ActorConfig | CriticConfig, section: str, sequences: int, 
         f"{role.mini_batch_size} is not divisible by micro_batch_size·dp = "
         f"{role.micro_batch_size}·{dp}",
     )
+
+
+# megatron-core's selective-recompute modules that run without Transformer Engine's grouped
+# GEMM (its `moe_act` needs it; `mla_up_proj` needs MLA, which no supported family has).
+RECOMPUTE_MODULES = ("core_attn", "mlp", "layernorm", "moe", "shared_experts")
+
+
+def _check_recompute(rc: RecomputeConfig, key: str) -> None:
+    if rc.granularity == "selective":
+        _require(bool(rc.modules), f"{key}.modules", "selective recompute needs modules")
+        unknown = sorted(set(rc.modules) - set(RECOMPUTE_MODULES))
+        _require(
+            not unknown,
+            f"{key}.modules",
+            f"unknown {unknown}; choose from {list(RECOMPUTE_MODULES)}",
+        )
+        # megatron-core drops the norms' outputs through Transformer Engine's FP8 state.
+        _require(
+            "layernorm" not in rc.modules or importlib.util.find_spec("transformer_engine"),
+            f"{key}.modules",
+            "layernorm recompute needs Transformer Engine, which is not installed",
+        )
+    if rc.granularity == "full":
+        _require(rc.num_layers >= 1, f"{key}.num_layers", f"must be >= 1, got {rc.num_layers}")
 
 
 def _check_optim(optim: OptimConfig, key: str) -> None:

@@ -176,15 +176,14 @@ def build_roles(
         "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
         "sequence_parallel": p.sequence_parallel,
     }
-    if m.recompute_activations:
-        extra.update(
-            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
-        )
-    if m.hf_path is not None:
-        actor_chunks = build_actor(m.hf_path, **layout, **extra)
-    else:
-        actor_chunks = _random_chunks(config, info, False, extra)
     act, cr, ref = config.actor, config.critic, config.reference
+    # Recompute only matters where activations are kept for a backward: the trained roles.
+    actor_extra = {**extra, **act.recompute.transformer_config()}
+    critic_extra = {**extra, **cr.recompute.transformer_config()}
+    if m.hf_path is not None:
+        actor_chunks = build_actor(m.hf_path, **layout, **actor_extra)
+    else:
+        actor_chunks = _random_chunks(config, info, False, actor_extra)
     temperature = config.rollout.temperature or 1.0
 
     reference = None
@@ -209,13 +208,13 @@ def build_roles(
     critic = None
     if cr.enable:
         if cr.init_from is not None:
-            critic_chunks = build_critic(cr.init_from, init_from="reward", **layout, **extra)
+            critic_chunks = build_critic(cr.init_from, init_from="reward", **layout, **critic_extra)
         elif m.hf_path is not None:
             critic_chunks = build_critic(
-                m.hf_path, **layout, head_seed=config.trainer.seed, **extra
+                m.hf_path, **layout, head_seed=config.trainer.seed, **critic_extra
             )
         else:
-            critic_chunks = _random_chunks(config, info, True, extra)
+            critic_chunks = _random_chunks(config, info, True, critic_extra)
             _copy_trunk(actor_chunks, critic_chunks)
         critic = MegatronRole(
             critic_chunks,

@@ -385,3 +385,48 @@ def test_dapo_recipe_validates():
     assert config.rollout.calculate_log_probs is True  # for the correction's weights
     assert config.algorithm.dynamic_sampling.enable and config.reward.overlong_buffer.enable
     assert config.actor.loss_agg_mode == "token-mean" and config.actor.clip_ratio_high == 0.28
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["actor.recompute.granularity=selective", "actor.recompute.modules=[attn]"],
+            "actor.recompute.modules: unknown ['attn']; choose from ['core_attn', 'mlp', "
+            "'layernorm', 'moe', 'shared_experts']",
+        ),
+        (
+            ["actor.recompute.granularity=selective", "actor.recompute.modules=[]"],
+            "actor.recompute.modules: selective recompute needs modules",
+        ),
+        (
+            ["algorithm.adv_estimator=gae", "critic.recompute.granularity=full",
+             "critic.recompute.num_layers=0"],
+            "critic.recompute.num_layers: must be >= 1, got 0",
+        ),
+        (
+            ["actor.recompute.granularity=partial"],
+            None,  # a Literal: the loader names the key and the choices
+        ),
+        (["model.recompute_activations=true"], "model.recompute_activations: unknown key"),
+    ],
+)  # fmt: skip
+def test_recompute_settings_are_checked(overrides, expected):
+    message = _error(TINY, overrides)
+    if expected is None:
+        assert message.startswith("actor.recompute.granularity:"), message
+    else:
+        assert message.startswith(expected), message
+
+
+def test_layernorm_recompute_needs_transformer_engine():
+    import importlib.util
+
+    overrides = ["actor.recompute.granularity=selective", "actor.recompute.modules=[layernorm]"]
+    if importlib.util.find_spec("transformer_engine") is None:
+        assert _error(TINY, overrides) == (
+            "actor.recompute.modules: layernorm recompute needs Transformer Engine, "
+            "which is not installed"
+        )
+    else:
+        validate(load_config(TINY, overrides), world_size=4)
