@@ -44,7 +44,7 @@ from rl_megatron.trainer.reporting import batch_stats, console_line, throughput
 from rl_megatron.trainer.roles import MegatronRole
 from rl_megatron.trainer.scoring import RewardScorer
 from rl_megatron.utils.metrics import MetricsTracker, wandb_settings
-from rl_megatron.utils.timers import PhaseTimer
+from rl_megatron.utils.timers import PhaseTimer, device_used_gb
 
 Batch = dict[str, torch.Tensor]
 
@@ -299,6 +299,7 @@ class PPOTrainer:
         with self.phases.time("generate"):
             rollout = self._generate(prompts, self._sampling(self.step, round_index=round_index))
         self.engine.sleep(level=1)
+        self._record_device_used("engine_asleep")
         with self.phases.time("reward"):
             samples = [indices[int(g)] for g in rollout.group_index]
             # Only a reward model reads the batch; the step as the console numbers it.
@@ -317,23 +318,43 @@ class PPOTrainer:
                 scores, per_row["overlong_penalty"] = scores + penalty, penalty
         return Round(rollout, scores, per_row, m.get("reward/errors"))
 
-    def _sync_engine(self, version: int) -> dict[str, float]:
+    def _sync_engine(self, version: int, phase: str = "reshard") -> dict[str, float]:
         """Put the actor's current weights into the engine as `version`: the engine's
-        weights wake first, its KV cache once they are in (`RolloutEngine.wake`)."""
-        self.engine.wake(["weights"])
+        weights wake first, its KV cache once they are in (`RolloutEngine.wake`).
+
+        Each part is timed (`timing_parts_s/<phase>/<part>`): waking the weights, the sync (its
+        host-side pieces in `reshard/*_s`: preparing the plan, the engine's begin, issuing
+        the copies, the engine's finish with its prefix-cache reset), waking the KV cache."""
+        with self.phases.part(phase, "wake_weights"):
+            self.engine.wake(["weights"])
         if version == 0 and self.engine.weight_version == 0 and not self.resumed:
             # The engine holds the weights the actor starts from (it loaded model.hf_path,
             # or generates with the actor's modules): nothing to move.
             stats = None
         else:
-            stats = self.engine.sync_from(self.roles.actor.model, version)
-        self.engine.wake(["kv_cache"])
+            with self.phases.part(phase, "sync"):
+                stats = self.engine.sync_from(self.roles.actor.model, version)
+        with self.phases.part(phase, "wake_kv_cache"):
+            self.engine.wake(["kv_cache"])
+        self._record_device_used("engine_awake")
         if stats is None:
             return {}
         return {
             "reshard/bytes_received_gb": stats.bytes_received / 1e9,
             "reshard/bytes_sent_gb": stats.bytes_sent / 1e9,
+            "reshard/prepare_s": stats.prepare_s,
+            "reshard/begin_s": stats.begin_s,
+            "reshard/issue_copies_s": stats.wall_s,
+            "reshard/finish_s": stats.finish_s,
         }
+
+    def _record_device_used(self, state: str) -> None:
+        """Device memory in use (the driver's figure) with the engine in `state`: the
+        difference between awake and asleep is what the engine gives back while the roles
+        train (`memory_gb/<state>_device_used`; GPUs only)."""
+        used = device_used_gb()
+        if used is not None:
+            self.phases.record(f"memory_gb/{state}_device_used", used)
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         return self.engine.generate(prompts, sampling, output_layout="full")
@@ -442,7 +463,7 @@ class PPOTrainer:
         if val is None:
             return {}
         with self.roles.actor.on_device():
-            self._sync_engine(version=self.step)
+            self._sync_engine(version=self.step, phase="evaluate")
         totals = torch.zeros(3, dtype=torch.float64)  # reward sum, length sum, count
         batches = eval_batches(
             len(val), self.config.data.val_batch_size, self.dp_rank, self.dp_size

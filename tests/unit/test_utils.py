@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from rl_megatron.distributed import _first_slurm_host, launch_env
 from rl_megatron.resharding.layouts import TrainingLayout, generation_layout_for, micro_dp
@@ -115,3 +116,40 @@ def test_transformer_shape_of_model_facts():
     assert TransformerShape.of(info) == TransformerShape(
         32, 4096, 11008, 32, 8, 32000, head_dim=128
     )
+
+
+def test_phase_memory_figures_on_a_gpu_are_the_allocators_and_the_drivers(monkeypatch):
+    """With CUDA (faked here: the figures come from the functions the timer must read), each
+    phase reports the allocator's peak allocated and reserved and the driver's in-use
+    figure at its end, the larger over repeated entries; parts add time, not memory."""
+    from rl_megatron.utils.timers import device_used_gb
+
+    gib = 2**30
+    state = {"allocated": 3 * gib, "reserved": 5 * gib, "free": 60 * gib, "resets": 0}
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: state["allocated"])
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda *a: state["reserved"])
+    monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (state["free"], 80 * gib))
+    monkeypatch.setattr(
+        cuda, "reset_peak_memory_stats", lambda *a: state.update(resets=state["resets"] + 1)
+    )
+    assert device_used_gb() == 20.0
+    timer = PhaseTimer()
+    with timer.time("update_actor"), timer.part("update_actor", "backward"):
+        state.update(allocated=7 * gib, reserved=9 * gib, free=50 * gib)
+    state.update(allocated=2 * gib, reserved=4 * gib, free=70 * gib)
+    with timer.time("update_actor"):  # a second mini-batch: smaller figures
+        pass
+    timer.record("memory_gb/engine_asleep_device_used", device_used_gb())
+    m = timer.pop()
+    assert state["resets"] == 2  # per phase entry, not per part
+    assert m["memory_gb/update_actor_peak"] == 7.0
+    assert m["memory_gb/update_actor_reserved_peak"] == 9.0
+    assert m["memory_gb/update_actor_device_used"] == 30.0
+    assert m["memory_gb/engine_asleep_device_used"] == 10.0
+    assert m["timing_parts_s/update_actor/backward"] <= m["timing_s/update_actor"]
+    assert not any(k.startswith("timing_s/update_actor/") for k in m)
+    # Consistent: the allocator cannot hold more than it reserved.
+    assert m["memory_gb/update_actor_peak"] <= m["memory_gb/update_actor_reserved_peak"]

@@ -80,8 +80,17 @@ def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
         # later steps need a sync: each stage holds half the layers, each engine all.
         if row["step"] == 1:
             assert "reshard/bytes_received_gb" not in row
+            assert "timing_parts_s/reshard/sync" not in row
         else:
             assert row["reshard/bytes_received_gb"] > 0
+            # The reshard phase, split into its parts (issue 21): they fit inside it, and
+            # the sync's host-side pieces inside the sync.
+            parts = [row[f"timing_parts_s/reshard/{p}"] for p in ("wake_weights", "sync")]
+            parts.append(row["timing_parts_s/reshard/wake_kv_cache"])
+            assert 0 < sum(parts) <= row["timing_s/reshard"], row
+            pieces = ("prepare_s", "begin_s", "issue_copies_s", "finish_s")
+            host = sum(row[f"reshard/{p}"] for p in pieces)
+            assert 0 < host <= row["timing_parts_s/reshard/sync"], row
         assert row["actor/grad_norm"] > 0
     assert rows[1]["val/num_prompts"] == 32
 
