@@ -1,0 +1,116 @@
+"""benchmarks/ab.py: interleaving order, per-round ratios, median and spread, the verdict."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+from ab import ABResult, interleave, target_record  # noqa: E402
+
+
+class FakeClock:
+    """A clock that only moves when a fake call says how long it took."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fake_calls(clock: FakeClock, a_times: list[float], b_times: list[float], log: list[str]):
+    """Callables that log their name and advance the clock by their next duration."""
+    a_iter, b_iter = iter(a_times), iter(b_times)
+
+    def a() -> str:
+        log.append("a")
+        clock.now += next(a_iter)
+        return f"a{len(log)}"
+
+    def b() -> str:
+        log.append("b")
+        clock.now += next(b_iter)
+        return f"b{len(log)}"
+
+    return a, b
+
+
+def test_alternates_who_goes_first_and_syncs_around_every_call():
+    clock, log, syncs = FakeClock(), [], []
+    a, b = fake_calls(clock, [1.0] * 5, [1.0] * 5, log)
+    r = interleave(a, b, repeats=3, warmup=2, sync=lambda: syncs.append(len(log)), clock=clock)
+    # Rounds 0..4 (two warm-ups): A first in even rounds.
+    assert log == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b"]
+    assert r.a_first == [True, False, True]  # the timed rounds are rounds 2, 3, 4
+    # One sync before and one after each of the 10 calls.
+    assert syncs == [0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10]
+    # The last timed round (round 4) ran A then B: B's call was the 10th.
+    assert (r.last_a, r.last_b) == ("a9", "b10")
+
+
+def test_times_ratios_median_and_spread():
+    clock, log = FakeClock(), []
+    # Warm-up round first (slow, kept apart), then three timed rounds.
+    a_times = [9.0, 2.0, 1.0, 4.0]
+    b_times = [7.0, 1.0, 1.5, 2.0]
+    a, b = fake_calls(clock, a_times, b_times, log)
+    r = interleave(a, b, repeats=3, warmup=1, clock=clock)
+    assert r.warmup_a_s == [9.0] and r.warmup_b_s == [7.0]
+    assert r.a_s == [2.0, 1.0, 4.0] and r.b_s == [1.0, 1.5, 2.0]
+    assert r.ratios == [0.5, 1.5, 0.5]  # time(B) / time(A): A's speed in B's
+    assert r.ratio_median == 0.5
+    assert (r.ratio_min, r.ratio_max) == (0.5, 1.5)
+    d = r.as_dict(work=12.0)
+    assert d["a_per_s"] == [6.0, 12.0, 3.0]
+    assert d["a_per_s_median"] == 12.0 / statistics.median(a_times[1:])
+    assert d["b_per_s_median"] == 12.0 / 1.5
+    assert d["repeats"] == 3 and d["ratio_median"] == 0.5
+
+
+def test_median_of_even_count_is_the_mean_of_the_middle_two():
+    r = ABResult(a_s=[1.0, 1.0, 1.0, 1.0], b_s=[0.9, 1.0, 1.2, 0.5], a_first=[True] * 4)
+    assert r.ratio_median == pytest.approx(0.95)
+
+
+def test_verdict_flips_when_the_worst_round_crosses_the_bound():
+    # Median 1.0 in both; only the worst round differs.
+    ok = ABResult(a_s=[1.0] * 5, b_s=[1.0, 1.0, 1.1, 0.96, 1.2], a_first=[True] * 5)
+    bad = ABResult(a_s=[1.0] * 5, b_s=[1.0, 1.0, 1.1, 0.94, 1.2], a_first=[True] * 5)
+    assert ok.ratio_median == bad.ratio_median == 1.0
+    assert ok.met(0.98, 0.95) is True
+    assert bad.met(0.98, 0.95) is False
+    # A median below the target fails even with every round above the worst bound.
+    low = ABResult(a_s=[1.0] * 3, b_s=[0.97, 0.97, 0.99], a_first=[True] * 3)
+    assert low.met(0.98, 0.95) is False
+    # "At most" targets look at the maximum.
+    assert ok.met(1.1, 1.2, higher_is_better=False) is True
+    assert ok.met(1.1, 1.15, higher_is_better=False) is False
+
+
+def test_target_record_carries_the_verdict():
+    r = ABResult(a_s=[1.0, 1.0, 1.0], b_s=[1.0, 0.99, 0.9], a_first=[True, False, True])
+    rec = target_record("x", r, 0.98, 0.95, command="cmd", json_path="p.json")
+    assert rec["ratio_median"] == 0.99 and rec["ratio_min"] == 0.9 and rec["met"] is False
+    assert rec["command"] == "cmd" and rec["json"] == "p.json" and rec["repeats"] == 3
+
+
+def test_pause_runs_before_every_call_outside_its_time():
+    clock, log = FakeClock(), []
+    a, b = fake_calls(clock, [1.0, 2.0], [3.0, 4.0], log)
+
+    def pause() -> None:
+        log.append("pause")
+        clock.now += 100.0
+
+    r = interleave(a, b, repeats=1, warmup=1, clock=clock, pause=pause)
+    assert log == ["pause", "a", "pause", "b", "pause", "b", "pause", "a"]
+    assert (r.a_s, r.b_s) == ([2.0], [4.0])
+
+
+def test_rejects_no_repeats():
+    with pytest.raises(ValueError, match="repeats"):
+        interleave(lambda: None, lambda: None, repeats=0)

@@ -1,0 +1,93 @@
+"""benchmarks/headline.py: one markdown row per target, the verdict by the A/B rule."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import headline  # noqa: E402
+from ab import ABResult, target_record  # noqa: E402
+
+
+def write(path: Path, data: dict) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def rollout_json(tmp_path: Path) -> Path:
+    good = ABResult(a_s=[1.0] * 3, b_s=[1.0, 0.99, 1.02], a_first=[True, False, True])
+    # Median 0.99 >= 0.98, but the worst round 0.94 < 0.95: not met.
+    straddles = ABResult(a_s=[1.0] * 3, b_s=[0.99, 0.94, 1.1], a_first=[True, False, True])
+    targets = [
+        target_record("greedy, batch 64", good, 0.98, 0.95, command="torchrun x.py"),
+        target_record("sampled, batch 64", straddles, 0.98, 0.95, command="torchrun x.py"),
+    ]
+    # The record claims "met" wrongly: the table recomputes it from the numbers.
+    targets[1]["met"] = True
+    return write(tmp_path / "ab.json", {"benchmark": "rollout_ab", "targets": targets})
+
+
+def test_one_row_per_target_with_median_spread_and_verdict(tmp_path):
+    path = rollout_json(tmp_path)
+    rows, note = headline.load_rows(path)
+    assert note is None and [r["name"] for r in rows] == ["greedy, batch 64", "sampled, batch 64"]
+    assert rows[0]["json"] == str(path)  # no --out-json in the record: the file read
+    lines = headline.table(rows).splitlines()
+    assert len(lines) == 4
+    cells = [c.strip() for c in lines[2].strip("|").split("|")]
+    assert cells[:5] == [
+        "greedy, batch 64",
+        "1.000×",
+        "0.990–1.020 (3 rounds)",
+        "≥ 0.98× (worst round ≥ 0.95×)",
+        "**yes**",
+    ]
+    assert cells[5] == "`torchrun x.py`" and cells[6] == f"`{path}`"
+    cells = [c.strip() for c in lines[3].strip("|").split("|")]
+    assert cells[1:5] == [
+        "0.990×",
+        "0.940–1.100 (3 rounds)",
+        "≥ 0.98× (worst round ≥ 0.95×)",
+        "**no**",
+    ]
+
+
+def test_at_most_targets_and_rows_without_spread():
+    rows = [
+        {
+            "name": "reshard ÷ copy floor",
+            "ratio_median": 2.0,
+            "ratio_min": 1.9,
+            "ratio_max": 2.5,
+            "target": 3.0,
+            "worst_target": 3.5,
+            "higher_is_better": False,
+            "repeats": 10,
+            "json": "r.json",
+        },
+        {
+            "name": "single run",
+            "ratio_median": 1.2,
+            "target": 0.98,
+            "worst_target": 0.95,
+            "json": "s.json",
+        },
+    ]
+    lines = headline.table(rows).splitlines()
+    assert "≤ 3.0× (worst round ≤ 3.5×) | **yes**" in lines[2]
+    assert "| — | ≥ 0.98× (worst round ≥ 0.95×) | no (no spread: not an A/B) |" in lines[3]
+
+
+def test_files_without_targets_are_noted_and_extractors_are_used(tmp_path, monkeypatch, capsys):
+    plain = write(tmp_path / "reshard.json", {"benchmark": "reshard", "rows": []})
+    assert headline.load_rows(plain)[0] == []
+    assert "lists no targets" in headline.load_rows(plain)[1]
+    row = {"name": "from hook", "ratio_median": 1.0, "ratio_min": 1.0, "ratio_max": 1.0,
+           "target": 0.98, "worst_target": 0.95, "json": "x"}  # fmt: skip
+    monkeypatch.setitem(headline.EXTRACTORS, "reshard", lambda data, path: [row])
+    assert headline.main([str(plain), str(rollout_json(tmp_path))]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) == 5  # header, rule, the hook's row, two rollout rows
+    assert "| from hook | 1.000× |" in out
