@@ -52,36 +52,99 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def _label_slot(labels: torch.Tensor, start: int, part: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which labels fall in this rank's ids [start, start + part), and their local index."""
+    local = (labels >= start) & (labels < start + part)
+    idx = (labels - start).clamp(0, part - 1).unsqueeze(-1)
+    return local, idx
+
+
+def _shifted_stats(
+    z: torch.Tensor, labels: torch.Tensor | None, start: int, with_entropy: bool
+) -> list[torch.Tensor]:
+    """This rank's per-token [sum e^z, z of the label (0 elsewhere), sum e^z * z].
+
+    z: `[..., V_r]` shifted logits (x - shift, <= 0 where shift is the max), float32 or
+    wider; consumed (overwritten). The label and entropy terms are present only when asked.
+    """
+    e = torch.exp(z)
+    stats = [e.sum(dim=-1)]
+    if labels is not None:
+        local, idx = _label_slot(labels, start, z.shape[-1])
+        stats.append(torch.where(local, z.gather(-1, idx).squeeze(-1), 0.0))
+    if with_entropy:
+        # Padding sits at -inf with e = 0; a finite floor keeps e * z at 0 instead of NaN.
+        # In place: z is no longer needed, so no third vocabulary-sized buffer.
+        stats.append(z.clamp_(min=_LOG_FLOOR).mul_(e).sum(dim=-1))
+    return stats
+
+
+def _finish_stats(
+    stats: torch.Tensor, has_labels: bool, with_entropy: bool
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """(log_prob, entropy, log sum e^z) from the group's summed `_shifted_stats`."""
+    sum_exp = stats[0]
+    log_sum_exp = sum_exp.log()
+    log_prob = stats[1] - log_sum_exp if has_labels else None
+    # H = log Z - E_p[z], with z the shifted logits: exact and cancellation-free.
+    entropy = log_sum_exp - stats[-1] / sum_exp if with_entropy else None
+    return log_prob, entropy, log_sum_exp
+
+
+def _softmax_grad(
+    x: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    grad_log_prob: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    start: int,
+    temperature: float,
+) -> torch.Tensor:
+    """Gradient of sum(grad_log_prob * log_prob + grad_entropy * entropy) w.r.t. the raw
+    logits of this rank's slice, float32 (or wider), built in `x`'s buffer.
+
+    x: `[..., V_r]` the logits as `_scaled_logits` returns them (consumed).
+    lse: `[...]` the log-partition of logits / temperature over the whole vocabulary.
+    """
+    log_p = x.sub_(lse.unsqueeze(-1))
+    p = torch.exp(log_p)
+    # d log p_y / d z_j = [j == y] - p_j;  d H / d z_j = -p_j (log p_j + H).
+    # Both share -p_j * (...): build (...) in log_p's buffer, so the backward holds two
+    # vocabulary-sized tensors (log_p, p) and no more.
+    with_lp = labels is not None and grad_log_prob is not None
+    if entropy is not None and grad_entropy is not None:
+        log_p.clamp_(min=_LOG_FLOOR)  # padding: p = 0, log p = -inf
+        log_p.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
+    else:
+        log_p.zero_()
+    if with_lp:
+        log_p.add_(grad_log_prob.unsqueeze(-1))
+    grad = log_p.mul_(p).neg_()
+    del p
+    if with_lp:
+        local, idx = _label_slot(labels, start, grad.shape[-1])
+        grad.scatter_add_(-1, idx, torch.where(local, grad_log_prob, 0.0).unsqueeze(-1))
+    if temperature != 1.0:
+        grad.div_(temperature)  # z = logits / temperature
+    return grad
+
+
 class _VocabParallelLogProbEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, group, temperature, vocab_size, with_entropy):
         tp_size, tp_rank = _group_info(group)
-        part = logits.shape[-1]
-        start = tp_rank * part
+        start = tp_rank * logits.shape[-1]
         x = _scaled_logits(logits, temperature, start, vocab_size)
         shift = x.amax(dim=-1)
         if tp_size > 1:
             dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group)
         x.sub_(shift.unsqueeze(-1))  # z = x - max <= 0: exp cannot overflow
-        e = torch.exp(x)
-        stats = [e.sum(dim=-1)]
-        if labels is not None:
-            local = (labels >= start) & (labels < start + part)
-            idx = (labels - start).clamp(0, part - 1).unsqueeze(-1)
-            stats.append(torch.where(local, x.gather(-1, idx).squeeze(-1), 0.0))
-        if with_entropy:
-            # Padding sits at -inf with e = 0; a finite floor keeps e * z at 0 instead of NaN.
-            x.clamp_(min=_LOG_FLOOR)
-            stats.append((e * x).sum(dim=-1))
-        del e, x
-        stats = torch.stack(stats)
+        stats = torch.stack(_shifted_stats(x, labels, start, with_entropy))
+        del x
         if tp_size > 1:
             dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
-        sum_exp = stats[0]
-        log_sum_exp = sum_exp.log()
-        log_prob = stats[1] - log_sum_exp if labels is not None else None
-        # H = log Z - E_p[z], with z the shifted logits: exact and cancellation-free.
-        entropy = log_sum_exp - stats[-1] / sum_exp if with_entropy else None
+        log_prob, entropy, log_sum_exp = _finish_stats(stats, labels is not None, with_entropy)
         lse = shift + log_sum_exp  # log-partition of logits / temperature
         ctx.save_for_backward(logits, labels, lse, entropy)
         ctx.start, ctx.temperature, ctx.vocab_size = start, temperature, vocab_size
@@ -91,28 +154,9 @@ class _VocabParallelLogProbEntropy(torch.autograd.Function):
     def backward(ctx, grad_log_prob, grad_entropy):
         logits, labels, lse, entropy = ctx.saved_tensors
         x = _scaled_logits(logits, ctx.temperature, ctx.start, ctx.vocab_size)
-        log_p = x.sub_(lse.unsqueeze(-1))
-        p = torch.exp(log_p)
-        # d log p_y / d z_j = [j == y] - p_j;  d H / d z_j = -p_j (log p_j + H).
-        # Both share -p_j * (...): build (...) in log_p's buffer, so the backward holds two
-        # vocabulary-sized tensors (log_p, p) and no more.
-        with_lp = labels is not None and grad_log_prob is not None
-        if entropy is not None and grad_entropy is not None:
-            log_p.clamp_(min=_LOG_FLOOR)  # padding: p = 0, log p = -inf
-            log_p.add_(entropy.unsqueeze(-1)).mul_(grad_entropy.unsqueeze(-1))
-        else:
-            log_p.zero_()
-        if with_lp:
-            log_p.add_(grad_log_prob.unsqueeze(-1))
-        grad = log_p.mul_(p).neg_()
-        del p
-        if with_lp:
-            part = logits.shape[-1]
-            local = (labels >= ctx.start) & (labels < ctx.start + part)
-            idx = (labels - ctx.start).clamp(0, part - 1).unsqueeze(-1)
-            grad.scatter_add_(-1, idx, torch.where(local, grad_log_prob, 0.0).unsqueeze(-1))
-        if ctx.temperature != 1.0:
-            grad.div_(ctx.temperature)  # z = logits / temperature
+        grad = _softmax_grad(
+            x, lse, entropy, labels, grad_log_prob, grad_entropy, ctx.start, ctx.temperature
+        )
         return grad.to(logits.dtype), None, None, None, None, None
 
 
