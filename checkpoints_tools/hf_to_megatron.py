@@ -1,13 +1,17 @@
-"""Convert a Hugging Face checkpoint (Llama / Qwen2 / Mistral / Qwen3) to Megatron dist format.
+"""Convert a Hugging Face checkpoint (Llama / Qwen2 / Mistral / Qwen3 / Qwen3-MoE / Mixtral)
+to Megatron dist format.
 
     python checkpoints_tools/hf_to_megatron.py --hf-dir HF --out OUT --tp 2 --pp 2 [--vpp N]
-        [--dtype bf16|fp16|fp32] [--force]
+        [--ep N --etp N] [--dtype bf16|fp16|fp32] [--force]
     torchrun --nproc_per_node 4 checkpoints_tools/hf_to_megatron.py ... --tp 2 --pp 2
+    torchrun --nproc_per_node 2 checkpoints_tools/hf_to_megatron.py ... --ep 2   # MoE
 
 The result is a `dist_checkpointing` checkpoint, resumable at any TP / PP; `--tp` fixes the
 vocabulary padding (a multiple of `--make-vocab-size-divisible-by × tp`). Run alone, one
 process converts the whole model; under torchrun with `tp × pp` processes each rank writes
-its own shard. A *ForSequenceClassification checkpoint (reward model) is converted with its
+its own shard (with experts split wider than tp, `--ep`·`--etp` > tp, the expert-parallel
+ranks span data-parallel ranks as in training: ep·etp·pp processes; each expert is written
+by the rank holding it). A *ForSequenceClassification checkpoint (reward model) is converted with its
 scalar head.
 
 Streaming: the Megatron model is built on the meta device, only for its sharded state dict
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import sys
@@ -61,6 +66,7 @@ from rl_megatron.models.hf_config import (  # noqa: E402
     check_tokenizer_vocab,
     load_hf_config,
 )
+from rl_megatron.parallel import MEGATRON_RANK_ORDER  # noqa: E402
 
 PROG = "hf_to_megatron"
 
@@ -72,6 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tp", type=int, default=1, help="target tensor-parallel size")
     p.add_argument("--pp", type=int, default=1, help="target pipeline-parallel size")
     p.add_argument("--vpp", type=int, default=None, help="virtual pipeline stages per rank")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel size (MoE models)")
+    p.add_argument("--etp", type=int, default=1, help="expert-tensor-parallel size (MoE)")
     p.add_argument("--dtype", choices=sorted(common.DTYPES), default="bf16")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--force", action="store_true", help="overwrite a non-empty --out")
@@ -82,14 +90,30 @@ def preflight(args: argparse.Namespace):
     """Check every input without writing anything; return the parsed HF config."""
     check_output_dir(args.out, args.force, src=args.hf_dir)
     info = load_hf_config(args.hf_dir)
-    check_parallel_layout(info, args.tp, args.pp, args.vpp)
+    check_parallel_layout(info, args.tp, args.pp, args.vpp, args.ep, args.etp)
     check_tokenizer_vocab(args.hf_dir, info)
     with SafetensorsCheckpoint(args.hf_dir) as ckpt:
         hm.check_hf_tensors(ckpt.shapes(), hm.rules_for(info, info.head), info)
+    if args.pp > 1 and info.is_moe and args.ep * args.etp != args.tp:
+        raise CheckpointError(
+            f"--ep {args.ep} --etp {args.etp} with --pp {args.pp}: megatron-core needs "
+            f"ep*etp = tp={args.tp} when pipelining (rank order tp-cp-ep-pp-dp)"
+        )
     _, size = common.world()
-    if size not in (1, args.tp * args.pp):
-        raise CheckpointError(f"WORLD_SIZE={size}: run one process or tp*pp={args.tp * args.pp}")
+    if size != 1 and size != _world_needed(args):
+        raise CheckpointError(
+            f"WORLD_SIZE={size}: run one process or {_world_needed(args)} (tp*pp, times "
+            f"what ep*etp={args.ep * args.etp} needs beyond tp)"
+        )
     return info
+
+
+def _world_needed(args: argparse.Namespace) -> int:
+    """Processes of a parallel conversion: tp·pp, or more when the experts are split wider
+    than tp (expert parallelism then spans data-parallel ranks, as in training)."""
+    base = args.tp * args.pp
+    expert = args.ep * args.etp * args.pp
+    return base * expert // math.gcd(base, expert)
 
 
 def convert(args: argparse.Namespace, info) -> None:
@@ -103,7 +127,15 @@ def convert(args: argparse.Namespace, info) -> None:
     # One process writes the whole model at TP1·PP1: the stored tensors are global, so only
     # the vocabulary padding depends on the target TP, and it is set explicitly.
     tp, pp, vpp = (args.tp, args.pp, args.vpp) if size > 1 else (1, 1, None)
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
+    ep, etp = (args.ep, args.etp) if size > 1 else (1, 1)
+    parallel_state.initialize_model_parallel(
+        tp,
+        pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp if info.is_moe else None,
+        order=MEGATRON_RANK_ORDER,
+    )
     model_parallel_cuda_manual_seed(0)
     dtype = common.DTYPES[args.dtype]
     padded = padded_vocab_size(info.vocab_size, args.make_vocab_size_divisible_by, args.tp)
@@ -203,6 +235,10 @@ class _Source:
         self.ckpt, self.info, self.padded = ckpt, info, padded
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.etp = (
+            ps.get_expert_tensor_parallel_world_size(),
+            ps.get_expert_tensor_parallel_rank(),
+        )
         rules = hm.rules_for(info, info.head)
         of_param = {
             id(param): (rule, layer)
@@ -243,8 +279,9 @@ class _Source:
         _, rule, layer, factory, leaf = self.origins[(fqn, offset)]
         if self._cached[0] != (rule.megatron, layer):
             self._cached = (None, None)  # drop the previous parameter before reading this one
+            size, rank = hm.shard_coords(rule, (self.tp, self.tp_rank), self.etp)
             shard = hm.hf_to_megatron_shard(
-                rule, layer, self.ckpt.read, self.info, self.tp, self.tp_rank, self.padded
+                rule, layer, self.ckpt.read, self.info, size, rank, self.padded
             )
             self._cached = ((rule.megatron, layer), shard.to(leaf.dtype))
         data = self._cached[1]
@@ -453,6 +490,8 @@ def _write_sidecar(args, info, tmp: Path, dtype: torch.dtype, padded: int) -> di
         "dtype": str(dtype).split(".")[-1],
         "padded_vocab_size": padded,
         "tp": args.tp,
+        "ep": args.ep,
+        "etp": args.etp,
         "pp": args.pp,
         "vpp": args.vpp,
         "source": str(args.hf_dir.resolve()),

@@ -1,5 +1,8 @@
 """Convert a Megatron dist checkpoint (from hf_to_megatron.py) back to a Hugging Face model.
 
+Mixtures of experts included: experts are stored stacked per layer (`[layers, E, ...]`) and
+read one expert at a time, like a layer.
+
     python checkpoints_tools/megatron_to_hf.py --ckpt CKPT --out HF [--dtype bf16|fp16|fp32]
         [--force] [--max-shard-gb 2] [--no-verify]
     torchrun --nproc_per_node N checkpoints_tools/megatron_to_hf.py ...   # N writers
@@ -74,10 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class _Param:
     """One exported Megatron parameter and where it lies in the checkpoint."""
 
-    def __init__(self, rule: hm.Rule, layer: int | None, key: str, index: int | None, stored):
+    def __init__(self, rule: hm.Rule, layer: int | None, key: str, index: tuple, stored):
         self.rule, self.layer = rule, layer
         self.key = key  # dist_checkpointing key
-        self.index = index  # position on the stacked layer axis (None: not stacked)
+        # position on the stacked axes: (layer,), (layer, expert) or () when not stacked
+        self.index = index
         self.shape, self.dtype = stored  # global shape and dtype in the checkpoint
 
     def sharded_tensor(self):
@@ -89,14 +93,13 @@ class _Param:
         """
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-        if self.index is None:
-            data = torch.empty(self.shape, dtype=self.dtype)
-            return ShardedTensor.from_rank_offsets(self.key, data)
-        data = torch.empty((1, *self.shape[1:]), dtype=self.dtype)
-        return ShardedTensor.from_rank_offsets(self.key, data, (0, self.index, self.shape[0]))
+        n = len(self.index)
+        data = torch.empty((1,) * n + tuple(self.shape[n:]), dtype=self.dtype)
+        offsets = [(axis, i, self.shape[axis]) for axis, i in enumerate(self.index)]
+        return ShardedTensor.from_rank_offsets(self.key, data, *offsets)
 
     def unstack(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor if self.index is None else tensor[0]
+        return tensor.reshape(tensor.shape[len(self.index) :])
 
 
 def preflight(args: argparse.Namespace):
@@ -139,14 +142,17 @@ def _params(ckpt: Path, info, meta: dict, index) -> list[_Param]:
     params = []
     for rule, layer in export_order(hm.rules_for(info, meta["head"]), info):
         shape = _megatron_shape(rule, info, meta["padded_vocab_size"])
-        key, index = rule.megatron, None
+        key, index = rule.megatron, ()
         if layer is not None:
-            # Layers are stored stacked (`decoder.layers.<name>`, layer = first axis) unless
-            # the model was saved with `non_homogeneous_layers`.
+            # Layers are stored stacked (`decoder.layers.<name>`, layer = first axis; an
+            # expert's row: experts on the second) unless the model was saved with
+            # `non_homogeneous_layers`.
             key = rule.megatron.format(layer=layer)
             if key not in stored:
-                key, index = rule.megatron.replace("{layer}.", ""), layer
+                key, index = hm.stored_layer_key(rule), (layer,)
                 shape = (info.num_layers, *shape)
+                if rule.expert is not None:
+                    index, shape = (layer, rule.expert), (shape[0], info.num_experts, *shape[1:])
         if key not in stored:
             raise CheckpointError(f"{ckpt}: checkpoint lacks '{key}'")
         if stored[key][0] != shape:
@@ -261,7 +267,8 @@ def _batches(params, groups, shards, owners, rank: int) -> list[list[int]]:
     for g, p in enumerate(params):
         if owners[shard_of[groups[g][0][0]]] != rank:
             continue
-        unit = ("layer", p.layer) if p.layer is not None else ("param", g)
+        # One layer per load; an expert's rows one expert per load (memory independent of E).
+        unit = ("layer", p.layer, p.rule.expert) if p.layer is not None else ("param", g)
         if unit != last:
             batches.append([])
             last = unit

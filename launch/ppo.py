@@ -26,7 +26,12 @@ from rl_megatron.distributed import (
     launch_env,
 )
 from rl_megatron.parallel import ParallelLayout
-from rl_megatron.resharding.layouts import format_layout_table, generation_layout_for, micro_dp
+from rl_megatron.resharding.layouts import (
+    GenerationLayout,
+    format_layout_table,
+    generation_layout_for,
+    micro_dp,
+)
 from rl_megatron.utils import warning_filters
 from rl_megatron.utils.logging import format_config, get_logger
 from rl_megatron.utils.run_lock import run_dir_lock
@@ -108,7 +113,12 @@ def _run(args: argparse.Namespace, config, layout: ParallelLayout, env, log) -> 
             if env.rank == 0:
                 print(f"error: {lock.refusal}", file=sys.stderr, flush=True)
             return 2
-        generation = generation_layout_for(run.layout, config.rollout.tp)
+        if run.layout.cp > 1:
+            # The Megatron engine (config_checks refuses vLLM with cp): every CP rank
+            # generates its replica's rows itself, its TP group a generation replica.
+            generation = GenerationLayout(tp=config.rollout.tp, world_size=run.layout.world_size)
+        else:
+            generation = generation_layout_for(run.layout, config.rollout.tp)
         rows = gather_rank_table(run)
         if env.rank == 0:
             save_resolved(config, config.run_dir)

@@ -70,6 +70,23 @@ class ModelConfig:
     # equal length) the actor update ran at 21k tok/s packed vs 49k padded. Turn it on
     # for very uneven lengths or with TE (benchmarks/RESULTS.md).
     pack_sequences: bool = False
+    # Log-probs and entropy of the LM-head roles (actor, reference) from the final hidden
+    # states, this many tokens at a time and only where a response token is predicted
+    # (models/chunked_logprobs.py), so that no [tokens, vocab] logits exist at once: on one
+    # H200 (vocab 152k, 32k tokens) 46.4 -> 5.6 GiB for that step, ~6 % slower. 0: the
+    # output layer's full logits (the exact KL, kl_penalty / kl_loss_type full, uses them).
+    logprob_chunk_tokens: int = 4096
+    # Mixture of experts (megatron-core's MoELayer, every layer). With model.hf_path these
+    # are read from its config.json (Qwen3-MoE, Mixtral); for a random init, num_experts > 0
+    # builds a Qwen3-MoE shape.
+    num_experts: int = 0  # routed experts per layer; 0 = a dense model
+    moe_ffn_hidden_size: int | None = None  # one expert's FFN width; None = ffn_hidden_size
+    moe_router_topk: int = 2  # experts each token is routed to
+    # Router losses added to the actor's loss in training (megatron-core's): the switch
+    # load-balancing loss and the router z-loss, each times its coefficient; 0 = off (HF's
+    # forward has neither, so log-probs and gradients then match the HF model's exactly).
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float = 0.0
 
 
 @dataclass
@@ -78,7 +95,8 @@ class ParallelConfig:
     pp: int = 1  # pipeline-parallel size
     vpp: int | None = None  # virtual pipeline chunks per stage (interleaved 1F1B); None = off
     cp: int = 1  # context-parallel size
-    ep: int = 1  # expert-parallel size (MoE models only)
+    ep: int = 1  # expert-parallel size: the experts of each MoE layer split over ep ranks
+    etp: int = 1  # expert-tensor-parallel size: each expert's weights split over etp ranks
     sequence_parallel: bool = False  # shard LayerNorm/dropout activations over tp
     # Seconds before a stuck collective fails the run instead of hanging it.
     timeout_s: int = 1800
@@ -413,6 +431,13 @@ def _fill_architecture_from_hf(config: Config) -> None:
                 "leave architecture fields out when model.hf_path is set"
             )
         setattr(model, ours, value)
+    # Mixtures of experts: Qwen3-MoE (num_experts / num_local_experts, moe_intermediate_size)
+    # and Mixtral (num_local_experts, intermediate_size = an expert's width).
+    experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+    if experts:
+        model.num_experts = int(experts)
+        model.moe_router_topk = int(hf.get("num_experts_per_tok", model.moe_router_topk))
+        model.moe_ffn_hidden_size = hf.get("moe_intermediate_size") or hf.get("intermediate_size")
 
 
 def _resolve_defaults(config: Config) -> None:
@@ -422,6 +447,8 @@ def _resolve_defaults(config: Config) -> None:
         model.num_query_groups = model.num_attention_heads
     if model.tokenizer_path is None:
         model.tokenizer_path = model.hf_path
+    if model.num_experts and model.moe_ffn_hidden_size is None:
+        model.moe_ffn_hidden_size = model.ffn_hidden_size
     if config.critic.enable is None:
         config.critic.enable = config.algorithm.adv_estimator == "gae"
     if config.reference.enable is None:

@@ -44,10 +44,19 @@ def validate(config: Config, world_size: int) -> ParallelLayout:
     _check_model(config.model)
     layout = _check_parallel(p, config.model, world_size)
     _check_rollout(config.rollout, p, config.model)
+    _check_context_parallel(config)
     _check_algorithm(config)
     _check_data(config.data, config.trainer)
     if config.rollout.engine == "megatron":
         _check_megatron_engine(config.rollout, p)
+    if config.model.num_experts:
+        _check_moe_engine(config.rollout, p)
+        _require(
+            not config.checkpoint.save_hf or p.ep == 1,
+            "checkpoint.save_hf",
+            f"an MoE actor at parallel.ep={p.ep} cannot be exported from memory yet; set it "
+            "false and convert a checkpoint with checkpoints_tools/megatron_to_hf.py",
+        )
     _check_actor_critic(config, layout.dp)
     _check_run(config.trainer, config.checkpoint, config.logging)
     return layout
@@ -79,13 +88,45 @@ def _check_model(m: ModelConfig) -> None:
     _require(
         m.make_vocab_size_divisible_by > 0, "model.make_vocab_size_divisible_by", "must be > 0"
     )
+    _require(
+        m.logprob_chunk_tokens >= 0,
+        "model.logprob_chunk_tokens",
+        f"must be >= 0 (0 = full logits), got {m.logprob_chunk_tokens}",
+    )
+    _check_moe(m)
+
+
+def _check_moe(m: ModelConfig) -> None:
+    _require(m.num_experts >= 0, "model.num_experts", f"must be >= 0, got {m.num_experts}")
+    _require(m.moe_aux_loss_coeff >= 0, "model.moe_aux_loss_coeff", "must be >= 0 (0 = off)")
+    _require(m.moe_z_loss_coeff >= 0, "model.moe_z_loss_coeff", "must be >= 0 (0 = off)")
+    if not m.num_experts:
+        for key in ("moe_aux_loss_coeff", "moe_z_loss_coeff"):
+            _require(
+                getattr(m, key) == 0, f"model.{key}", "needs an MoE model (model.num_experts > 0)"
+            )
+        return
+    _require(
+        1 <= m.moe_router_topk <= m.num_experts,
+        "model.moe_router_topk",
+        f"must be in [1, model.num_experts={m.num_experts}], got {m.moe_router_topk}",
+    )
+    _require(
+        m.moe_ffn_hidden_size is not None and m.moe_ffn_hidden_size > 0,
+        "model.moe_ffn_hidden_size",
+        f"must be > 0, got {m.moe_ffn_hidden_size}",
+    )
 
 
 def _check_parallel(p: ParallelConfig, m: ModelConfig, world_size: int) -> ParallelLayout:
     check_degrees(p)  # the layout's own checks, before any division by a degree
-    for key in ("num_attention_heads", "num_query_groups", "ffn_hidden_size"):
+    moe = m.num_experts > 0
+    keys = ("num_attention_heads", "num_query_groups") + (() if moe else ("ffn_hidden_size",))
+    for key in keys:
         size = getattr(m, key)
         _require(size % p.tp == 0, "parallel.tp", f"{p.tp} does not divide model.{key}={size}")
+    if moe:
+        _check_expert_split(p, m)
     _require(
         m.num_layers % p.pp == 0,
         "parallel.pp",
@@ -99,7 +140,28 @@ def _check_parallel(p: ParallelConfig, m: ModelConfig, world_size: int) -> Paral
         )
     _require(p.timeout_s > 0, "parallel.timeout_s", "must be > 0")
     _require(p.rendezvous_timeout_s > 0, "parallel.rendezvous_timeout_s", "must be > 0")
-    return ParallelLayout.from_config(p, world_size)  # and against the world size
+    return ParallelLayout.from_config(p, world_size, moe=moe)  # and against the world size
+
+
+def _check_expert_split(p: ParallelConfig, m: ModelConfig) -> None:
+    """An MoE model's experts over ep ranks, each expert's FFN over etp ranks."""
+    _require(
+        m.num_experts % p.ep == 0,
+        "parallel.ep",
+        f"{p.ep} does not divide model.num_experts={m.num_experts}",
+    )
+    _require(
+        m.moe_ffn_hidden_size % p.etp == 0,
+        "parallel.etp",
+        f"{p.etp} does not divide model.moe_ffn_hidden_size={m.moe_ffn_hidden_size}",
+    )
+    # megatron-core's MoELayer refuses to train at tp > 1 without sequence parallelism.
+    _require(
+        p.tp == 1 or p.sequence_parallel,
+        "parallel.sequence_parallel",
+        f"megatron-core trains an MoE model at parallel.tp={p.tp} only with sequence "
+        "parallelism; set it true (or tp=1 and split the experts with parallel.ep)",
+    )
 
 
 def _check_rollout(r: RolloutConfig, p: ParallelConfig, m: ModelConfig) -> None:
@@ -143,6 +205,32 @@ def _check_rollout(r: RolloutConfig, p: ParallelConfig, m: ModelConfig) -> None:
         not managed,
         f"rollout.engine_kwargs.{managed[0] if managed else ''}",
         "is set by the trainer (from rollout.*, model.*, trainer.seed); set it there",
+    )
+
+
+def _check_context_parallel(config: Config) -> None:
+    """What runs with parallel.cp > 1: the training roles on our SDPA attention (every
+    sequence padded to a multiple of 2·cp by the roles themselves, so no length setting
+    can conflict) and the Megatron engine, each CP rank generating whole rows."""
+    cp = config.parallel.cp
+    if cp == 1:
+        return
+    _require(
+        config.rollout.engine == "megatron",
+        "rollout.engine",
+        f"vllm: resharding a context-parallel actor (parallel.cp={cp}) into vLLM is not "
+        "supported yet; use megatron, or parallel.cp=1",
+    )
+    _require(
+        importlib.util.find_spec("transformer_engine") is None,
+        "parallel.cp",
+        f"{cp}: context parallelism runs on rl_megatron's SDPA attention only, and "
+        "Transformer Engine (installed here) would replace it; use parallel.cp=1",
+    )
+    _require(
+        not getattr(config.model, "num_experts", 0),
+        "parallel.cp",
+        f"{cp}: context parallelism with an MoE model is not supported yet; use parallel.cp=1",
     )
 
 
@@ -277,6 +365,22 @@ def _check_megatron_engine(r: RolloutConfig, p: ParallelConfig) -> None:
         r.tp == p.tp,
         "rollout.tp",
         f"the megatron engine generates at the training tp={p.tp}; got rollout.tp={r.tp}",
+    )
+
+
+def _check_moe_engine(r: RolloutConfig, p: ParallelConfig) -> None:
+    _require(
+        r.engine != "vllm",
+        "rollout.engine",
+        "vllm: resharding an MoE actor into vLLM is not supported yet; use megatron",
+    )
+    # Expert-parallel ranks exchange tokens in every forward, but the engine's ranks decode
+    # different prompts and stop at different steps: the all-to-all would wait forever.
+    _require(
+        p.ep == 1,
+        "rollout.engine",
+        f"megatron generates with an MoE actor only at parallel.ep=1 (got {p.ep}); "
+        "expert-parallel ranks would stop decoding at different steps",
     )
 
 

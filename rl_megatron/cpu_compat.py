@@ -9,7 +9,10 @@ checks in the optimizers. This module redirects all of them to the CPU:
   ``Tensor.to("cuda")``) to CPU, and reports CPU tensors' ``type()`` with the CUDA name
   that the optimizers check for;
 * a few ``torch.cuda`` functions become CPU equivalents or no-ops;
-* Megatron's RNG tracker keeps its states as CPU generator states.
+* Megatron's RNG tracker keeps its states as CPU generator states;
+* the MoE all-to-all dispatcher gets its split sizes as numpy arrays, as it does on a GPU,
+  and its all-to-all allocates on the CPU in the backward pass too
+  (`_patch_megatron_moe_splits`).
 
 It is enabled only when no GPU is present (``enable_if_no_gpu``) and never on a GPU run.
 """
@@ -43,6 +46,10 @@ class _CudaToCpuMode(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if _is_cuda_device(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):
+            # Factory functions asked for pinned host memory (megatron-core's RoPE slice
+            # under context parallelism): there is no pinned allocator without a GPU.
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.cuda:
             return args[0]
         if func is torch.Tensor.to:
@@ -126,6 +133,38 @@ def _patch_megatron_rng() -> None:
     mcore_random._set_cuda_rng_state = set_state
 
 
+def _patch_megatron_moe_splits() -> None:
+    """megatron-core's alltoall token dispatcher moves its split sizes off the GPU with
+    `maybe_move_tensor_to_cpu(..., as_numpy=True)`, which converts only CUDA tensors: on the
+    CPU the splits stayed tensors and gloo's `all_to_all_single` refused them (it takes
+    sequences of ints). Here a CPU tensor asked for as numpy becomes numpy too."""
+    try:
+        from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    except ImportError:
+        return
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def move(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = move
+    token_dispatcher.maybe_move_tensor_to_cpu = move
+
+    # Its all-to-all allocates the output on `torch.cuda.current_device()` (0 here); in the
+    # backward pass, where torch function modes are not active, that 0 meant a GPU.
+    from megatron.core.tensor_parallel import mappings
+
+    forward = mappings._AllToAll.forward
+
+    def forward_on_cpu(ctx: Any, *args: Any) -> Any:
+        with _CudaToCpuMode():
+            return forward(ctx, *args)
+
+    mappings._AllToAll.forward = staticmethod(forward_on_cpu)
+
+
 def enable() -> None:
     """Install the CPU redirect for the rest of the process (idempotent)."""
     global _ENABLED, _MODE
@@ -133,6 +172,7 @@ def enable() -> None:
         return
     _patch_torch_cuda()
     _patch_megatron_rng()
+    _patch_megatron_moe_splits()
     # The "CUDA" RNG is the CPU generator here, so Megatron's fork() always sees the CPU
     # state change and would warn on every dropout.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)

@@ -232,7 +232,7 @@ def init_megatron(layout: ParallelLayout, timeout_s: int) -> None:
         virtual_pipeline_model_parallel_size=layout.vpp,
         context_parallel_size=layout.cp,
         expert_model_parallel_size=layout.ep,
-        expert_tensor_parallel_size=layout.etp,
+        expert_tensor_parallel_size=layout.expert_tp,
         # megatron-core makes this timedelta(minutes=...): a fraction keeps the seconds exact.
         distributed_timeout_minutes=timeout_s / 60,
         order=MEGATRON_RANK_ORDER,

@@ -35,19 +35,9 @@ def _require(condition: bool, key: str, message: str) -> None:
 
 def check_degrees(p) -> None:
     """The degrees of `p` (a `ParallelConfig`) on their own; ConfigError naming the key."""
-    for key in ("tp", "pp", "cp", "ep"):
+    for key in ("tp", "pp", "cp", "ep", "etp"):
         value = getattr(p, key)
         _require(value >= 1, f"parallel.{key}", f"must be >= 1, got {value}")
-    _require(
-        p.cp == 1,
-        "parallel.cp",
-        f"context parallelism is not supported yet; set it to 1 (got {p.cp})",
-    )
-    _require(
-        p.ep == 1,
-        "parallel.ep",
-        f"expert parallelism needs an MoE model; none is supported yet (got {p.ep})",
-    )
     if p.vpp is not None:
         _require(p.vpp >= 2, "parallel.vpp", f"must be >= 2 or null, got {p.vpp}")
         _require(p.pp >= 2, "parallel.vpp", "interleaved pipelining needs parallel.pp >= 2")
@@ -55,6 +45,25 @@ def check_degrees(p) -> None:
         not p.sequence_parallel or p.tp > 1,
         "parallel.sequence_parallel",
         "needs parallel.tp > 1",
+    )
+
+
+def _check_expert_degrees(p, world_size: int) -> None:
+    """What megatron-core's expert groups need (`initialize_model_parallel`): the experts'
+    own mesh etp·ep·pp·edp covers the world, and with the rank order tp-cp-ep-pp-dp (not
+    pp last) and pp > 1 its pipeline groups are the attention's only when etp·ep = tp·cp."""
+    mesh = p.etp * p.ep * p.pp
+    _require(
+        world_size % mesh == 0,
+        "parallel.ep",
+        f"world size {world_size} is not divisible by etp·ep·pp = {p.etp}·{p.ep}·{p.pp} "
+        "(megatron-core's expert mesh)",
+    )
+    _require(
+        p.pp == 1 or p.etp * p.ep == p.tp * p.cp,
+        "parallel.ep",
+        f"with parallel.pp={p.pp} > 1 megatron-core needs etp·ep = tp·cp (rank order "
+        f"{MEGATRON_RANK_ORDER}); got etp·ep = {p.etp}·{p.ep}, tp·cp = {p.tp}·{p.cp}",
     )
 
 
@@ -79,10 +88,14 @@ class ParallelLayout:
     sequence_parallel: bool = False
 
     @classmethod
-    def from_config(cls, parallel, world_size: int) -> ParallelLayout:
+    def from_config(cls, parallel, world_size: int, moe: bool = False) -> ParallelLayout:
         """The layout of `parallel` (a `ParallelConfig`) on `world_size` ranks.
 
         Raises ConfigError (one line naming the key) for what no model could run.
+
+        moe: the model has experts. Without experts ep and etp must be 1 and the expert
+            groups megatron-core makes anyway take its defaults (etp = tp), which never
+            constrain the layout.
         """
         p = parallel
         check_degrees(p)
@@ -92,6 +105,16 @@ class ParallelLayout:
             "parallel",
             f"world size {world_size} is not divisible by tp·pp·cp = {p.tp}·{p.pp}·{p.cp}",
         )
+        if moe:
+            _check_expert_degrees(p, world_size)
+        else:
+            for key in ("ep", "etp"):
+                _require(
+                    getattr(p, key) == 1,
+                    f"parallel.{key}",
+                    f"splits the experts of an MoE model; this model has none (got "
+                    f"{getattr(p, key)}), set it to 1",
+                )
         return cls(
             tp=p.tp,
             pp=p.pp,
@@ -99,6 +122,7 @@ class ParallelLayout:
             cp=p.cp,
             vpp=p.vpp,
             ep=p.ep,
+            etp=p.etp if moe else None,
             sequence_parallel=p.sequence_parallel,
         )
 
@@ -133,7 +157,17 @@ class ParallelLayout:
 
     @property
     def expert_tp(self) -> int:
-        return self.tp if self.etp is None else self.etp
+        """The expert-TP size megatron-core is given. A dense model (etp None) has no
+        experts, but megatron-core builds their groups anyway and, with our rank order and
+        pp > 1, needs their DP size to equal the attention's (etp·ep = tp·cp): they span
+        tp·cp ranks, which is tp without context parallelism (its own default)."""
+        return self.tp * self.cp if self.etp is None else self.etp
+
+    @property
+    def expert_dp(self) -> int:
+        """Ranks holding the same experts (megatron-core's expert-data-parallel group): an
+        expert's gradient is reduced over them (and scaled by expert_dp / dp)."""
+        return self.world_size // (self.expert_tp * self.ep * self.pp)
 
     # ---- ranks ------------------------------------------------------------------------
 
@@ -146,13 +180,26 @@ class ParallelLayout:
             "dp": rank // self.replica_size,
         }
 
+    def expert_coordinates(self, rank: int) -> dict[str, int]:
+        """(etp, ep, edp) ranks of a global rank in megatron-core's expert mesh, which orders
+        etp-ep-pp-edp as MEGATRON_RANK_ORDER orders tp-cp-pp-dp (cp has no expert twin)."""
+        etp = self.expert_tp
+        return {
+            "etp": rank % etp,
+            "ep": (rank // etp) % self.ep,
+            "edp": rank // (etp * self.ep * self.pp),
+        }
+
     def replica_ranks(self, dp_rank: int) -> list[int]:
         """The global ranks of data-parallel replica `dp_rank` (consecutive)."""
         start = dp_rank * self.replica_size
         return list(range(start, start + self.replica_size))
 
     def describe(self) -> str:
-        return f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp} ep={self.ep} vpp={self.vpp}"
+        return (
+            f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp} ep={self.ep} "
+            f"etp={self.expert_tp} vpp={self.vpp}"
+        )
 
 
 @dataclass(frozen=True)
@@ -163,7 +210,10 @@ class ParallelGroups:
     tp, pp, cp: this rank's groups; dp: data parallel without context parallelism (the
     replicas: losses are normalised and rows shared over it); dp_cp: with it (gradients);
     replica: the ranks of this rank's replica (tp·cp·pp; the same rows, the same rewards);
-    pp_first_rank, pp_last_rank: global ranks of this pipeline's first and last stage.
+    pp_first_rank, pp_last_rank: global ranks of this pipeline's first and last stage;
+    ep, etp, expert_dp: the expert-parallel, expert-tensor-parallel and expert-data-parallel
+    groups (MoE layers: tokens are exchanged over ep, an expert's weights split over etp,
+    its gradients reduced over expert_dp by megatron-core's DDP).
     """
 
     tp: dist.ProcessGroup
@@ -174,6 +224,9 @@ class ParallelGroups:
     replica: dist.ProcessGroup
     pp_first_rank: int
     pp_last_rank: int
+    ep: dist.ProcessGroup | None = None
+    etp: dist.ProcessGroup | None = None
+    expert_dp: dist.ProcessGroup | None = None
 
     @property
     def pp_size(self) -> int:
@@ -204,13 +257,23 @@ class ParallelGroups:
                 "dp": ps.get_data_parallel_rank(),
             }
             ours = layout.coordinates(dist.get_rank())
+            if layout.etp is not None:  # an MoE layout: its expert mesh too
+                theirs.update(
+                    etp=ps.get_expert_tensor_parallel_rank(),
+                    ep=ps.get_expert_model_parallel_rank(),
+                    edp=ps.get_expert_data_parallel_rank(),
+                )
+                ours.update(layout.expert_coordinates(dist.get_rank()))
             if theirs != ours:
                 raise RuntimeError(
                     f"rank {dist.get_rank()}: layout {ours} != megatron-core's {theirs}"
                 )
-        # megatron-core's model-parallel group (tp·pp) is a replica while cp = 1, which
-        # `from_config` requires until context parallelism is supported.
+        # megatron-core's model-parallel group (tp·pp) is a replica while cp = 1; with
+        # context parallelism a replica is tp·cp·pp ranks, a group megatron-core does not
+        # make (its rank order puts them in one block: MEGATRON_RANK_ORDER).
         replica = ps.get_model_parallel_group()
+        if ps.get_context_parallel_world_size() > 1:
+            replica = _replica_group(ps.get_data_parallel_world_size())
         return cls(
             tp=ps.get_tensor_model_parallel_group(),
             pp=ps.get_pipeline_model_parallel_group(),
@@ -220,4 +283,19 @@ class ParallelGroups:
             replica=replica,
             pp_first_rank=ps.get_pipeline_model_parallel_first_rank(),
             pp_last_rank=ps.get_pipeline_model_parallel_last_rank(),
+            ep=ps.get_expert_model_parallel_group(),
+            etp=ps.get_expert_tensor_parallel_group(),
+            expert_dp=ps.get_expert_data_parallel_group(),
         )
+
+
+def _replica_group(dp: int) -> dist.ProcessGroup:
+    """This rank's replica, one block of world/dp consecutive ranks (`MEGATRON_RANK_ORDER`);
+    collective: every rank creates every replica's group, in order."""
+    size = dist.get_world_size() // dp
+    mine = None
+    for k in range(dp):
+        group = dist.new_group(list(range(k * size, (k + 1) * size)))
+        if k == dist.get_rank() // size:
+            mine = group
+    return mine

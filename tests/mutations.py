@@ -9,7 +9,8 @@ replaces one exact line there, and runs the test that must catch it against the 
 catch is printed MISSED and the script exits 1. Not part of `make test`: it re-runs the
 slowest tests once per mutation. The faults are issue 17's list (the one-line faults that
 once passed the whole suite), the bugs the reference step found, and issue 20's wiring
-(rollout correction, GSPO / CISPO, DAPO, the critic's aggregation, the KL estimators).
+(rollout correction, GSPO / CISPO, DAPO, the critic's aggregation, the KL estimators),
+and issue 22's (log-probs from the hidden states, context parallelism).
 """
 
 from __future__ import annotations
@@ -282,6 +283,30 @@ MUTATIONS = [
         "grad = log_p.sub_(log_q).sub_(kl.unsqueeze(-1)).mul_(p)",
         "grad = log_p.sub_(log_q).add_(kl.unsqueeze(-1)).mul_(p)",
         ONE_RANK,
+    ),
+    # Issue 22's wiring: log-probs from the hidden states, context parallelism.
+    (
+        "chunked log-probs ignore the sampling temperature",
+        ROLES,
+        "                temperature=self.temperature,\n                vocab_size=self.vocab_size,\n"
+        "                chunk_tokens=self.logprob_chunk_tokens,",
+        "                temperature=1.0,\n                vocab_size=self.vocab_size,\n"
+        "                chunk_tokens=self.logprob_chunk_tokens,",
+        ONE_RANK,
+    ),
+    (
+        "CP output gather sums gradients over CP (each token counted cp times)",
+        "rl_megatron/models/context_parallel.py",
+        "    return _gather(x, group, dim, cu_seqlens, reduce_grad=False)",
+        "    return _gather(x, group, dim, cu_seqlens, reduce_grad=True)",
+        f"{REFERENCE}::test_four_ranks[cp2-dp2]",
+    ),
+    (
+        "CP key/value gather keeps only the local gradient",
+        "rl_megatron/models/context_parallel.py",
+        "    return _gather(x, group, 0, cu_seqlens, reduce_grad=True)",
+        "    return _gather(x, group, 0, cu_seqlens, reduce_grad=False)",
+        f"{REFERENCE}::test_four_ranks[cp2-dp2]",
     ),
 ]
 

@@ -290,7 +290,8 @@ def hf_grads(role, info, head: str, local: list[torch.Tensor], dp_group) -> dict
 
     local: this rank's gradient per parameter (`Recorder`), i.e. of its DP share of the
     loss times the DP size (megatron-core's DDP averages over DP); their DP mean is the
-    mini-batch's gradient.
+    mini-batch's gradient. With context parallelism `dp_group` is DP x CP: a CP rank's
+    gradient is its own tokens' share, times cp (megatron-core's schedule).
     """
     params = [p for chunk in role.model for p in _params(chunk)]
     saved = [p.data for p in params]
@@ -571,6 +572,8 @@ def check_trainer_against_reference(
         roles, info = trainer.roles, trainer.info
         hf_config = random_init_hf_config(config)
         dp_group = ps.get_data_parallel_group()
+        # Gradients are averaged over DP x CP (each CP rank's covers its own tokens).
+        grad_group = ps.get_data_parallel_group(with_context_parallel=True)
         adam = {"actor": ref.AdamState(), "critic": ref.AdamState()}
         heads = {"actor": "lm", "critic": "value"}
         for case in cases:
@@ -585,6 +588,10 @@ def check_trainer_against_reference(
             kl = trainer.config.algorithm.kl_ctrl
             trainer.kl_ctrl = build_kl_controller(kl.type, kl.kl_coef, kl.target_kl, kl.horizon)
             kl_coef = trainer.kl_ctrl.value
+            # The roles are built once; the case's model keys that they read at run time:
+            for role in (roles.actor, roles.reference):
+                if role is not None:
+                    role.logprob_chunk_tokens = trainer.config.model.logprob_chunk_tokens
             trainable = roles.trainable()
             before = {n: hf_weights(r, info, heads[n]) for n, r in trainable.items()}
             before_ref = hf_weights(roles.reference, info, "lm") if roles.reference else None
@@ -598,7 +605,7 @@ def check_trainer_against_reference(
             all_steps = [None] * dist.get_world_size(dp_group)
             dist.all_gather_object(all_steps, recorder.steps, group=dp_group)
             grads = {
-                n: [hf_grads(r, info, heads[n], g, dp_group) for g in recorder.grads[n]]
+                n: [hf_grads(r, info, heads[n], g, grad_group) for g in recorder.grads[n]]
                 for n, r in trainable.items()
             }
             after = {n: hf_weights(r, info, heads[n]) for n, r in trainable.items()}

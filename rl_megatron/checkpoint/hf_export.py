@@ -284,6 +284,7 @@ class _Schedule:
     local: dict[tuple, torch.nn.Parameter]  # this stage's parameters by order key
     order: list[tuple[tuple, int, str]]  # (order key, owning stage, dtype name), HF order
     tp_group: dist.ProcessGroup
+    etp_group: dist.ProcessGroup | None  # an expert's rows are split over it (MoE)
     pp_ranks: list[int]
     tp_rank: int
     pp_rank: int
@@ -293,6 +294,13 @@ def _schedule(model_chunks: list[torch.nn.Module], info: HFModelInfo, head: str)
     """The export schedule (collective over the PP group); None outside DP replica 0."""
     from megatron.core import parallel_state as ps
 
+    if info.is_moe and ps.get_expert_model_parallel_world_size() > 1:
+        # The experts of replica 0 live on other DP replicas' ranks too; this exporter
+        # walks one replica. The tools convert such a model's Megatron checkpoint.
+        raise CheckpointError(
+            "exporting an MoE model at parallel.ep > 1 from memory is not supported yet; "
+            "save a Megatron checkpoint and run checkpoints_tools/megatron_to_hf.py"
+        )
     if ps.get_data_parallel_rank(with_context_parallel=True) != 0:
         return None  # another DP replica writes
     pp_group = ps.get_pipeline_model_parallel_group()
@@ -315,6 +323,7 @@ def _schedule(model_chunks: list[torch.nn.Module], info: HFModelInfo, head: str)
         local,
         order,
         ps.get_tensor_model_parallel_group(),
+        ps.get_expert_tensor_parallel_group() if info.is_moe else None,
         dist.get_process_group_ranks(pp_group),
         ps.get_tensor_model_parallel_rank(),
         ps.get_pipeline_model_parallel_rank(),
@@ -343,7 +352,8 @@ def _iter_scheduled(plan: _Schedule, info: HFModelInfo) -> Iterator[tuple[str, t
     for key, stage, dtype in plan.order:
         rule, layer = plan.rules[key[-2]], key[-1]
         if stage == plan.pp_rank:
-            shards = _gather_tp(plan.local[key], rule, plan.tp_group)
+            group = plan.etp_group if rule.expert is not None else plan.tp_group
+            shards = _gather_tp(plan.local[key], rule, group)
             if plan.tp_rank != 0:
                 continue
             for hf_name, tensor in hm.megatron_to_hf(rule, layer, shards, info):

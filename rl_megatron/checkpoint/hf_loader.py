@@ -122,6 +122,17 @@ def global_layer_fn(chunk: torch.nn.Module) -> Callable[[int], int]:
     return lambda i: layers[i].layer_number - 1
 
 
+def global_expert_fn(chunk: torch.nn.Module) -> Callable[[int], int] | None:
+    """Local expert index on this expert-parallel rank → global expert index; None without
+    experts. Read off megatron-core's expert module (`SequentialMLP` / `TEGroupedMLP`): rank r
+    of the EP group holds experts [r·n, (r+1)·n), n = its `num_local_experts`."""
+    for module in chunk.modules():
+        if hasattr(module, "num_local_experts") and hasattr(module, "ep_group"):
+            offset = module.ep_group.rank() * module.num_local_experts
+            return lambda i: offset + i
+    return None
+
+
 def iter_rule_params(
     chunk: torch.nn.Module, rules: list[hm.Rule], skip: frozenset[str] = frozenset()
 ) -> Iterator[tuple[hm.Rule, int | None, torch.nn.Parameter]]:
@@ -132,8 +143,9 @@ def iter_rule_params(
     """
     by_name = {rule.megatron: rule for rule in rules}
     to_global = global_layer_fn(chunk) if hasattr(chunk, "decoder") else None
+    to_expert = global_expert_fn(chunk)
     for name, param in chunk.named_parameters():
-        canonical, layer = hm.canonical_param_name(name, to_global)
+        canonical, layer = hm.canonical_param_name(name, to_global, to_expert, by_name)
         if canonical in skip:
             continue
         rule = by_name.get(canonical)
@@ -169,6 +181,7 @@ def load_hf_weights(
         head: "lm" (causal LM), "value" (load `score.weight` of *ForSequenceClassification
             into the scalar head) or "none" (leave the head as initialised: fresh critic).
         tp_rank, tp_size: this rank's tensor-parallel coordinates; default parallel_state's.
+            An expert's rows are split by the expert-TP group (parallel_state's).
         progress: show a bar of this rank's parameters loaded / total.
     Returns:
         The number of parameters loaded on this rank.
@@ -178,6 +191,14 @@ def load_hf_weights(
 
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    etp = (1, 0)
+    if info.is_moe:
+        from megatron.core import parallel_state
+
+        etp = (
+            parallel_state.get_expert_tensor_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_rank(),
+        )
     rules = hm.rules_for(info, head)
     heads = {"lm_head.weight", "score.weight"}
     with SafetensorsCheckpoint(hf_dir) as ckpt:
@@ -196,7 +217,8 @@ def load_hf_weights(
         loaded = 0
         for rule, layer, param in params:
             padded = param.shape[0] * tp_size if rule.transform == hm.VOCAB else 0
-            shard = hm.hf_to_megatron_shard(rule, layer, ckpt.read, info, tp_size, tp_rank, padded)
+            size, rank = hm.shard_coords(rule, (tp_size, tp_rank), etp)
+            shard = hm.hf_to_megatron_shard(rule, layer, ckpt.read, info, size, rank, padded)
             if tuple(shard.shape) != tuple(param.shape):
                 name = rule.megatron.format(layer=layer)
                 raise hm.MappingError(

@@ -12,7 +12,7 @@ Megatron engine's weight update and the resharding shard specs all go through it
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 import torch
 
@@ -41,12 +41,21 @@ class MappingError(ValueError):
 def rules_for(info: HFModelInfo, head: str = "lm") -> list[Rule]:
     """The rules of one model: decoder layers, embedding, final norm and the head.
 
+    A table's `{expert}` rows come out expanded, one row per global expert (`Rule.expert`).
+
     Args:
         head: "lm" (causal LM head), "value" (scalar head from `score.weight`) or "none"
             (no head rule: a critic whose value head starts fresh).
     """
     table = family(info.model_type)
-    rules = [table.embedding, *table.layers, table.final_norm]
+    layers = [
+        expanded
+        for rule in table.layers
+        for expanded in (
+            [rule.for_expert(e) for e in range(info.num_experts)] if rule.per_expert else [rule]
+        )
+    ]
+    rules = [table.embedding, *layers, table.final_norm]
     if head == "lm":
         rules.append(TIED_LM_HEAD if info.tie_word_embeddings else table.lm_head)
     elif head == "value":
@@ -102,19 +111,36 @@ def check_hf_tensors(
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 # The local spec names the norms as separate modules; dist_checkpointing stores them under
-# the TE spec's fused names (megatron-core's sharded_state_dict_keys_map).
+# the TE spec's fused names (megatron-core's sharded_state_dict_keys_map) where the fused
+# linear exists: an MoE layer's pre-MLP norm keeps its own name (`models/specs.py`).
 _LOCAL_TO_CANONICAL = (
     ("input_layernorm.", "self_attention.linear_qkv.layer_norm_"),
     ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_"),
 )
+# One expert's weights: `SequentialMLP`'s `local_experts.<i>.linear_fc1.weight` (the local
+# spec) or `TEGroupedMLP`'s `linear_fc1.weight<i>` (TE, grouped GEMM); i is the local index.
+_EXPERT_RES = (
+    re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12]\.\w+)$"),
+    re.compile(r"^mlp\.experts\.(linear_fc[12]\.[a-z_]+?)(\d+)$"),
+)
+_STORED_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
-def canonical_param_name(name: str, global_layer: Callable[[int], int]) -> tuple[str, int | None]:
+def canonical_param_name(
+    name: str,
+    global_layer: Callable[[int], int],
+    global_expert: Callable[[int], int] | None = None,
+    known: Container[str] | None = None,
+) -> tuple[str, int | None]:
     """Module parameter name → (rule name with `{layer}`, global layer index or None).
 
     Args:
         name: as in `GPTModel.named_parameters()`, e.g. `decoder.layers.0.input_layernorm.weight`.
         global_layer: local layer index in this model chunk → global layer index.
+        global_expert: local expert index on this expert-parallel rank → global expert
+            index (`global_expert_fn`); an expert's rule name carries the global index.
+        known: the rule names of the model; a local-spec norm is renamed to its fused
+            name only where the model has that name (dense MLPs, not MoE layers).
     """
     m = _LAYER_RE.match(name)
     if not m:
@@ -122,8 +148,29 @@ def canonical_param_name(name: str, global_layer: Callable[[int], int]) -> tuple
     rest = m.group(2)
     for local, canonical in _LOCAL_TO_CANONICAL:
         if rest.startswith(local):
-            rest = canonical + rest[len(local) :]
+            renamed = canonical + rest[len(local) :]
+            if known is None or "decoder.layers.{layer}." + renamed in known:
+                rest = renamed
+    if global_expert is not None:
+        for i, pattern in enumerate(_EXPERT_RES):
+            x = pattern.match(rest)
+            if x:
+                local, tail = (x.group(1), x.group(2)) if i == 0 else (x.group(2), x.group(1))
+                rest = f"mlp.experts.experts.{global_expert(int(local))}.{tail}"
+                break
     return "decoder.layers.{layer}." + rest, global_layer(int(m.group(1)))
+
+
+def stored_layer_key(rule: Rule) -> str:
+    """The dist-checkpoint key of a per-layer row when megatron-core stacks its layers (and,
+    for an expert's row, the experts: `[layers, E, ...]`), e.g. `decoder.layers.mlp.router.weight`."""
+    return _STORED_EXPERT.sub(".experts.", rule.megatron).replace("{layer}.", "")
+
+
+def shard_coords(rule: Rule, tp: tuple[int, int], etp: tuple[int, int]) -> tuple[int, int]:
+    """(size, rank) of the group that splits `rule` along `tp_dim`: an expert's rows split
+    over the expert-TP ranks (`parallel.etp`), every other row over the TP ranks."""
+    return etp if rule.expert is not None else tp
 
 
 # ------------------------------------------------------------------- transforms
@@ -142,7 +189,10 @@ def hf_to_megatron_shard(
     tp_rank: int,
     padded_vocab: int,
 ) -> torch.Tensor:
-    """Build one Megatron TP shard of `rule.megatron` from HF tensors, reading only its slice."""
+    """Build one Megatron TP shard of `rule.megatron` from HF tensors, reading only its slice.
+
+    `tp`, `tp_rank`: the group that splits the row (`shard_coords`: expert-TP for an expert).
+    """
     names = [n.format(layer=layer) for n, _ in rule.hf]
     if rule.transform == COPY:
         if rule.tp_dim is None:
@@ -158,7 +208,8 @@ def hf_to_megatron_shard(
         v = read(names[2], 0, k0 * d, k1 * d)
         return cv.interleave_qkv(q, k, v, k1 - k0)
     if rule.transform == GATE_UP:
-        f0, f1 = cv.shard_range(info.ffn_hidden_size, tp, tp_rank)
+        # F for a dense MLP, Fe for an expert
+        f0, f1 = cv.shard_range(hf_shape(rule.hf[0][1], info)[0], tp, tp_rank)
         return cv.fuse_gate_up(read(names[0], 0, f0, f1), read(names[1], 0, f0, f1))
     if rule.transform == VOCAB:
         r0, r1 = cv.shard_range(padded_vocab, tp, tp_rank)
@@ -173,7 +224,8 @@ def hf_to_megatron_shard(
 def megatron_to_hf(
     rule: Rule, layer: int | None, shards: list[torch.Tensor], info: HFModelInfo
 ) -> list[tuple[str, torch.Tensor]]:
-    """Turn the TP shards (rank order) of one Megatron parameter into HF `(name, tensor)`s."""
+    """Turn the TP shards (rank order; expert-TP for an expert) of one Megatron parameter into
+    HF `(name, tensor)`s."""
     names = [n.format(layer=layer) for n, _ in rule.hf]
     if rule.transform == COPY:
         full = shards[0] if rule.tp_dim is None else cv.tp_merge(shards, rule.tp_dim)

@@ -83,6 +83,8 @@ def build_gpt_chunks(
     tp: int,
     pp: int,
     vpp: int | None = None,
+    ep: int | None = None,
+    etp: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     value_head: bool = False,
     padded_vocab: int | None = None,
@@ -96,6 +98,7 @@ def build_gpt_chunks(
     Args:
         info: parsed HF config.
         tp, pp, vpp: must match `parallel_state`.
+        ep, etp: expert-parallel / expert-TP sizes (MoE); None = parallel_state's.
         dtype: parameter dtype.
         value_head: scalar `ValueHead` instead of the LM output layer (critic, reward).
         padded_vocab: fix the padded vocabulary (e.g. to a checkpoint's); default pads to
@@ -105,11 +108,22 @@ def build_gpt_chunks(
         config_overrides: extra `TransformerConfig` fields.
     """
     _check_layout(tp, pp, vpp)
+    if not info.is_moe:
+        ep, etp = 1, 1  # whatever parallel_state says, a dense model has nothing to split
+    ep = parallel_state.get_expert_model_parallel_world_size() if ep is None else ep
+    etp = parallel_state.get_expert_tensor_parallel_world_size() if etp is None else etp
+    # Context parallelism is a property of the run (parallel_state), as megatron-core's
+    # RoPE and attention read it from the config to split and gather the sequence.
+    config_overrides.setdefault(
+        "context_parallel_size", parallel_state.get_context_parallel_world_size()
+    )
     config = transformer_config_from_hf(
         info,
         tp=tp,
         pp=pp,
         vpp=vpp,
+        ep=ep,
+        etp=etp,
         dtype=dtype,
         perform_initialization=perform_initialization,
         **config_overrides,
@@ -123,7 +137,12 @@ def build_gpt_chunks(
     if value_head:
         # The head replaces the LM output layer, so there is nothing to tie.
         kwargs["share_embeddings_and_output_weights"] = False
-    spec = gpt_layer_spec(use_te, qk_layernorm=config.qk_layernorm)
+    spec = gpt_layer_spec(
+        use_te,
+        qk_layernorm=config.qk_layernorm,
+        num_experts=config.num_moe_experts,
+        moe_grouped_gemm=config.moe_grouped_gemm,
+    )
     chunks = []
     stages = vpp if vpp and vpp > 1 else None
     for vp_stage in range(stages or 1):

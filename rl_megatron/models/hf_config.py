@@ -2,8 +2,9 @@
 
 Supported: Llama 2 / 3 / 3.1 / 3.2 (`rope_scaling` of type `llama3` or `linear`), Qwen2 /
 Qwen2.5 (QKV bias, tied embeddings on the small models), Mistral (GQA, optional sliding
-window) and Qwen3 dense (QK-norm, an explicit head_dim, tied embeddings on the small
-models). Anything else is refused with a one-line `HFConfigError` naming the field, before a
+window), Qwen3 dense (QK-norm, an explicit head_dim, tied embeddings on the small
+models), and the mixtures of experts Qwen3-MoE and Mixtral (megatron-core's `MoELayer`:
+softmax router, top-k, no shared experts, every layer sparse; `_moe`). Anything else is refused with a one-line `HFConfigError` naming the field, before a
 model is built. Both config spellings are read: transformers ≥ 5 (`rope_parameters`) and
 older (`rope_theta` + `rope_scaling`).
 """
@@ -61,6 +62,15 @@ class HFModelInfo:
     num_labels: int  # rows of `score.weight` in *ForSequenceClassification checkpoints
     torch_dtype: str | None  # dtype the checkpoint was saved in, as in config.json
     sequence_classifier: bool  # architectures name a *ForSequenceClassification (reward model)
+    # Mixture of experts (Qwen3-MoE, Mixtral); 0 experts = a dense model.
+    num_experts: int = 0  # routed experts per layer
+    moe_topk: int = 0  # experts per token (num_experts_per_tok)
+    moe_ffn_hidden_size: int = 0  # one expert's FFN width
+    moe_norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to 1
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def head(self) -> str:
@@ -103,6 +113,58 @@ def _rope(cfg: dict[str, Any]) -> tuple[float, str, float]:
     )
 
 
+def _moe(cfg: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """The MoE fields of HFModelInfo from a Qwen3-MoE / Mixtral config (refusals name the key).
+
+    Qwen3-MoE: `num_experts` (or `num_local_experts`), `moe_intermediate_size`, `norm_topk_prob`; every layer must be
+    sparse (`decoder_sparse_step` 1, no `mlp_only_layers`). Mixtral: `num_local_experts`,
+    `intermediate_size` is the expert's width and the top-k is always renormalised; its
+    training-time `router_jitter_noise` is not reproduced, so it must be 0.
+    """
+    if model_type == "qwen3_moe":
+        # Released configs say num_experts; transformers >= 5 writes num_local_experts.
+        experts_key = "num_experts" if "num_experts" in cfg else "num_local_experts"
+        ffn_key = "moe_intermediate_size"
+        norm_topk = bool(cfg.get("norm_topk_prob", False))
+        if cfg.get("decoder_sparse_step", 1) != 1:
+            raise HFConfigError(
+                f"config.json: decoder_sparse_step={cfg['decoder_sparse_step']} is not supported "
+                "(dense layers between MoE layers); only 1, every layer sparse"
+            )
+        if cfg.get("mlp_only_layers"):
+            raise HFConfigError(
+                f"config.json: mlp_only_layers={cfg['mlp_only_layers']} is not supported "
+                "(dense layers among MoE layers); only []"
+            )
+    else:  # mixtral
+        experts_key, ffn_key = "num_local_experts", "intermediate_size"
+        norm_topk = True
+        if cfg.get("router_jitter_noise"):
+            raise HFConfigError(
+                f"config.json: router_jitter_noise={cfg['router_jitter_noise']} is not "
+                "supported (only 0)"
+            )
+    for key in ("shared_expert_intermediate_size", "n_shared_experts", "num_shared_experts"):
+        if cfg.get(key):
+            raise HFConfigError(
+                f"config.json: {key}={cfg[key]} is not supported (no shared experts)"
+            )
+    experts = int(_need(cfg, experts_key))
+    topk = int(_need(cfg, "num_experts_per_tok"))
+    if experts < 1:
+        raise HFConfigError(f"config.json: {experts_key}={experts} must be >= 1")
+    if not 1 <= topk <= experts:
+        raise HFConfigError(
+            f"config.json: num_experts_per_tok={topk} must be in [1, {experts_key}={experts}]"
+        )
+    return dict(
+        num_experts=experts,
+        moe_topk=topk,
+        moe_ffn_hidden_size=int(_need(cfg, ffn_key)),
+        moe_norm_topk_prob=norm_topk,
+    )
+
+
 def parse_hf_config(cfg: dict[str, Any]) -> HFModelInfo:
     """Validate an HF config dict (the contents of `config.json`) and extract what we need."""
     model_type = cfg.get("model_type")
@@ -117,13 +179,13 @@ def parse_hf_config(cfg: dict[str, Any]) -> HFModelInfo:
         )
     if cfg.get("mlp_bias"):
         raise HFConfigError("config.json: mlp_bias=true is not supported")
-    if model_type in ("llama", "qwen3") and cfg.get("attention_bias"):
+    if model_type in ("llama", "qwen3", "qwen3_moe") and cfg.get("attention_bias"):
         # Their attention_bias also biases o_proj, which Megatron can only express by
         # biasing every linear layer.
         raise HFConfigError(f"config.json: attention_bias=true is not supported for {model_type}")
     if cfg.get("pretraining_tp", 1) != 1:
         raise HFConfigError(f"config.json: pretraining_tp={cfg['pretraining_tp']} is not supported")
-    if model_type in ("qwen2", "qwen3") and (
+    if model_type in ("qwen2", "qwen3", "qwen3_moe") and (
         cfg.get("use_sliding_window") or "sliding_attention" in (cfg.get("layer_types") or [])
     ):
         raise HFConfigError(
@@ -143,6 +205,7 @@ def parse_hf_config(cfg: dict[str, Any]) -> HFModelInfo:
     head_dim = cfg.get("head_dim") or hidden // heads
     theta, rope_type, factor = _rope(cfg)
     table = FAMILIES[model_type]
+    moe = _moe(cfg, model_type) if table.moe else {}
     window = cfg.get("sliding_window") if table.sliding_window else None
     max_pos = int(cfg.get("max_position_embeddings", 4096))
     if window is not None and window >= max_pos:
@@ -156,7 +219,9 @@ def parse_hf_config(cfg: dict[str, Any]) -> HFModelInfo:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=int(head_dim),
-        ffn_hidden_size=int(_need(cfg, "intermediate_size")),
+        # A MoE model has no dense MLP (Qwen3-MoE's intermediate_size would size the dense
+        # layers this parser refuses): its experts' width stands in.
+        ffn_hidden_size=moe["moe_ffn_hidden_size"] if moe else int(_need(cfg, "intermediate_size")),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         rope_theta=theta,
         rope_type=rope_type,
@@ -172,6 +237,7 @@ def parse_hf_config(cfg: dict[str, Any]) -> HFModelInfo:
         sequence_classifier=any(
             a.endswith("ForSequenceClassification") for a in cfg.get("architectures") or []
         ),
+        **moe,
     )
 
 
@@ -187,15 +253,35 @@ def load_hf_config(hf_dir: str | Path) -> HFModelInfo:
     return parse_hf_config(cfg)
 
 
-def check_parallel_layout(info: HFModelInfo, tp: int, pp: int, vpp: int | None = None) -> None:
-    """Refuse TP/PP/VPP sizes the model cannot be split into, naming the field."""
-    for field, value in (
+def check_parallel_layout(
+    info: HFModelInfo, tp: int, pp: int, vpp: int | None = None, ep: int = 1, etp: int = 1
+) -> None:
+    """Refuse TP/PP/VPP/EP/ETP sizes the model cannot be split into, naming the field."""
+    fields = [
         ("num_attention_heads", info.num_attention_heads),
         ("num_key_value_heads", info.num_key_value_heads),
-        ("intermediate_size", info.ffn_hidden_size),
-    ):
+    ]
+    if not info.is_moe:
+        fields.append(("intermediate_size", info.ffn_hidden_size))
+    for field, value in fields:
         if value % tp:
             raise HFConfigError(f"config.json: {field}={value} is not divisible by tp={tp}")
+    if not info.is_moe and (ep > 1 or etp > 1):
+        raise HFConfigError(
+            f"config.json: model_type='{info.model_type}' has no experts to split over "
+            f"ep={ep} / etp={etp}; use 1"
+        )
+    if info.is_moe:
+        experts_key = "num_local_experts" if info.model_type == "mixtral" else "num_experts"
+        ffn_key = "intermediate_size" if info.model_type == "mixtral" else "moe_intermediate_size"
+        if info.num_experts % ep:
+            raise HFConfigError(
+                f"config.json: {experts_key}={info.num_experts} is not divisible by ep={ep}"
+            )
+        if info.moe_ffn_hidden_size % etp:
+            raise HFConfigError(
+                f"config.json: {ffn_key}={info.moe_ffn_hidden_size} is not divisible by etp={etp}"
+            )
     stages = pp * (vpp or 1)
     if info.num_layers % stages:
         raise HFConfigError(
@@ -209,6 +295,8 @@ def transformer_config_from_hf(
     tp: int = 1,
     pp: int = 1,
     vpp: int | None = None,
+    ep: int = 1,
+    etp: int = 1,
     dtype: torch.dtype = torch.bfloat16,
     use_cpu_initialization: bool | None = None,
     perform_initialization: bool = True,
@@ -219,6 +307,7 @@ def transformer_config_from_hf(
     Args:
         info: parsed HF config.
         tp, pp, vpp: tensor / pipeline / virtual-pipeline sizes (vpp None or 1 = none).
+        ep, etp: expert-parallel and expert-tensor-parallel sizes (MoE models only).
         dtype: parameter and activation dtype (fp32, bf16 or fp16).
         use_cpu_initialization: default True when CUDA is absent.
         perform_initialization: False skips random init (weights are loaded right after).
@@ -226,7 +315,7 @@ def transformer_config_from_hf(
     """
     from megatron.core.transformer import TransformerConfig
 
-    check_parallel_layout(info, tp, pp, vpp)
+    check_parallel_layout(info, tp, pp, vpp, ep, etp)
     if use_cpu_initialization is None:
         use_cpu_initialization = not torch.cuda.is_available()
     kwargs: dict[str, Any] = dict(
@@ -262,8 +351,50 @@ def transformer_config_from_hf(
         # Megatron's window (left, right) counts keys besides the query itself.
         window_size=(info.sliding_window - 1, 0) if info.sliding_window else None,
     )
+    if info.is_moe:
+        kwargs.update(moe_transformer_config(info, ep=ep, etp=etp))
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def moe_transformer_config(info: HFModelInfo, *, ep: int = 1, etp: int = 1) -> dict[str, Any]:
+    """The `TransformerConfig` fields of a mixture of experts that routes as HF does.
+
+    HF's router (Qwen3-MoE, Mixtral): logits in the activations' dtype, softmax over all
+    experts in fp32, top-k; with `norm_topk_prob` (always for Mixtral) the k probabilities
+    are renormalised, which equals megatron-core's default (top-k of the logits, softmax
+    over those k, in fp32); without it the probabilities stay unnormalised: megatron-core's
+    `moe_router_pre_softmax`. The load-balancing and z losses are off here (the trainer
+    sets `moe_aux_loss_coeff` / `moe_z_loss_coeff` from `model.*`); no token dropping.
+    Grouped GEMM (TEGroupedMLP) only with Transformer Engine; one MLP per expert otherwise.
+    """
+    from rl_megatron.models.specs import have_transformer_engine
+
+    return dict(
+        num_moe_experts=info.num_experts,
+        moe_router_topk=info.moe_topk,
+        moe_ffn_hidden_size=info.moe_ffn_hidden_size,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not info.moe_norm_topk_prob,
+        moe_router_dtype=None,  # logits in the activations' dtype, as HF's `gate`
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_z_loss_coeff=None,
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=have_transformer_engine(),
+        moe_shared_expert_intermediate_size=None,
+        expert_model_parallel_size=ep,
+        expert_tensor_parallel_size=etp,
+    )
+
+
+def moe_loss_overrides(aux_loss_coeff: float, z_loss_coeff: float) -> dict[str, Any]:
+    """`TransformerConfig` overrides turning on the router's auxiliary losses (0 = off)."""
+    return dict(
+        moe_router_load_balancing_type="aux_loss" if aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=aux_loss_coeff,
+        moe_z_loss_coeff=z_loss_coeff if z_loss_coeff > 0 else None,
+    )
 
 
 def gpt_model_kwargs(

@@ -21,6 +21,14 @@ GQA with an explicit mask: when the mask is the same for every query (KV-cache d
 one query per row) the query heads of a group are folded into the query dimension, so K/V
 are read in place; otherwise K/V are expanded to every head.
 
+Context parallelism (`config.context_parallel_size > 1`, the CP group from the
+`pg_collection` megatron-core's `SelfAttention` passes, as TE's attention takes it): each
+rank holds two chunks of every sequence in megatron-core's load-balanced order
+(`models/context_parallel.py`); keys and values are all-gathered over the CP group (the
+backward reduce-scatters their gradient) and each query chunk attends causally to the keys
+up to its own global position; packed sequences likewise, one at a time. With cp = 1
+nothing of this runs.
+
 Query rows whose every key is masked (left padding) would give NaN in SDPA; they attend to
 all keys instead, so their (unused) outputs stay finite and never poison later layers.
 """
@@ -40,6 +48,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import is_layer_window_attention
 from megatron.core.utils import divide
 from torch import Tensor
+
+from rl_megatron.models import context_parallel as cp_ops
 
 
 def causal_padding_mask(attention_mask: Tensor) -> Tensor:
@@ -85,15 +95,22 @@ class SDPAttention(MegatronModule):
         pg_collection: ProcessGroupCollection | None = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPAttention does not support context parallelism; install TE")
         if config.softmax_type != "vanilla":
             raise ValueError(
                 f"SDPAttention supports softmax_type='vanilla' only, got '{config.softmax_type}'"
             )
         if pg_collection is None:
-            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=["tp"])
+            required = ["tp", "cp"] if config.context_parallel_size > 1 else ["tp"]
+            pg_collection = ProcessGroupCollection.use_mpu_process_groups(required_pgs=required)
         tp_size = pg_collection.tp.size()
+        # Context parallelism: keys and values are gathered over this group (as TE's
+        # attention takes it, from the pg_collection megatron-core's SelfAttention passes).
+        self.cp_group = pg_collection.cp if config.context_parallel_size > 1 else None
+        if self.cp_group is not None and self.cp_group.size() != config.context_parallel_size:
+            raise ValueError(
+                f"SDPAttention: the CP group has {self.cp_group.size()} ranks, the config "
+                f"context_parallel_size={config.context_parallel_size}"
+            )
         self.attn_mask_type = attn_mask_type
         self.num_heads = divide(config.num_attention_heads, tp_size)
         self.num_groups = divide(config.num_query_groups, tp_size)
@@ -188,6 +205,15 @@ class SDPAttention(MegatronModule):
         if attention_bias is not None:
             raise ValueError("SDPAttention does not support attention_bias")
         attn_mask_type = attn_mask_type or self.attn_mask_type
+        cp_group = self.cp_group
+        if packed_seq_params is not None and packed_seq_params.cp_group is not None:
+            # megatron-core's per-batch CP group (GPTModel's RoPE takes it from there too);
+            # a one-rank group runs the whole sequence here (the Megatron rollout engine).
+            cp_group = packed_seq_params.cp_group
+        if cp_group is not None and cp_group.size() > 1:
+            return self._forward_cp(
+                query, key, value, attention_mask, attn_mask_type, packed_seq_params, cp_group
+            )
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             return self._forward_packed(query, key, value, packed_seq_params)
         sq, b = query.shape[:2]
@@ -238,6 +264,78 @@ class SDPAttention(MegatronModule):
             pad = query.new_zeros(query.shape[0] - out.shape[0], *out.shape[1:])
             out = torch.cat([out, pad], dim=0)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+    def _forward_cp(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        attention_mask: Tensor | None,
+        attn_mask_type: AttnMaskType,
+        params: PackedSeqParams | None,
+        cp_group,
+    ) -> Tensor:
+        """Causal attention of this CP rank's queries over the full sequence.
+
+        The rank holds two chunks of every sequence (`models/context_parallel.py`); keys and
+        values of all ranks are gathered (one all-gather per layer, K and V together) and
+        put in global order. A chunk starting at global position a with c tokens sees keys
+        [0, a + c): the causal attention of the last c queries of that key prefix, which
+        `_keep_mask` aligns to the end (the first chunk of rank 0 takes the fused causal
+        path). Packed (THD) sequences do the same per sequence, none across them.
+        """
+        if attention_mask is not None or attn_mask_type != AttnMaskType.causal:
+            raise ValueError(
+                "SDPAttention with context parallelism supports causal attention without an "
+                "explicit attention_mask (rows left-aligned, or packed sequences)"
+            )
+        cp, rank = cp_group.size(), cp_group.rank()
+        packed = params is not None and params.qkv_format == "thd"
+        cu = None
+        if packed:
+            cu = (
+                params.cu_seqlens_q_padded
+                if params.cu_seqlens_q_padded is not None
+                else params.cu_seqlens_q
+            )
+            cu_k = (
+                params.cu_seqlens_kv_padded
+                if params.cu_seqlens_kv_padded is not None
+                else params.cu_seqlens_kv
+            )
+            if cu_k is not None and not torch.equal(cu_k, cu):
+                raise ValueError(
+                    "SDPAttention with context parallelism needs self-attention (cu_seqlens_q == cu_seqlens_kv)"
+                )
+        hn = key.shape[-1]
+        kv = cp_ops.gather_kv_from_cp(torch.cat([key, value], dim=-1), cp_group, cu)
+        key, value = kv[..., :hn], kv[..., hn:]
+        if packed:
+            # [t, heads, hn] -> [t, 1, heads, hn]: the sequences below index the token dim.
+            query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+            bounds = cu.tolist()
+        else:
+            bounds = [0, key.shape[0]]
+        outs, local = [], 0
+        for seq_start, seq_end in zip(bounds[:-1], bounds[1:]):
+            if seq_end == seq_start:
+                continue
+            c = (seq_end - seq_start) // (2 * cp)
+            for start in cp_ops.chunk_starts(seq_end - seq_start, cp, rank):
+                q = query[local : local + c].permute(1, 2, 0, 3)
+                end = seq_start + start + c
+                k = key[seq_start:end].permute(1, 2, 0, 3)
+                v = value[seq_start:end].permute(1, 2, 0, 3)
+                keep, causal = self._keep_mask(c, end - seq_start, None, attn_mask_type, q.device)
+                outs.append(self._sdpa(q, k, v, keep, causal).permute(2, 0, 1, 3))
+                local += c
+        out = torch.cat(outs, dim=0)  # [sq, b, np, hn]
+        if packed:
+            if out.shape[0] < query.shape[0]:
+                pad = query.new_zeros(query.shape[0] - out.shape[0], *out.shape[1:])
+                out = torch.cat([out, pad], dim=0)
+            return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+        return out.reshape(out.shape[0], out.shape[1], self.num_heads * self.head_dim)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
         """No parameters, nothing to checkpoint."""

@@ -36,6 +36,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from rl_megatron.checkpoint import hf_mapping as hm
 from rl_megatron.checkpoint.hf_loader import iter_rule_params, unwrap
@@ -106,6 +107,13 @@ class MegatronEngine(RolloutEngine):
         # (the two-GPU engine test did not finish with it), so TP > 1 decodes eagerly.
         self.use_cuda_graphs = use_cuda_graphs and dist.get_world_size(tp_group) == 1
         self._session: DecodeSession | None = None
+        # Context parallelism: decoding one token per step cannot be split over CP ranks,
+        # so each CP rank generates the whole rows itself (the same seed, the same samples)
+        # and the model is told so per batch, through the one-rank group megatron-core's
+        # RoPE and our attention take from `PackedSeqParams.cp_group`.
+        self._own_group = None
+        if self.model.config.context_parallel_size > 1:
+            self._own_group, _ = dist.new_subgroups(group_size=1)  # collective
 
     def _check_same_seed(self, tp_group: dist.ProcessGroup) -> None:
         """TP ranks sampling with different seeds would desynchronise; refuse early."""
@@ -295,7 +303,17 @@ class MegatronEngine(RolloutEngine):
 
     def _forward(self, tokens, position_ids, mask, ctx) -> torch.Tensor:
         """Last-position logits `[b, vocab]` (fp32, padding ids cut), gathered over TP."""
+        kwargs = {}
+        if self._own_group is not None:
+            # RoPE's table then spans the cache's positions (not × cp, nor cut per CP rank).
+            length = ctx.max_sequence_length
+            kwargs["packed_seq_params"] = PackedSeqParams(
+                qkv_format="sbhd",
+                cp_group=self._own_group,
+                max_seqlen_q=length,
+                max_seqlen_kv=length,
+            )
         logits = self.model(
-            tokens, position_ids, mask, inference_context=ctx, runtime_gather_output=True
+            tokens, position_ids, mask, inference_context=ctx, runtime_gather_output=True, **kwargs
         )
         return logits[:, -1, : self.vocab_size].float()

@@ -28,7 +28,12 @@ from rl_megatron.data.synthetic import CharTokenizer, synthetic_dataset
 from rl_megatron.data.tokenize import PromptTokenizer, TokenizedPrompts, tokenize_prompts
 from rl_megatron.distributed import DistributedRun
 from rl_megatron.models.builders import ValueHead, build_gpt_chunks
-from rl_megatron.models.hf_config import HFModelInfo, load_hf_config, parse_hf_config
+from rl_megatron.models.hf_config import (
+    HFModelInfo,
+    load_hf_config,
+    moe_loss_overrides,
+    parse_hf_config,
+)
 from rl_megatron.parallel import ParallelGroups
 from rl_megatron.rollout.engine import RolloutEngine
 from rl_megatron.trainer.roles import MegatronRole
@@ -102,9 +107,20 @@ def model_info(config: Config) -> HFModelInfo:
 def random_init_hf_config(config: Config) -> dict[str, Any]:
     """The HF `config.json` of a randomly initialised model (`model.hf_path` unset)."""
     m = config.model
+    if m.num_experts:  # a Qwen3-MoE shape (QK-norm, every layer sparse)
+        arch = {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "head_dim": m.hidden_size // m.num_attention_heads,
+            "num_experts": m.num_experts,
+            "num_experts_per_tok": m.moe_router_topk,
+            "moe_intermediate_size": m.moe_ffn_hidden_size,
+            "norm_topk_prob": True,
+        }
+    else:
+        arch = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
     return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+        **arch,
         "vocab_size": m.vocab_size,
         "hidden_size": m.hidden_size,
         "num_hidden_layers": m.num_layers,
@@ -176,6 +192,8 @@ def build_roles(
         "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
         "sequence_parallel": p.sequence_parallel,
     }
+    if m.num_experts:
+        extra.update(moe_loss_overrides(m.moe_aux_loss_coeff, m.moe_z_loss_coeff))
     act, cr, ref = config.actor, config.critic, config.reference
     # Recompute only matters where activations are kept for a backward: the trained roles.
     actor_extra = {**extra, **act.recompute.transformer_config()}
@@ -201,6 +219,7 @@ def build_roles(
             name="reference",
             groups=groups,
             pack_sequences=m.pack_sequences,
+            logprob_chunk_tokens=m.logprob_chunk_tokens,
             micro_batch_size=ref.micro_batch_size,
             temperature=temperature,
             offload=OffloadConfig(params=ref.offload_params),
@@ -244,6 +263,7 @@ def build_roles(
         groups=groups,
         on_nonfinite=config.trainer.on_nonfinite,
         pack_sequences=m.pack_sequences,
+        logprob_chunk_tokens=m.logprob_chunk_tokens,
         optim=act.optim,
         micro_batch_size=act.micro_batch_size,
         use_dynamic_batch=act.use_dynamic_batch,

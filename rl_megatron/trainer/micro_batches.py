@@ -254,6 +254,7 @@ def schedule_micro_batches(
     pack: bool = False,
     one_shape: bool = False,
     multiple_of: int = 1,
+    seq_multiple: int = 1,
     host_mask: torch.Tensor | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """The micro-batches of `split` on `device`, laid out for the model.
@@ -262,7 +263,10 @@ def schedule_micro_batches(
         otherwise rows are left-aligned (`left_align`).
     one_shape: every micro-batch gets the same shape (megatron-core's interleaved
         schedule exchanges no shapes between stages).
-    multiple_of: sequence lengths rounded up to it (sequence parallelism splits them).
+    multiple_of: sequence lengths rounded up to it (sequence parallelism splits them;
+        context parallelism cuts them into 2·cp chunks).
+    seq_multiple: packed: each sequence's length rounded up to it (context parallelism
+        splits every packed sequence into 2·cp chunks); rows are always padded at the end.
     host_mask: a host copy of `batch["attention_mask"]`, if the caller has one.
     """
 
@@ -272,7 +276,12 @@ def schedule_micro_batches(
     if pack:
         packs = [rows_on_device(rows) for rows in split]
         longest = max(int(m["attention_mask"].sum()) for m in packs) if one_shape else 0
-        return [pack_micro_batch(m, multiple_of=multiple_of, min_length=longest) for m in packs]
+        return [
+            pack_micro_batch(
+                m, multiple_of=multiple_of, min_length=longest, seq_multiple=seq_multiple
+            )
+            for m in packs
+        ]
     if not one_shape:
         # Shapes from one host copy of the mask: computed on the device, each would be a
         # sync, and the GPU would idle while the next step's micro-batches are made.

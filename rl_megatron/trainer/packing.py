@@ -23,7 +23,11 @@ PACKED_KEYS = ("packed_ids", "packed_position_ids", "cu_seqlens", "max_seqlen", 
 
 
 def pack_micro_batch(
-    batch: dict[str, torch.Tensor], *, multiple_of: int = 1, min_length: int = 0
+    batch: dict[str, torch.Tensor],
+    *,
+    multiple_of: int = 1,
+    min_length: int = 0,
+    seq_multiple: int = 1,
 ) -> dict[str, torch.Tensor]:
     """Pack one micro-batch's rows; per-row response tensors are cut to its longest response.
 
@@ -33,6 +37,9 @@ def pack_micro_batch(
         a multiple of the TP size); min_length: pad at least to this (one shape for all
         micro-batches of an interleaved pipeline). Padding forms a sequence of its own, so
         it attends only to itself and no real token sees it.
+    seq_multiple: pad each row's sequence to a multiple of this (context parallelism cuts
+        every sequence into 2·cp chunks): the padding follows the row's real tokens inside
+        its sequence, so causal attention keeps it from every real token.
     Returns the per-row entries (trimmed) plus `PACKED_KEYS`:
         packed_ids, packed_position_ids `[1, T]`; cu_seqlens `[n + 1]` int32 (n = b, or
         b + 1 with a padding sequence); max_seqlen `[]` int; gather_index `[b, r]` int64.
@@ -48,6 +55,8 @@ def pack_micro_batch(
         raise ValueError("pack_micro_batch: a row has an empty prompt")
 
     ids = torch.cat([prompts, responses], dim=1)[real]  # row-major: row 0's tokens first
+    if seq_multiple > 1:
+        ids, lengths = _pad_each(ids, lengths, seq_multiple)
     starts = torch.cumsum(lengths, 0) - lengths
     positions = torch.arange(ids.numel(), device=device) - torch.repeat_interleave(starts, lengths)
     total = int(ids.numel())
@@ -82,3 +91,20 @@ def pack_micro_batch(
         gather_index=gather,
     )
     return out
+
+
+def _pad_each(
+    ids: torch.Tensor, lengths: torch.Tensor, multiple: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Packed `ids` `[Σ L_i]` with each row's sequence padded (zeros at its end) to a
+    multiple of `multiple`; returns the new ids and lengths."""
+    padded = -(-lengths // multiple) * multiple
+    starts = torch.cumsum(padded, 0) - padded
+    # Row i's k-th real token goes to starts[i] + k.
+    row = torch.repeat_interleave(torch.arange(len(lengths), device=ids.device), lengths)
+    offset = (
+        torch.arange(ids.numel(), device=ids.device) - (torch.cumsum(lengths, 0) - lengths)[row]
+    )
+    out = ids.new_zeros(int(padded.sum()))
+    out[starts[row] + offset] = ids
+    return out, padded

@@ -34,6 +34,13 @@ averages gradients over DP and the schedule divides each micro-batch loss by the
 of micro-batches, so the role multiplies the loss by `dp_size * num_micro_batches` before
 backward: the gradient is then that of the mini-batch loss, however the mini-batch is split.
 
+Context parallelism (`parallel.cp`): each micro-batch's sequences are padded to a multiple
+of 2·cp and split for this CP rank (megatron-core's load-balanced chunks,
+`models/context_parallel.py`) after the labels (next tokens) are taken from the full
+sequence; the per-position outputs of the local tokens are gathered over CP into the full
+`[b, s]` (`_per_token_cp`), from which the response columns are read as without CP. Every
+CP rank then computes the same loss; the DP group (losses, metrics) is without CP.
+
 Process groups (`parallel.ParallelGroups`) are given at construction, or taken from
 megatron-core's current ones, and passed to every collective of ours.
 """
@@ -56,8 +63,15 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rl_megatron.algorithms.aggregation import BatchTotals, batch_totals
+from rl_megatron.checkpoint.hf_loader import unwrap
 from rl_megatron.config import OffloadConfig, OptimConfig
+from rl_megatron.models import context_parallel as cpo
 from rl_megatron.models.builders import ValueHead
+from rl_megatron.models.chunked_logprobs import (
+    chunked_log_probs_and_entropy,
+    output_hidden_states,
+    output_weight,
+)
 from rl_megatron.models.vocab_parallel import (
     vocab_parallel_kl,
     vocab_parallel_log_probs,
@@ -125,6 +139,7 @@ class MegatronRole:
         pack_sequences: bool = False,
         name: str = "role",
         on_nonfinite: str = "stop",
+        logprob_chunk_tokens: int = 0,
     ) -> None:
         if output_at not in ("prediction", "token"):
             raise ValueError(f"output_at must be 'prediction' or 'token', got {output_at!r}")
@@ -147,6 +162,9 @@ class MegatronRole:
         self.use_dynamic_batch = use_dynamic_batch
         self.max_tokens = max_tokens_per_micro_batch
         self.temperature = temperature
+        # > 0: log-probs / entropy from the final hidden states, this many tokens at a
+        # time, never the full logits (`models/chunked_logprobs.py`); LM heads only.
+        self.logprob_chunk_tokens = logprob_chunk_tokens
         self.optim_config = optim
         self.total_steps = total_steps
         self.step_count = 0
@@ -161,6 +179,10 @@ class MegatronRole:
         self.pack_multiple = (
             self.config.tensor_model_parallel_size if (self.config.sequence_parallel) else 1
         )
+        # Context parallelism cuts every sequence into 2·cp chunks (`models/context_parallel`).
+        self.cp_size = dist.get_world_size(self.groups.cp)
+        self.seq_multiple = 2 * self.cp_size if self.cp_size > 1 else 1
+        self.pack_multiple *= self.seq_multiple
         self.is_pp_last = self.groups.is_pp_last
         self.offload_config = offload or OffloadConfig()
         if optim is None:
@@ -250,6 +272,7 @@ class MegatronRole:
             pack=self.pack,
             one_shape=self.interleaved,
             multiple_of=self.pack_multiple,
+            seq_multiple=self.seq_multiple,
             host_mask=host_mask,
         )
 
@@ -263,6 +286,8 @@ class MegatronRole:
         """Megatron forward_step_func: one micro-batch through one chunk (and, with
         `kl_to`, through that role's model too: its logits go to `_per_token`)."""
         batch = next(data_iterator)
+        if self.cp_size > 1:
+            batch = self._split_for_cp(batch)
         if "cu_seqlens" in batch:
             cu = batch["cu_seqlens"]
             max_len = int(batch["max_seqlen"])
@@ -272,6 +297,7 @@ class MegatronRole:
                 cu_seqlens_kv=cu,
                 max_seqlen_q=max_len,
                 max_seqlen_kv=max_len,
+                **({"cp_group": self.groups.cp} if self.cp_size > 1 else {}),
             )
             args = (batch["packed_ids"], batch["packed_position_ids"], None)
             kwargs = {"packed_seq_params": params}
@@ -279,16 +305,120 @@ class MegatronRole:
             # Left-aligned rows (`micro_batches.left_align`): padding only at the ends of
             # rows, so plain causal attention (no mask) is exact for every real token.
             args, kwargs = (batch["input_ids"], batch["position_ids"], None), {}
-        output = model(*args, **kwargs)
+        # The exact KL needs both models' logits at every position: those stay whole.
+        from_hidden = self.logprob_chunk_tokens > 0 and not self.value_head and kl_to is None
+        with output_hidden_states(model) if from_hidden else contextlib.nullcontext():
+            output = model(*args, **kwargs)
+        if from_hidden and unwrap(model).post_process:
+            batch = {**batch, "output_weight": output_weight(model)}
         if kl_to is not None:
             with torch.no_grad():  # a constant of the loss
                 batch = {**batch, "kl_ref_logits": kl_to.model[0](*args, **kwargs)}
         return output, partial(loss_func, batch)
 
+    def _split_for_cp(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Context parallelism: this CP rank's tokens of a micro-batch (megatron-core's
+        load-balanced chunks, per sequence when packed), plus `cp_labels`, each local
+        token's label: the next token of the full sequence, taken before the split."""
+        rank = dist.get_rank(self.groups.cp)
+        if "cu_seqlens" in batch:
+            keys, bounds = ("packed_ids", "packed_position_ids"), batch["cu_seqlens"].tolist()
+
+            def split(x):
+                return cpo.split_packed_for_cp(x, bounds, self.cp_size, rank)
+        else:
+            keys = ("input_ids", "position_ids")
+
+            def split(x):
+                return cpo.split_for_cp(x, self.cp_size, rank)
+
+        # The label of the last column wraps around; that column predicts nothing read.
+        labels = split(batch[keys[0]].roll(-1, dims=1))
+        return {**batch, **{key: split(batch[key]) for key in keys}, "cp_labels": labels}
+
+    def _per_token_cp(
+        self, output: torch.Tensor, batch: Mapping[str, torch.Tensor], with_entropy: bool
+    ) -> dict[str, torch.Tensor]:
+        """`_per_token` under context parallelism: output `[b, s/cp, V/tp]` (or values) of
+        this rank's tokens.
+
+        Each output is computed once per local position (labels from `_split_for_cp`),
+        all of them gathered over CP in one collective into `[b, s]` (packed: `[1, T]`),
+        and the response columns read from that as `_per_token` reads them. The gather's
+        backward keeps each rank's own positions: every CP rank computes the same loss.
+        """
+        local = self._per_position(output, batch, with_entropy)
+        names = list(local)
+        stacked = torch.stack([local[n].float() for n in names], dim=-1)  # [b, s/cp, k]
+        cu = batch.get("cu_seqlens")
+        full = cpo.gather_from_cp(stacked, self.groups.cp, dim=1, cu_seqlens=cu)
+        index = batch["gather_index"] + (1 - self.output_shift) * self.value_head
+        index = index.clamp(max=full.shape[1] - 1)
+        if cu is not None:
+            cols = full[0].index_select(0, index.view(-1)).view(*index.shape, -1)
+        else:
+            cols = full.gather(1, index[..., None].expand(-1, -1, full.shape[-1]))
+        return {name: cols[..., i] for i, name in enumerate(names)}
+
+    def _per_position(
+        self, output: torch.Tensor, batch: Mapping[str, torch.Tensor], with_entropy: bool
+    ) -> dict[str, torch.Tensor]:
+        """`[b, s, V/tp]` logits or `[b, s, 1]` values → `[b, s]` outputs at every position,
+        each against `batch["cp_labels"]` `[b, s]`."""
+        if self.value_head:
+            return {"values": output[..., 0].float()}
+        labels, tp = batch["cp_labels"], self.groups.tp
+        out = {}
+        if "kl_ref_logits" in batch:
+            out["kl_full"] = vocab_parallel_kl(
+                output, batch["kl_ref_logits"], tp, self.temperature, self.vocab_size
+            )
+        out.update(self._log_probs(output, labels, batch, with_entropy))
+        return out
+
+    def _log_probs(
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor,
+        batch: Mapping[str, torch.Tensor],
+        with_entropy: bool,
+    ) -> dict[str, torch.Tensor]:
+        """`log_prob` of `labels` (and `entropy`) from `x`: logits `[..., V/tp]`, or the
+        final hidden states `[..., h]` where the forward returned those (the batch then
+        carries `output_weight`, and the logits are made chunk by chunk)."""
+        tp = self.groups.tp
+        if "output_weight" in batch:
+            weight = batch["output_weight"]
+            log_prob, entropy = chunked_log_probs_and_entropy(
+                x.to(weight.dtype),  # Float16Module hands the last stage's output up in fp32
+                weight,
+                labels,
+                tp,
+                temperature=self.temperature,
+                vocab_size=self.vocab_size,
+                chunk_tokens=self.logprob_chunk_tokens,
+                with_entropy=with_entropy,
+            )
+            return {"log_prob": log_prob, **({"entropy": entropy} if with_entropy else {})}
+        if not with_entropy:
+            # The entropy costs another pass over the vocabulary (and its backward).
+            return {
+                "log_prob": vocab_parallel_log_probs(
+                    x, labels, tp, self.temperature, self.vocab_size
+                )
+            }
+        log_prob, entropy = vocab_parallel_log_probs_and_entropy(
+            x, labels, tp, self.temperature, self.vocab_size
+        )
+        return {"log_prob": log_prob, "entropy": entropy}
+
     def _per_token(
         self, output: torch.Tensor, batch: Mapping[str, torch.Tensor], with_entropy: bool
     ) -> dict[str, torch.Tensor]:
-        """`[b, s, V/tp]` logits or `[b, s, 1]` values → `[b, r]` response-token outputs."""
+        """`[b, s, V/tp]` logits (or `[b, s, h]` hidden states, see `_log_probs`) or
+        `[b, s, 1]` values → `[b, r]` response-token outputs."""
+        if self.cp_size > 1:
+            return self._per_token_cp(output, batch, with_entropy)
         # The column predicting response token k (`gather_index`); a value head read at
         # the token itself (output_at="token") is one column further on.
         index = batch["gather_index"] + (1 - self.output_shift) * self.value_head
@@ -311,15 +441,7 @@ class MegatronRole:
             out["kl_full"] = vocab_parallel_kl(
                 cols, ref_cols, self.groups.tp, self.temperature, self.vocab_size
             )
-        if not with_entropy:
-            # The entropy costs another pass over the vocabulary (and its backward).
-            out["log_prob"] = vocab_parallel_log_probs(
-                cols, labels, self.groups.tp, self.temperature, self.vocab_size
-            )
-            return out
-        out["log_prob"], out["entropy"] = vocab_parallel_log_probs_and_entropy(
-            cols, labels, self.groups.tp, self.temperature, self.vocab_size
-        )
+        out.update(self._log_probs(cols, labels, batch, with_entropy))
         return out
 
     def _run(self, micro: list[dict], forward_step, forward_only: bool) -> list:
@@ -501,6 +623,12 @@ class MegatronRole:
         totals = batch_totals(mini_batch["response_mask"].to(self.device), group=self.groups.dp)
         split = self._split(mini_batch, micro_batch_size)
         micro = self._micro_batches(mini_batch, split, host_mask)
+        # The schedule turns the returned loss into loss·scale·cp/n (megatron-core's ×cp,
+        # meant for a loss over a CP rank's own tokens) and DDP averages over dp·cp ranks.
+        # Here every CP rank computes the same loss but back-propagates through its own
+        # tokens only (`_per_token_cp`), so the cp ranks' gradients sum to that loss's
+        # gradient g once: the update is scale·cp/n / (dp·cp) · Σ_dp Σ_micro g, which is
+        # the mini-batch loss's gradient exactly when scale = dp·n, with or without CP.
         scale = self.groups.dp_size * len(micro)
 
         def loss_func(mbatch, output):

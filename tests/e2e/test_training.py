@@ -341,3 +341,26 @@ def test_raising_reward_function(tmp_path):
     prompts = synthetic_dataset("digit_echo", config.data.synthetic_size, config.trainer.seed)
     truncated = sum(len(p["prompt"]) > 7 for p in prompts.samples)
     assert row["rollout/prompts_truncated"] == truncated > 0
+
+
+def test_reward_improves_with_context_parallelism(tmp_path):
+    """GRPO at parallel.cp=2 (TP1·CP2·DP1 on 2 ranks, ~30 s): the roles train on half of
+    each sequence per rank, the Megatron engine generates whole rows on each CP rank."""
+    result = _train(
+        tmp_path,
+        "parallel.tp=1",
+        "rollout.tp=1",
+        "parallel.cp=2",
+        "trainer.total_steps=20",
+        "trainer.val_interval=0",
+        "checkpoint.save_interval=0",
+        ranks=2,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "cp=2" in result.stdout
+    rows = _metrics(tmp_path / "tiny_cpu")
+    gain = _improvement(rows)
+    assert gain > MIN_IMPROVEMENT, f"cp=2: reward improved by {gain:.3f} only"
+    # The engine (whole rows, no CP) and the trainer (CP-split forward) agree.
+    assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-3

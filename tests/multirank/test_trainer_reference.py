@@ -49,6 +49,7 @@ CASES = [
         "actor.ppo_epochs=2",
         "actor.mini_batch_size=8",
         "critic.mini_batch_size=8",
+        "model.logprob_chunk_tokens=0",  # the output layer's whole logits
     ],
     [
         "algorithm.adv_estimator=rloo",
@@ -56,6 +57,7 @@ CASES = [
         "actor.entropy_coeff=0.05",
         "actor.clip_ratio_high=0.28",
         "actor.ppo_epochs=2",
+        "model.logprob_chunk_tokens=3",  # many chunks per micro-batch (default: one here)
     ],
     [
         "algorithm.adv_estimator=reinforce_plus_plus",
@@ -204,8 +206,11 @@ def test_one_rank_micro_batching(tmp_path, name, extra):
             ["actor.use_dynamic_batch=true", "actor.max_tokens_per_micro_batch=40"],
             [0, 1, 4, 7],
         ),
+        # Context parallelism: each sequence split over two ranks, gathered once; rows
+        # shared within the CP pair, losses normalised over the DP pair only.
+        ({"cp": 2}, [], [0, 1, 2, 6]),
     ],
-    ids=["tp2-dp2", "pp2-vpp2-dp2", "tp2-pp2-dynamic"],
+    ids=["tp2-dp2", "pp2-vpp2-dp2", "tp2-pp2-dynamic", "cp2-dp2"],
 )
 def test_four_ranks(tmp_path, layout, extra, cases):
     run_on_ranks(

@@ -155,6 +155,10 @@ SHIPPED = {
         1,
         dict(num_attention_heads=12, num_key_value_heads=2, vocab=151936),
     ),
+    "qwen2.5_1.5b_16k_1gpu.yaml": (
+        1,
+        dict(num_attention_heads=12, num_key_value_heads=2, vocab=151936),
+    ),
 }
 
 
@@ -252,9 +256,27 @@ def test_clip_ratio_high_is_bounded_like_clip_ratio_low(value):
     assert message == f"actor.clip_ratio_high: must be in [0, 1), got {float(value)}"
 
 
-def test_context_parallelism_is_refused_until_supported():
+def test_context_parallelism_validates_with_the_megatron_engine():
+    config = load_config(TINY, ONE_RANK + ["parallel.cp=2"])
+    layout = validate(config, world_size=2)
+    assert (layout.cp, layout.dp, layout.grad_dp, layout.sequence_divisor) == (2, 1, 2, 4)
+
+
+def test_context_parallelism_refuses_what_it_does_not_support(monkeypatch):
+    message = _error(TINY, ["parallel.cp=2", "rollout.engine=vllm"], world_size=2)
+    assert message.startswith("rollout.engine: vllm: resharding a context-parallel actor")
+    message = _error(TINY, ["parallel.cp=3"], world_size=2)
+    assert message.startswith("parallel: world size 2 is not divisible by tp·pp·cp")
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "transformer_engine" else real(name, *a),
+    )
     message = _error(TINY, ["parallel.cp=2"], world_size=2)
-    assert message.startswith("parallel.cp: context parallelism is not supported yet")
+    assert message.startswith("parallel.cp: 2: context parallelism runs on rl_megatron's SDPA")
 
 
 @pytest.mark.parametrize(
@@ -430,3 +452,42 @@ def test_layernorm_recompute_needs_transformer_engine():
         )
     else:
         validate(load_config(TINY, overrides), world_size=4)
+
+
+TINY_MOE = TINY.parent / "tiny_moe_cpu.yaml"
+
+
+def test_tiny_moe_config_loads_and_validates():
+    config = load_config(TINY_MOE, [])
+    layout = validate(config, world_size=2)
+    assert config.model.num_experts == 4 and (layout.ep, layout.expert_tp) == (1, 1)
+    # EP over the DP ranks validates when the engine does not generate with the actor's EP.
+    config = load_config(TINY_MOE, ["parallel.ep=2"])
+    with pytest.raises(
+        ConfigError,
+        match="rollout.engine: megatron generates with an MoE actor only at parallel.ep=1",
+    ):  # noqa: E501
+        validate(config, world_size=2)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (["parallel.ep=3"], 3, "parallel.ep: 3 does not divide model.num_experts=4"),
+        (["parallel.etp=3"], 3, "parallel.etp: 3 does not divide model.moe_ffn_hidden_size=64"),
+        (["parallel.ep=2", "parallel.pp=2"], 4, "parallel.ep: with parallel.pp=2 > 1"),
+        (["parallel.tp=2", "rollout.tp=2"], 2, "parallel.sequence_parallel: megatron-core trains an MoE"),
+        (["model.moe_router_topk=5"], 1, "model.moe_router_topk: must be in [1, model.num_experts=4]"),
+        (["model.moe_aux_loss_coeff=-1"], 1, "model.moe_aux_loss_coeff: must be >= 0"),
+        (["rollout.engine=vllm"], 1, "rollout.engine: vllm: resharding an MoE actor"),
+    ],
+)  # fmt: skip
+def test_moe_config_errors_name_the_key(overrides, world, message):
+    assert _error(TINY_MOE, overrides, world).startswith(message)
+
+
+def test_expert_degrees_need_an_moe_model():
+    assert _error(TINY, ["parallel.ep=2"], 2).startswith("parallel.ep: splits the experts")
+    assert _error(TINY, ["model.moe_z_loss_coeff=0.1"]).startswith(
+        "model.moe_z_loss_coeff: needs an MoE model"
+    )

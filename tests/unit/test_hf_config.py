@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -219,3 +220,67 @@ def test_missing_config_and_tokenizer_vocab(tmp_path):
         hc.HFConfigError, match="tokenizer has 120 tokens but config.json vocab_size=100"
     ):
         hc.check_tokenizer_vocab(tmp_path, info)
+
+
+_QWEN3_MOE = dict(
+    model_type="qwen3_moe",
+    vocab_size=100,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+)
+
+
+def test_moe_router_settings_follow_hf():
+    qwen = hc.parse_hf_config(_QWEN3_MOE)
+    assert (qwen.num_experts, qwen.moe_topk, qwen.moe_ffn_hidden_size) == (8, 2, 48)
+    cfg = hc.transformer_config_from_hf(qwen, dtype=torch.float32, ep=2)
+    assert cfg.num_moe_experts == 8 and cfg.moe_router_topk == 2 and cfg.moe_ffn_hidden_size == 48
+    # renormalised top-k = softmax over the top-k logits: megatron-core's default
+    assert cfg.moe_router_pre_softmax is False and cfg.moe_router_score_function == "softmax"
+    assert cfg.moe_aux_loss_coeff == 0 and cfg.moe_z_loss_coeff is None
+    assert cfg.moe_token_dispatcher_type == "alltoall" and cfg.moe_grouped_gemm is False
+    assert cfg.expert_model_parallel_size == 2 and cfg.expert_tensor_parallel_size == 1
+    unnormed = hc.parse_hf_config(dict(_QWEN3_MOE, norm_topk_prob=False))
+    assert hc.transformer_config_from_hf(unnormed, dtype=torch.float32).moe_router_pre_softmax
+    mixtral = hc.parse_hf_config(
+        dict(_QWEN3_MOE, model_type="mixtral", num_local_experts=8, intermediate_size=40)
+    )
+    assert mixtral.moe_ffn_hidden_size == 40 and mixtral.moe_norm_topk_prob
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+        ({"mlp_only_layers": [0]}, "mlp_only_layers=[0]"),
+        ({"num_experts_per_tok": 9}, "num_experts_per_tok=9"),
+        ({"shared_expert_intermediate_size": 64}, "shared_expert_intermediate_size=64"),
+        ({"model_type": "mixtral", "router_jitter_noise": 0.1}, "router_jitter_noise=0.1"),
+    ],
+)
+def test_moe_refusals_name_the_key(change, field):
+    cfg = dict(_QWEN3_MOE, num_local_experts=8, **change)
+    with pytest.raises(hc.HFConfigError, match=re.escape(f"config.json: {field}")) as err:
+        hc.parse_hf_config(cfg)
+    assert "\n" not in str(err.value)
+
+
+def test_moe_parallel_layout_errors():
+    info = hc.parse_hf_config(_QWEN3_MOE)
+    with pytest.raises(hc.HFConfigError, match="num_experts=8 is not divisible by ep=3"):
+        hc.check_parallel_layout(info, 1, 1, ep=3)
+    with pytest.raises(
+        hc.HFConfigError, match="moe_intermediate_size=48 is not divisible by etp=5"
+    ):
+        hc.check_parallel_layout(info, 1, 1, etp=5)
+    dense = hc.parse_hf_config(dict(_QWEN3_MOE, model_type="qwen3"))
+    with pytest.raises(hc.HFConfigError, match="has no experts to split over ep=2"):
+        hc.check_parallel_layout(dense, 1, 1, ep=2)

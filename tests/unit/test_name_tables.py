@@ -26,8 +26,11 @@ _CFG = dict(
 
 def test_the_config_parser_accepts_exactly_the_registered_families():
     assert tuple(FAMILIES) == SUPPORTED_MODEL_TYPES
+    moe = dict(num_experts=4, num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
     for model_type, table in FAMILIES.items():
-        info = parse_hf_config(dict(_CFG, model_type=model_type, sliding_window=8))
+        extra = moe if table.moe else {}
+        info = parse_hf_config(dict(_CFG, model_type=model_type, sliding_window=8, **extra))
+        assert info.is_moe == table.moe
         assert info.qkv_bias == table.qkv_bias
         assert info.qk_layernorm == table.qk_norm
         assert (info.sliding_window is not None) == table.sliding_window
@@ -112,3 +115,29 @@ def test_vllm_reads_the_same_rows_a_bias_right_after_its_weight():
     ]
     # Megatron keeps the table's order, where qwen2's bias row follows llama's rows.
     assert [r.name for r in shards.megatron_rules(info)][7] == M + "self_attention.linear_qkv.bias"
+
+
+def test_expert_rows_expand_one_per_expert_with_the_stored_key():
+    from rl_megatron.checkpoint import hf_mapping as hm
+
+    cfg = dict(_CFG, model_type="mixtral", num_local_experts=3, num_experts_per_tok=2)
+    info = parse_hf_config(cfg)
+    rules = hm.rules_for(info)
+    fc1 = [r for r in rules if r.megatron.endswith("linear_fc1.weight")]
+    assert [r.expert for r in fc1] == [0, 1, 2]
+    assert fc1[2].megatron == M + "mlp.experts.experts.2.linear_fc1.weight"
+    assert fc1[2].hf[1][0] == H + "block_sparse_moe.experts.2.w3.weight"
+    assert hm.stored_layer_key(fc1[2]) == "decoder.layers.mlp.experts.experts.linear_fc1.weight"
+    shapes = hm.expected_hf_tensors(rules, info)
+    assert shapes["model.layers.1.block_sparse_moe.experts.2.w2.weight"] == (64, 96)
+    assert shapes["model.layers.1.block_sparse_moe.gate.weight"] == (3, 64)
+    # Module names of both expert implementations map to the global expert's row.
+    names = {r.megatron for r in rules}
+    for module in ("decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight",
+                   "decoder.layers.0.mlp.experts.linear_fc2.weight1"):  # fmt: skip
+        got = hm.canonical_param_name(module, lambda i: i + 1, lambda i: i + 1, names)
+        assert got == (M + "mlp.experts.experts.2.linear_fc2.weight", 1)
+    # An MoE layer's pre-MLP norm keeps its name; a dense layer's is TE's fused one.
+    norm = "decoder.layers.0.pre_mlp_layernorm.weight"
+    assert hm.canonical_param_name(norm, int, None, names)[0] == M + "pre_mlp_layernorm.weight"
+    assert hm.canonical_param_name(norm, int)[0] == M + "mlp.linear_fc1.layer_norm_weight"

@@ -31,6 +31,18 @@ def test_coordinates_follow_tp_cp_ep_pp_dp_order():
         assert rank in layout.replica_ranks(layout.coordinates(rank)["dp"])
 
 
+def test_context_parallel_layout():
+    layout = ParallelLayout.from_config(ParallelConfig(tp=2, cp=2), world_size=8)
+    assert (layout.dp, layout.replica_size, layout.grad_dp, layout.sequence_divisor) == (
+        2,
+        4,
+        4,
+        4,
+    )
+    assert layout.coordinates(6) == {"tp": 0, "cp": 1, "pp": 0, "dp": 1}
+    assert layout.replica_ranks(1) == [4, 5, 6, 7]
+
+
 def test_sequence_divisor():
     assert ParallelLayout(tp=4, pp=1, dp=1).sequence_divisor == 1
     assert ParallelLayout(tp=4, pp=1, dp=1, sequence_parallel=True).sequence_divisor == 4
@@ -42,8 +54,11 @@ def test_sequence_divisor():
     [
         ({"tp": 0}, 4, "parallel.tp: must be >= 1, got 0"),
         ({"tp": 3}, 4, "parallel: world size 4 is not divisible by tp·pp·cp = 3·1·1"),
-        ({"cp": 2}, 4, "parallel.cp: context parallelism is not supported yet"),
-        ({"ep": 2}, 4, "parallel.ep: expert parallelism needs an MoE model"),
+        ({"cp": 0}, 4, "parallel.cp: must be >= 1, got 0"),
+        ({"cp": 3}, 4, "parallel: world size 4 is not divisible by tp·pp·cp = 1·1·3"),
+        ({"ep": 2}, 4, "parallel.ep: splits the experts of an MoE model; this model has none"),
+        ({"etp": 2}, 4, "parallel.etp: splits the experts of an MoE model; this model has none"),
+        ({"etp": 0}, 4, "parallel.etp: must be >= 1"),
         ({"pp": 1, "vpp": 2}, 4, "parallel.vpp: interleaved pipelining needs parallel.pp >= 2"),
         ({"tp": 1, "sequence_parallel": True}, 4, "parallel.sequence_parallel: needs"),
     ],
@@ -52,3 +67,32 @@ def test_bad_degrees_are_one_line_naming_the_key(fields, world, message):
     with pytest.raises(ConfigError) as raised:
         ParallelLayout.from_config(ParallelConfig(**fields), world_size=world)
     assert str(raised.value).startswith(message) and "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    "fields, world, message",
+    [
+        ({"ep": 3}, 4, "parallel.ep: world size 4 is not divisible by etp·ep·pp = 1·3·1"),
+        ({"pp": 2, "ep": 2}, 4, "parallel.ep: with parallel.pp=2 > 1 megatron-core needs etp·ep = tp·cp"),
+        ({"tp": 2, "pp": 2, "ep": 2, "etp": 2}, 8, "parallel.ep: with parallel.pp=2 > 1"),
+    ],
+)  # fmt: skip
+def test_expert_degrees_megatron_core_refuses_are_one_line(fields, world, message):
+    with pytest.raises(ConfigError) as err:
+        ParallelLayout.from_config(ParallelConfig(**fields), world_size=world, moe=True)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+
+
+def test_expert_layouts_megatron_core_accepts():
+    # EP over the DP ranks; EP inside TP with pipelining (etp·ep = tp); ETP.
+    for fields, world, coords in [
+        ({"ep": 2}, 2, {1: {"etp": 0, "ep": 1, "edp": 0}}),
+        ({"tp": 2, "pp": 2, "ep": 2}, 4, {3: {"etp": 0, "ep": 1, "edp": 0}}),
+        ({"tp": 2, "ep": 2, "etp": 2}, 4, {3: {"etp": 1, "ep": 1, "edp": 0}}),
+    ]:
+        layout = ParallelLayout.from_config(ParallelConfig(**fields), world_size=world, moe=True)
+        assert layout.expert_tp == fields.get("etp", 1)
+        for rank, want in coords.items():
+            assert layout.expert_coordinates(rank) == want
+    dense = ParallelLayout.from_config(ParallelConfig(tp=2, pp=2), world_size=4)
+    assert dense.etp is None and dense.expert_tp == 2  # megatron-core's default, unused

@@ -6,12 +6,20 @@ in `FAMILIES` (DESIGN.md §7, "Adding a model family").
 
 from __future__ import annotations
 
-from rl_megatron.models.families import llama, mistral, qwen2, qwen3
+from rl_megatron.models.families import llama, mistral, mixtral, qwen2, qwen3, qwen3_moe
 from rl_megatron.models.families.table import Family
 
 # config.json's model_type → its table; the order is the one error messages list.
 FAMILIES: dict[str, Family] = {
-    f.model_type: f for f in (llama.FAMILY, qwen2.FAMILY, mistral.FAMILY, qwen3.FAMILY)
+    f.model_type: f
+    for f in (
+        llama.FAMILY,
+        qwen2.FAMILY,
+        mistral.FAMILY,
+        qwen3.FAMILY,
+        qwen3_moe.FAMILY,
+        mixtral.FAMILY,
+    )
 }
 
 

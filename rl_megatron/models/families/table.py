@@ -2,7 +2,8 @@
 
 A row (`Rule`) says, for one parameter of the Megatron model:
 
-    megatron   its dist-checkpoint name; `{layer}` stands for the global layer index
+    megatron   its dist-checkpoint name; `{layer}` stands for the global layer index and
+               `{expert}` for the global expert index (MoE, below)
     hf         the Hugging Face tensors it is made of, in order, each with a symbolic shape
     transform  which named transform (`models/conversions.py`) turns them into it:
                  COPY     one HF tensor, split along `tp_dim` (or whole when replicated)
@@ -12,7 +13,8 @@ A row (`Rule`) says, for one parameter of the Megatron model:
                  VOCAB    embedding / LM head rows, zero-padded to the layout's vocabulary
     tp_dim     the dim megatron-core splits across TP ranks — the parameter's
                `partition_dim` (tests/multirank/test_name_tables.py checks it on the built
-               model); None: replicated on every TP rank. vLLM splits the same dim.
+               model); None: replicated on every TP rank. vLLM splits the same dim. An
+               `{expert}` row is split across the expert-TP ranks (`parallel.etp`) instead.
     vllm       the vLLM parameter it fills ("" = the row's one HF name)
     export     False: another row writes the HF tensor (a tied head)
 
@@ -25,14 +27,23 @@ A per-layer tensor is one more row of `Family.layers`: Qwen3's QK-norm (`qwen3.p
 `Rule(M + "self_attention.q_layernorm.weight", ((H + "self_attn.q_norm.weight", ("d",)),),
 COPY, None)` with `d` the head dim, and its key twin, with the flag `qk_norm`.
 
-What the next families add, in this format:
+Mixture-of-experts layers (`qwen3_moe.py`, `mixtral.py`) add a second placeholder, `{expert}`
+(the global expert index), and the symbols `E` (experts) and `Fe` (one expert's FFN size):
 
-* fused expert tensors (MoE) use a second placeholder, `{expert}` (global expert index),
-  and the symbols `E` (experts) and `Fe` (an expert's FFN size): a row whose HF names hold
-  `{expert}` while its Megatron or vLLM name does not stacks every expert's tensors along a
-  new leading dim (vLLM's `w13_weight [E, 2·Fe, h]`, Megatron's grouped-GEMM weights), and
-  that dim is the one expert parallelism splits. The converters do not expand `{expert}`
-  yet, so `Family` refuses such a row (one line) until the MoE issue teaches them.
+* a row whose every name holds `{expert}` is one row per expert. `rules_for` expands it into
+  `E` rows (one per global expert, the number in place of `{expert}`), so everything
+  downstream reads plain rows. Its Megatron name is
+  `decoder.layers.{layer}.mlp.experts.experts.{expert}.linear_fc1.weight`: without `{layer}.`
+  and `{expert}.` it is megatron-core's dist-checkpoint key (`MoELayer.experts`, whose
+  `SequentialMLP` / `TEGroupedMLP` adds its own `experts.`, stores every layer's experts as
+  one tensor `[layers, E, ...]`, the global expert index on the second axis); the module
+  holding expert e on expert-parallel rank r is `mlp.experts.local_experts.{e - r·E/ep}`
+  (TE's grouped GEMM: `mlp.experts.linear_fc1.weight{e - r·E/ep}`), which
+  `checkpoint/hf_mapping.canonical_param_name` maps to the row.
+* a row whose HF names hold `{expert}` while its Megatron or vLLM name does not would stack
+  every expert's tensors along a new leading dim (vLLM's `w13_weight [E, 2·Fe, h]`,
+  Megatron's legacy grouped-GEMM weights), the dim expert parallelism splits. The converters
+  do not stack, so `Family` refuses such a row (one line).
 """
 
 from __future__ import annotations
@@ -51,9 +62,9 @@ _QK_NORMS = frozenset({"q_layernorm", "k_layernorm"})
 _ARITY = {COPY: 1, QKV: 3, GATE_UP: 2, VOCAB: 1}
 
 # Symbolic HF dims: h hidden, Q = heads*head_dim, K = kv_heads*head_dim, F ffn, V true
-# vocab, L classifier labels, d head_dim.
+# vocab, L classifier labels, d head_dim, E experts, Fe one expert's ffn.
 Shape = tuple[str, ...]
-SYMBOLS = frozenset("hQKFVLd")
+SYMBOLS = frozenset({"h", "Q", "K", "F", "V", "L", "d", "E", "Fe"})
 _PLACEHOLDER = re.compile(r"\{(\w*)\}")
 
 
@@ -61,12 +72,13 @@ _PLACEHOLDER = re.compile(r"\{(\w*)\}")
 class Rule:
     """One row of a family's table (see the module docstring for the columns)."""
 
-    megatron: str  # dist-checkpoint name; `{layer}` is the global layer index
+    megatron: str  # dist-checkpoint name; `{layer}` / `{expert}`: global layer / expert index
     hf: tuple[tuple[str, Shape], ...]  # (HF name with `{layer}`, symbolic shape) in order
     transform: str  # COPY | QKV | GATE_UP | VOCAB
     tp_dim: int | None  # Megatron's partition_dim; None = replicated on every TP rank
     vllm: str = ""  # vLLM's parameter name; "" = the one HF name
     export: bool = True  # False: the HF tensor is written by another rule (tied head)
+    expert: int | None = None  # set by `for_expert`: the global expert of an expanded row
 
     @property
     def vllm_name(self) -> str:
@@ -75,6 +87,25 @@ class Rule:
     @property
     def per_layer(self) -> bool:
         return "{layer}" in self.megatron
+
+    @property
+    def per_expert(self) -> bool:
+        """One row per expert, not yet expanded (`{expert}` still in its names)."""
+        return "{expert}" in self.megatron
+
+    def for_expert(self, expert: int) -> Rule:
+        """This `{expert}` row for global expert `expert` (the number in every name)."""
+
+        def sub(name: str) -> str:
+            return name.replace("{expert}", str(expert))
+
+        return dataclasses.replace(
+            self,
+            megatron=sub(self.megatron),
+            hf=tuple((sub(name), shape) for name, shape in self.hf),
+            vllm=sub(self.vllm),
+            expert=expert,
+        )
 
 
 class TableError(ValueError):
@@ -87,12 +118,14 @@ def _check_rule(family: str, rule: Rule) -> None:
 
     names = [rule.megatron, rule.vllm_name, *(name for name, _ in rule.hf)]
     placeholders = {p for name in names for p in _PLACEHOLDER.findall(name)}
-    if "expert" in placeholders:
-        fail("`{expert}` rows (fused expert tensors) are not converted yet")
-    if placeholders - {"layer"}:
-        fail(f"unknown placeholder(s) {sorted(placeholders - {'layer'})}")
+    if "expert" in placeholders and not all("{expert}" in name for name in names):
+        fail("`{expert}` rows stacking every expert (fused expert tensors) are not converted yet")
+    if placeholders - {"layer", "expert"}:
+        fail(f"unknown placeholder(s) {sorted(placeholders - {'layer', 'expert'})}")
     if any(("{layer}" in name) != rule.per_layer for name in names):
         fail("`{layer}` must appear in every name of the row or in none")
+    if rule.per_expert and not rule.per_layer:
+        fail("an `{expert}` row is a layer's row: it needs `{layer}` too")
     if rule.transform not in _ARITY:
         fail(f"unknown transform '{rule.transform}'")
     if len(rule.hf) != _ARITY[rule.transform]:
@@ -132,6 +165,7 @@ class Family:
     qkv_bias: bool = False  # q/k/v projections carry a bias (needs a `linear_qkv.bias` row)
     sliding_window: bool = False  # config.json's `sliding_window` is honoured (Mistral)
     qk_norm: bool = False  # RMSNorm on each head's q and k before RoPE (Qwen3; two rows)
+    moe: bool = False  # every layer's MLP is a mixture of experts (`{expert}` rows + a router)
     embedding: Rule = EMBEDDING
     final_norm: Rule = FINAL_NORM
     lm_head: Rule = LM_HEAD  # untied; a tied head is TIED_LM_HEAD, a value head VALUE_HEAD
@@ -157,6 +191,13 @@ class Family:
                 f"{sorted(norms) or 'no'} q/k layernorm rows"
             )
 
+        has_experts = any(r.per_expert for r in self.layers)
+        if has_experts != self.moe:
+            raise TableError(
+                f"family '{self.model_type}': moe={self.moe} but the table "
+                f"{'has' if has_experts else 'lacks'} `{{expert}}` rows"
+            )
+
     @property
     def rules(self) -> tuple[Rule, ...]:
         """Every row of the causal LM with an untied head, in Megatron's module order."""
@@ -173,6 +214,8 @@ def hf_dims(info: HFModelInfo) -> dict[str, int]:
         "V": info.vocab_size,
         "L": 1,  # scalar value head
         "d": info.head_dim,
+        "E": info.num_experts,
+        "Fe": info.moe_ffn_hidden_size,
     }
 
 
