@@ -33,7 +33,7 @@ TRAINER_SET_LLM_ARGS = (
     "model", "tensor_parallel_size", "distributed_executor_backend", "load_format", "dtype",
     "gpu_memory_utilization", "seed", "enforce_eager", "enable_prefix_caching",
     "skip_tokenizer_init", "logprobs_mode", "enable_sleep_mode", "max_model_len",
-    "block_size",
+    "block_size", "enable_return_routed_experts",
 )  # fmt: skip
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 # k1/k2/k3/abs from the sampled tokens' log-probs; full: exact, from both full distributions
@@ -256,6 +256,9 @@ class ActorConfig:
     max_tokens_per_micro_batch: int = 16384  # with use_dynamic_batch
     offload: OffloadConfig = field(default_factory=OffloadConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    # Routing replay (R3) for MoE actors: the engine records each token's experts and the
+    # actor's old-log-prob and training forwards route them there (DESIGN.md §7).
+    router_replay: bool = False
 
 
 @dataclass

@@ -49,8 +49,9 @@ def validate(config: Config, world_size: int) -> ParallelLayout:
     _check_data(config.data, config.trainer)
     if config.rollout.engine == "megatron":
         _check_megatron_engine(config.rollout, p)
+    _check_router_replay(config)
     if config.model.num_experts:
-        _check_moe_engine(config.rollout, p)
+        _check_moe_engine(config.rollout, p, config.model)
         _require(
             not config.checkpoint.save_hf or p.ep == 1,
             "checkpoint.save_hf",
@@ -368,19 +369,50 @@ def _check_megatron_engine(r: RolloutConfig, p: ParallelConfig) -> None:
     )
 
 
-def _check_moe_engine(r: RolloutConfig, p: ParallelConfig) -> None:
+def _check_moe_engine(r: RolloutConfig, p: ParallelConfig, m: ModelConfig) -> None:
+    if r.engine == "vllm":
+        # Resharding fills vLLM's fused experts as vLLM splits them without expert
+        # parallelism: every expert on every rank, its FFN split over rollout.tp.
+        _require(
+            not r.engine_kwargs.get("enable_expert_parallel"),
+            "rollout.engine_kwargs.enable_expert_parallel",
+            "resharding an MoE actor into vLLM's expert-parallel layout is not supported "
+            "yet; leave it off (each expert is then split over rollout.tp)",
+        )
+        _require(
+            m.moe_ffn_hidden_size % r.tp == 0,
+            "rollout.tp",
+            f"{r.tp} does not divide model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} "
+            "(vLLM splits each expert's FFN over its TP ranks)",
+        )
+        return
+    # megatron at parallel.ep > 1: the engine's ranks decode different prompts, so they
+    # agree on every forward the expert all-to-all spans (rollout/megatron_engine.py).
+
+
+def _check_router_replay(config: Config) -> None:
+    act = config.actor
+    if not act.router_replay:
+        return
     _require(
-        r.engine != "vllm",
-        "rollout.engine",
-        "vllm: resharding an MoE actor into vLLM is not supported yet; use megatron",
+        config.model.num_experts > 0,
+        "actor.router_replay",
+        "needs an MoE model (model.num_experts > 0)",
     )
-    # Expert-parallel ranks exchange tokens in every forward, but the engine's ranks decode
-    # different prompts and stop at different steps: the all-to-all would wait forever.
     _require(
-        p.ep == 1,
-        "rollout.engine",
-        f"megatron generates with an MoE actor only at parallel.ep=1 (got {p.ep}); "
-        "expert-parallel ranks would stop decoding at different steps",
+        config.rollout.engine == "vllm",
+        "actor.router_replay",
+        "needs an engine that records the routing: vllm (the megatron engine does not yet)",
+    )
+    # The replay covers a forward; an MoE layer recomputed in the backward would route
+    # again by itself, and its gradient would belong to another routing.
+    rc = act.recompute
+    _require(
+        rc.granularity == "none"
+        or (rc.granularity == "selective" and not {"moe", "mlp"} & set(rc.modules)),
+        "actor.recompute",
+        "routing replay needs the MoE layers kept for the backward (no full recompute, no "
+        "mlp / moe modules), or set actor.router_replay false",
     )
 
 

@@ -135,3 +135,61 @@ def assert_bit_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]
         assert have.dtype == expect.dtype, f"{where} {name}: {have.dtype} != {expect.dtype}"
         same = torch.equal(have, expect)
         assert same, f"{where} {name}: {(have != expect).sum().item()} elements differ"
+
+
+# Mixtures of experts (tests/unit/test_reshard_moe.py, tests/multirank/test_reshard_moe.py):
+# 4 layers, 4 experts of width 64 (Fe/4 = 16 rows per TP-4 shard), top-2.
+_MOE_BASE = dict(_BASE, num_experts_per_tok=2, moe_intermediate_size=64)
+MOE_MODELS: dict[str, dict] = {
+    "qwen3_moe": dict(
+        _MOE_BASE, model_type="qwen3_moe", vocab_size=100, head_dim=16, num_experts=4,
+        norm_topk_prob=True, tie_word_embeddings=False,
+    ),
+    "mixtral": dict(
+        _MOE_BASE, model_type="mixtral", vocab_size=512, num_local_experts=4,
+        intermediate_size=64, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+# HF names of one layer's MoE block: router, then expert e's gate, up and down projections.
+MOE_HF_NAMES = {
+    "qwen3_moe": ("mlp.gate", "mlp.experts.{e}.", ("gate_proj", "up_proj", "down_proj")),
+    "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts.{e}.", ("w1", "w3", "w2")),
+}
+
+
+def moe_vllm_reference(
+    state: dict[str, torch.Tensor], info: HFModelInfo, tp: int, tp_rank: int, padded_vocab: int
+) -> dict[str, torch.Tensor]:
+    """vLLM at TP `tp` (no expert parallelism) on `tp_rank` after loading HF itself: every
+    expert on every rank, `w13_weight [E, 2·Fe/tp, h]` (expert e's [gate_r; up_r]) and
+    `w2_weight [E, h, Fe/tp]` (its down_proj columns of r) under `<moe>.experts.routed_experts`
+    (vllm/model_executor/layers/fused_moe/routed_experts.py, `_load_w13` / `_load_w2`)."""
+    router, expert, (gate, up, down) = MOE_HF_NAMES[info.model_type]
+    dense = {k: v for k, v in state.items() if ".experts." not in k and router not in k}
+    out = vllm_reference(_with_dense_mlp(dense, info), info, tp, tp_rank, padded_vocab)
+    for i in range(info.num_layers):
+        hf = f"model.layers.{i}."
+        for leaf in ("mlp.gate_up_proj.weight", "mlp.down_proj.weight"):
+            out.pop(hf + leaf)
+        out[f"{hf}{router}.weight"] = state[f"{hf}{router}.weight"]
+        w13, w2 = [], []
+        for e in range(info.num_experts):
+            x = hf + expert.format(e=e)
+            g = cv.tp_split(state[f"{x}{gate}.weight"], tp, 0)[tp_rank]
+            u = cv.tp_split(state[f"{x}{up}.weight"], tp, 0)[tp_rank]
+            w13.append(torch.cat([g, u]))
+            w2.append(cv.tp_split(state[f"{x}{down}.weight"], tp, 1)[tp_rank])
+        moe = hf + router.rsplit(".", 1)[0] + ".experts.routed_experts."
+        out[moe + "w13_weight"] = torch.stack(w13)
+        out[moe + "w2_weight"] = torch.stack(w2)
+    return out
+
+
+def _with_dense_mlp(state: dict[str, torch.Tensor], info: HFModelInfo) -> dict:
+    """`state` plus placeholder dense-MLP tensors, so `vllm_reference` runs on an MoE model
+    (the caller drops what it makes of them)."""
+    out = dict(state)
+    for i in range(info.num_layers):
+        for leaf in ("gate_proj", "up_proj", "down_proj"):
+            out[f"model.layers.{i}.mlp.{leaf}.weight"] = torch.zeros(4 * 16, 4 * 16)
+    return out

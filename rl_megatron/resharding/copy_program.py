@@ -13,7 +13,9 @@ once per plan and rank, into a `CopyProgram`:
   same two tensors, of one size, whose offsets step evenly on both sides (every group's
   q rows of a layer, say) become one strided copy (`Run`);
 * blocks along another dim (row-parallel weights split by columns) stay single
-  narrow-to-narrow copies (`Block`), a few per layer.
+  narrow-to-narrow copies (`Block`), a few per layer; into a parameter stacking experts
+  (vLLM's `w2_weight`) a block first selects its slot (`shards.rows_view`). Along dim 0 a
+  stacked parameter is a plain contiguous run of rows, so its blocks are flat ranges too.
 
 A round's ops come in three parts: `local` (zero fills and copies from training shards
 into generation parameters), `pack` (send rows into the arena) and `unpack` (received rows
@@ -41,6 +43,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from rl_megatron.resharding.plan import Fill, Move, RankRound, ReshardPlan
+from rl_megatron.resharding.shards import rows_view
 
 SRC, DST, ARENA = "src", "dst", "arena"
 Ref = tuple[str, str]  # (SRC | DST | ARENA, parameter name; "" for the arena)
@@ -70,6 +73,7 @@ class Block:
     src_offset: int
     dim: int
     rows: int
+    dst_slot_rows: int = 0  # a stacked destination: rows per slot (`shards.rows_view`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,7 +177,7 @@ def _compile_round(rnd: RankRound, remaining: dict[str, int], per_param: bool) -
                                (SRC, w.src_param), w.src_offset * w.row_numel, w.numel))  # fmt: skip
         else:
             local.ops.append(Block((DST, w.dst_param), w.dst_offset, (SRC, w.src_param),
-                                   w.src_offset, w.dim, w.rows))  # fmt: skip
+                                   w.src_offset, w.dim, w.rows, w.dst_slot_rows))  # fmt: skip
         local.wrote(w.dst_param)
     flat: list[FlatBlock] = []
     pack: list[Run | Block] = []
@@ -198,7 +202,7 @@ def _compile_round(rnd: RankRound, remaining: dict[str, int], per_param: bool) -
                                     (ARENA, ""), pos, m.numel))  # fmt: skip
             else:
                 unpack.ops.append(Block((DST, m.dst_param), m.dst_offset, (ARENA, ""), pos,
-                                        m.dim, m.rows))  # fmt: skip
+                                        m.dim, m.rows, m.dst_slot_rows))  # fmt: skip
             unpack.wrote(m.dst_param)
         used += recvs[-1][2]
     local_numel = sum(w.numel for w in rnd.writes if isinstance(w, Move))
@@ -359,7 +363,7 @@ def _block_sides(op: Block, tensors: Tensors) -> tuple[torch.Tensor, torch.Tenso
     if op.dst[0] == ARENA:
         src = tensors.full(op.src).narrow(op.dim, op.src_offset, op.rows)
         return tensors.arena[op.dst_offset : op.dst_offset + src.numel()].view(src.shape), src
-    dst = tensors.full(op.dst).narrow(op.dim, op.dst_offset, op.rows)
+    dst = rows_view(tensors.full(op.dst), op.dim, op.dst_offset, op.rows, op.dst_slot_rows)
     if op.src[0] == ARENA:
         return dst, tensors.arena[op.src_offset : op.src_offset + dst.numel()].view(dst.shape)
     return dst, tensors.full(op.src).narrow(op.dim, op.src_offset, op.rows)

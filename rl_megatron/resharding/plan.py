@@ -20,7 +20,11 @@ receive staging is at most `bucket_bytes` (a move larger than that is split by r
 All training replicas are identical blocks of t·p consecutive ranks and every generation
 TP group lies inside one of them (t_g divides t·p), so the plan is made for one replica in
 local rank numbers (0 … t·p−1) and every replica runs it with its own rank offset: traffic
-never leaves a training replica, and the plan's size does not grow with d.
+never leaves a training replica, and the plan's size does not grow with d. With experts the
+unit is the *plan block* (`plan_block`): expert parallelism may spread the experts over
+data-parallel replicas (EP over DP), so a block is the fewest consecutive ranks holding
+every dense row and every expert, lcm(t·cp·p, etp·ep·p); its replicas hold the same dense
+rows and the plan still takes each row from the receiver itself where it can.
 
 Plans are pure functions of their `PlanKey` (model, layout pair, target, vocab padding,
 bucket, dtype); a weight sync keeps the one it runs (`agreement.PlanAgreement`).
@@ -54,6 +58,7 @@ class Move:
     dst_offset: int
     rows: int
     row_numel: int
+    dst_slot_rows: int = 0  # a stacked destination (`ShardSpec.stack`): rows per slot
 
     @property
     def numel(self) -> int:
@@ -118,7 +123,7 @@ class PlanKey:
 @dataclasses.dataclass(frozen=True)
 class ReshardPlan:
     key: PlanKey
-    replica_size: int  # t·p
+    replica_size: int  # ranks of one plan block (`plan_block`; t·p without experts)
     sources: tuple[tuple[ShardSpec, ...], ...]  # per local rank: its training shards
     targets: tuple[tuple[ShardSpec, ...], ...]  # per local rank: its generation shards
     rounds: tuple[tuple[RankRound, ...], ...]  # per local rank: rounds it takes part in
@@ -147,6 +152,14 @@ class ReshardPlan:
         return (d_g - 1) / (t * p) * model_numel(self.key.info) * self.key.elem_size
 
 
+def plan_block(training: TrainingLayout) -> int:
+    """Consecutive ranks one plan covers: every dense row lives in each block of t·cp·p
+    ranks, every expert in each block of etp·ep·p (megatron-core's expert mesh, ordered
+    etp-ep-pp-edp); the plan's block holds both. t·cp·p for a dense model."""
+    experts = training.expert_tp * training.ep * training.pp
+    return math.lcm(training.replica_size, experts)
+
+
 def model_numel(info: HFModelInfo) -> int:
     """Elements of the causal LM in HF shapes (a tied head counted once)."""
     return sum(math.prod(shards.hf_tensor_shape(n, info)) for n in shards.hf_row_dims(info))
@@ -156,8 +169,8 @@ def model_numel(info: HFModelInfo) -> int:
 
 
 def source_specs(key: PlanKey) -> list[list[ShardSpec]]:
-    """Training shards of each local rank of one replica."""
-    size = key.training.replica_size  # the local ranks of one replica
+    """Training shards of each local rank of one plan block."""
+    size = plan_block(key.training)
     return [
         shards.megatron_specs(key.info, key.training, r, key.training_padded_vocab)
         for r in range(size)
@@ -165,8 +178,8 @@ def source_specs(key: PlanKey) -> list[list[ShardSpec]]:
 
 
 def target_specs(key: PlanKey) -> list[list[ShardSpec]]:
-    """Generation shards of each local rank of one replica."""
-    size = key.training.replica_size  # the local ranks of one replica
+    """Generation shards of each local rank of one plan block."""
+    size = plan_block(key.training)
     gen = key.generation
     out = []
     for r in range(size):
@@ -180,15 +193,16 @@ def target_specs(key: PlanKey) -> list[list[ShardSpec]]:
 
 
 def _check_key(key: PlanKey) -> None:
-    t, p = key.training.tp, key.training.pp
+    block = plan_block(key.training)
     if key.target not in TARGET_KINDS:
         raise ValueError(f"target must be one of {TARGET_KINDS}, got '{key.target}'")
-    if (t * p) % key.generation.tp:
-        raise ValueError(f"rollout tp {key.generation.tp} does not divide tp·pp = {t * p}")
-    if (t * p) % (key.generation.tp * key.generation.tp_stride):
+    if block % key.generation.tp:
+        what = "tp·pp" if block == key.training.model_parallel_size else "the plan block"
+        raise ValueError(f"rollout tp {key.generation.tp} does not divide {what} = {block}")
+    if block % (key.generation.tp * key.generation.tp_stride):
         raise ValueError(
             f"generation TP groups of {key.generation.tp} ranks strided by "
-            f"{key.generation.tp_stride} do not fit in a training replica of {t * p} ranks"
+            f"{key.generation.tp_stride} do not fit in a plan block of {block} ranks"
         )
     if key.training.world_size != key.generation.world_size:
         raise ValueError(
@@ -211,6 +225,7 @@ class _Holding:
     offset: int  # row of hf_start inside the parameter shard
     dim: int
     row_numel: int
+    slot_rows: int  # a stacked training shard: rows per slot (0: a plain tensor)
 
 
 def _index_holdings(sources: list[list[ShardSpec]]) -> dict[str, list[_Holding]]:
@@ -230,6 +245,7 @@ def _index_holdings(sources: list[list[ShardSpec]]) -> dict[str, list[_Holding]]
                         span.offset,
                         spec.dim,
                         spec.row_numel,
+                        spec.slot_rows if spec.stack else 0,
                     )
                 )
     for holdings in index.values():
@@ -268,6 +284,8 @@ def _assign_sources(
                 src = h_self[0]
             else:
                 src = min(covering, key=lambda h: (sent[h.rank], h.rank))
+            if src.slot_rows and src.dim:
+                raise AssertionError(f"{src.param}: stacked training shards split along dim 0 only")
             if src.dim != spec.dim or src.row_numel != spec.row_numel:
                 raise AssertionError(
                     f"{span.hf_name}: rows run along dim {src.dim} ({src.row_numel} elements) "
@@ -283,6 +301,7 @@ def _assign_sources(
                 span.offset + (u - lo),
                 w - u,
                 spec.row_numel,
+                spec.slot_rows if spec.stack else 0,
             )
             if src.rank != dst:
                 sent[src.rank] += move.numel
@@ -315,7 +334,7 @@ def _split_rows(move: Move, max_rows: int) -> list[Move]:
 def build_plan(key: PlanKey) -> ReshardPlan:
     """The plan for one replica (pure). See the module docstring."""
     _check_key(key)
-    size = key.training.replica_size  # the local ranks of one replica
+    size = plan_block(key.training)
     sources = source_specs(key)
     targets = target_specs(key)
     names = [s.name for s in targets[0]]

@@ -10,6 +10,10 @@ Every layout this project moves weights between — Megatron's training shards a
     embedding / LM head:              [vocabulary rows of r that exist; zero padding]
     o_proj / down_proj (row-parallel): columns of r (dim 1)
     norms (replicated):               all of it
+    Megatron expert e (EP rank owning e, ETP rank r): linear_fc1 [gate_r; up_r] of e,
+                                      linear_fc2 columns of r of e's down_proj
+    vLLM w13_weight [E_local, 2·Fe/t_g, h]: per local expert (a *slot*) [gate_r; up_r] of it
+    vLLM w2_weight [E_local, h, Fe/t_g]:    per slot, columns of r of its down_proj
 
 A `ShardSpec` says this for one parameter shard: its name in its owner's namespace, its
 shape, the dimension the rows run along, and the ordered `Span`s that fill it. Planning
@@ -20,6 +24,14 @@ themselves); `tests/unit/test_reshard_plan.py` checks the two agree on every lay
 "Rows" run along the parameter's TP-split dim (0 for column-parallel weights, biases,
 embeddings; 1 for row-parallel weights; 0 for replicated tensors), which is the same dim in
 every layout for a given HF tensor, so a row range means the same bytes on both sides.
+
+vLLM's fused-MoE parameters stack every local expert along a leading dim (`ShardSpec.stack`
+slots): there `dim` counts within one slot, and the spec's rows are numbered slot-major,
+row `i` being row `i % slot_rows` of slot `i // slot_rows`. Along dim 0 of a slot that is
+the plain row order of the contiguous tensor (w13), so flat copies need nothing new; along
+dim 1 (w2's columns) a copy selects its slot first (`rows_view`). A span never crosses a
+slot. Megatron keeps one parameter per expert (named by its global index): expert
+parallelism only decides which rank holds it (`megatron_specs`).
 """
 
 from __future__ import annotations
@@ -32,7 +44,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from rl_megatron.checkpoint import hf_mapping as hm
-from rl_megatron.models.families import table
+from rl_megatron.models.families import family, table
 from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.resharding.layouts import TrainingLayout
 
@@ -57,6 +69,8 @@ class ParamRule:
     hf: tuple[str, ...]  # HF names (with `{layer}`), in the order the layout uses them
     layout: str  # COPY | QKV_INTERLEAVED | QKV_STACKED | GATE_UP | VOCAB
     tp_dim: int | None  # dim split across TP ranks; None = replicated
+    expert: int | None = None  # the global expert of an expanded `{expert}` row
+    stacked: bool = False  # one slot of a parameter stacking the experts (vLLM's fused MoE)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,21 +86,46 @@ class Span:
 
 @dataclasses.dataclass(frozen=True)
 class ShardSpec:
-    """One parameter shard: `shape`, with `spans` filling `[0, shape[dim])` in order."""
+    """One parameter shard: `shape`, with `spans` filling its `rows` in order.
+
+    stack: 0 for a plain tensor; else the number of slots (local experts) on a leading dim
+        ahead of the rows' dims, `dim` counting within one slot (see the module docstring).
+    """
 
     name: str
     shape: tuple[int, ...]
     dim: int
     spans: tuple[Span, ...]
+    stack: int = 0
+
+    @property
+    def slot_rows(self) -> int:
+        """Rows along `dim` in one slot (all of them for a plain tensor)."""
+        return self.shape[self.dim + (1 if self.stack else 0)]
+
+    @property
+    def rows(self) -> int:
+        return max(self.stack, 1) * self.slot_rows
 
     @property
     def row_numel(self) -> int:
         """Elements per row along `dim` (a column of `h` values for dim 1)."""
-        return math.prod(self.shape) // self.shape[self.dim]
+        return math.prod(self.shape) // self.rows
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def rows_view(tensor: Any, dim: int, offset: int, rows: int, slot_rows: int = 0) -> Any:
+    """Rows `[offset, +rows)` along `dim` of `tensor`; with `slot_rows` (a stacked tensor)
+    the rows are numbered slot-major and must lie in one slot."""
+    if not slot_rows:
+        return tensor.narrow(dim, offset, rows)
+    slot, inner = divmod(offset, slot_rows)
+    if inner + rows > slot_rows:
+        raise AssertionError(f"rows [{offset}, +{rows}) cross a slot of {slot_rows} rows")
+    return tensor[slot].narrow(dim, inner, rows)
 
 
 # ------------------------------------------------------------------------ tables
@@ -103,9 +142,16 @@ _VLLM_LAYOUT = types.MappingProxyType(
 
 
 def megatron_rules(info: HFModelInfo) -> list[ParamRule]:
-    """The causal LM's Megatron parameters (dist-checkpoint names), from the family table."""
+    """The causal LM's Megatron parameters (dist-checkpoint names), from the family table;
+    one per expert for an `{expert}` row."""
     return [
-        ParamRule(r.megatron, tuple(n for n, _ in r.hf), _MEGATRON_LAYOUT[r.transform], r.tp_dim)
+        ParamRule(
+            r.megatron,
+            tuple(n for n, _ in r.hf),
+            _MEGATRON_LAYOUT[r.transform],
+            r.tp_dim,
+            expert=r.expert,
+        )
         for r in hm.rules_for(info, "lm")
     ]
 
@@ -116,6 +162,12 @@ def vllm_rules(info: HFModelInfo) -> list[ParamRule]:
     the embedding (its row is not exported)."""
     rows = [r for r in hm.rules_for(info, "lm") if r.export]
     names = {r.vllm_name for r in rows}
+    # An `{expert}` row whose vLLM name has no `{expert}` fills one stacked parameter.
+    stacked = {
+        r.vllm_name
+        for r in family(info.model_type).layers
+        if r.per_expert and "{expert}" not in r.vllm_name
+    }
     ordered = []
     for row in rows:
         weight = row.vllm_name.removesuffix("bias") + "weight"
@@ -124,7 +176,14 @@ def vllm_rules(info: HFModelInfo) -> list[ParamRule]:
         ordered.append(row)
         ordered += [r for r in rows if r.vllm_name == row.vllm_name.removesuffix("weight") + "bias"]
     return [
-        ParamRule(r.vllm_name, tuple(n for n, _ in r.hf), _VLLM_LAYOUT[r.transform], r.tp_dim)
+        ParamRule(
+            r.vllm_name,
+            tuple(n for n, _ in r.hf),
+            _VLLM_LAYOUT[r.transform],
+            r.tp_dim,
+            expert=r.expert,
+            stacked=r.vllm_name in stacked,
+        )
         for r in ordered
     ]
 
@@ -164,7 +223,6 @@ def shard_spec(
         layer: global layer index for per-layer rules, None otherwise.
         padded_vocab: rows of the whole (unsplit) embedding / LM head in this layout.
     """
-    dims = table.hf_dims(info)
     h, d = info.hidden_size, info.head_dim
     nq, ng = info.num_attention_heads, info.num_key_value_heads
     names = [n.format(layer=layer) for n in rule.hf]
@@ -204,7 +262,9 @@ def shard_spec(
         add(names[1], k0 * d, k_local * d)
         add(names[2], k0 * d, k_local * d)
     elif rule.layout == GATE_UP:
-        f0, f_local = _split(dims["F"], tp, tp_rank, "intermediate_size")
+        # F for a dense MLP, Fe for an expert
+        ffn = hf_tensor_shape(names[0], info)[0]
+        f0, f_local = _split(ffn, tp, tp_rank, "intermediate_size")
         add(names[0], f0, f_local)
         add(names[1], f0, f_local)
     elif rule.layout == VOCAB:
@@ -277,9 +337,17 @@ def megatron_specs(
     chunks = layout.vpp or 1
     rules = megatron_rules(info)
     by_name = {rule.name: rule for rule in rules}
-    layer_rules = [rule for rule in rules if "{layer}" in rule.name]
+    # Experts: this rank's EP rank holds [e0, e0 + E/ep), each split over the expert-TP ranks.
+    experts = expert_coords(layout, rank, info)
+    layer_rules = [
+        rule
+        for rule in rules
+        if "{layer}" in rule.name and (rule.expert is None or rule.expert in experts["held"])
+    ]
 
     def spec(rule: ParamRule, layer: int | None = None) -> ShardSpec:
+        if rule.expert is not None:
+            return shard_spec(rule, layer, info, experts["etp"], experts["etp_rank"], padded_vocab)
         return shard_spec(rule, layer, info, layout.tp, tp_rank, padded_vocab)
 
     specs: list[ShardSpec] = []
@@ -297,14 +365,52 @@ def megatron_specs(
     return specs
 
 
+def expert_coords(layout: TrainingLayout, rank: int, info: HFModelInfo) -> dict[str, Any]:
+    """A Megatron rank's experts: the global experts it holds (`held`, those of its EP
+    rank: megatron-core gives EP rank r experts [r·E/ep, (r+1)·E/ep)) and the expert-TP
+    group splitting each (`etp`, `etp_rank`)."""
+    if not info.num_experts:
+        return {"held": range(0), "etp": 1, "etp_rank": 0}
+    e = layout.expert_coordinates(rank)
+    e0, local = _split(info.num_experts, layout.ep, e["ep"], "num_experts")
+    return {"held": range(e0, e0 + local), "etp": layout.expert_tp, "etp_rank": e["etp"]}
+
+
 def vllm_specs(info: HFModelInfo, tp: int, tp_rank: int, padded_vocab: int) -> list[ShardSpec]:
-    """Every parameter shard of vLLM's model on one rank of a `tp`-way engine, model order."""
+    """Every parameter shard of vLLM's model on one rank of a `tp`-way engine, model order.
+
+    vLLM without expert parallelism (the only mode supported here) holds every expert on
+    every rank, each split over its TP ranks like a dense MLP (vllm/model_executor/layers/
+    fused_moe/routed_experts.py, `_load_w13` / `_load_w2`); slot e is global expert e.
+    """
     specs = []
+    stacks: dict[str, list[ShardSpec]] = {}  # stacked parameter → its slots so far
     for rule in vllm_rules(info):
         layers = range(info.num_layers) if "{layer}" in rule.name else [None]
-        specs += [shard_spec(rule, layer, info, tp, tp_rank, padded_vocab) for layer in layers]
+        for layer in layers:
+            one = shard_spec(rule, layer, info, tp, tp_rank, padded_vocab)
+            if not rule.stacked:
+                specs.append(one)
+                continue
+            slots = stacks.setdefault(one.name, [])
+            if rule.expert != len(slots):
+                raise AssertionError(f"{one.name}: expert {rule.expert} out of order")
+            slots.append(one)
+    specs += [_stack(slots) for slots in stacks.values()]
     # vLLM's module order: embedding, layers, norm, head.
     return sorted(specs, key=_model_order)
+
+
+def _stack(slots: list[ShardSpec]) -> ShardSpec:
+    """One spec for a parameter stacking `slots` (equal shapes) on a new leading dim."""
+    first = slots[0]
+    slot_rows = first.shape[first.dim]
+    spans = tuple(
+        dataclasses.replace(span, offset=i * slot_rows + span.offset)
+        for i, slot in enumerate(slots)
+        for span in slot.spans
+    )
+    return ShardSpec(first.name, (len(slots), *first.shape), first.dim, spans, stack=len(slots))
 
 
 def _model_order(spec: ShardSpec) -> tuple[int, int]:

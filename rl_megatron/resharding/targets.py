@@ -52,6 +52,10 @@ AGREEING_FIELDS = (
     "rope_theta",
     "rope_type",
     "rope_factor",
+    "num_experts",
+    "moe_topk",
+    "moe_ffn_hidden_size",
+    "moe_norm_topk_prob",
 )
 
 
@@ -270,6 +274,13 @@ class VllmEngineTarget(ReshardTarget):
     def check(self, specs: Sequence[ShardSpec], info: HFModelInfo) -> list[str]:
         hf = self.engine.llm.llm_engine.model_config.hf_config
         problems = config_mismatch(info, parse_hf_config(hf.to_dict()), "vLLM")
+        parallel = self.engine.llm.llm_engine.vllm_config.parallel_config
+        if info.num_experts and getattr(parallel, "enable_expert_parallel", False):
+            # Its experts would be split over ranks, not each expert over TP (`vllm_specs`).
+            problems.append(
+                "vLLM runs with enable_expert_parallel (rollout.engine_kwargs), which "
+                "resharding does not describe; leave it off"
+            )
         shapes = {name: shape for name, (shape, _) in self._shapes().items()}
         return problems + check_tensors(specs, shapes, "vLLM")
 

@@ -17,8 +17,13 @@ Layout (B = rows = num_prompts * n, P = longest prompt, R = longest response):
     prompt_truncated  [B]         bool   the prompt lost tokens on its left (overflow policy)
     group_index       [B]         int64  index of the source prompt in the generate call
                                          (the GRPO / RLOO group id)
+    routed_experts    [B, P + R, L, k] int16  the experts the engine routed each token to at
+                                         each MoE layer (routing replay, `actor.router_replay`),
+                                         aligned with `input_ids`; -1 where not recorded
+                                         (padding, prompts the engine did not return, each
+                                         response's last token). None unless asked for
 
-A batch holds log-probs for every row or for none; `cat` refuses to mix the two.
+A batch holds log-probs (and routing) for every row or for none; `cat` refuses to mix the two.
 
 Rows are prompt-major: the `n` responses to prompt i are rows `i*n … i*n+n-1`, so a group
 never straddles a micro-batch boundary when the micro-batch size is a multiple of `n`.
@@ -68,6 +73,7 @@ _ROW_FIELDS = (
     "finish_reason",
     "prompt_truncated",
     "group_index",
+    "routed_experts",
 )
 
 
@@ -88,6 +94,7 @@ class RolloutBatch:
     group_index: torch.Tensor
     pad_token_id: int = 0
     weight_version: int | None = None  # training step the engine's weights came from
+    routed_experts: torch.Tensor | None = None  # [B, P + R, L, k]; None: not recorded
 
     # ---- construction -------------------------------------------------------------
 
@@ -103,6 +110,7 @@ class RolloutBatch:
         prompt_truncated: Sequence[bool] | None = None,
         pad_token_id: int = 0,
         weight_version: int | None = None,
+        routed_experts: Sequence[torch.Tensor] | None = None,
     ) -> RolloutBatch:
         """Pad per-row token lists into a batch.
 
@@ -111,6 +119,8 @@ class RolloutBatch:
             the engine returned none (`rollout_log_probs` is then None).
         finish_reasons: `B` `FinishReason`s or their lower-case names.
         group_index: `B` source-prompt ids; default `0 … B-1` (each row its own group).
+        routed_experts: `B` tensors `[n_i, L, k]`, the experts of row i's first n_i tokens
+            of prompt + response (n_i ≤ their count; an engine returns all but the last).
         """
         b = len(prompts)
         for name, seq in (
@@ -161,6 +171,9 @@ class RolloutBatch:
             else torch.as_tensor(prompt_truncated, dtype=torch.bool),
             pad_token_id=pad_token_id,
             weight_version=weight_version,
+            routed_experts=None
+            if routed_experts is None
+            else _pad_routing(routed_experts, [len(x) for x in prompts], p + r),
         )
 
     @classmethod
@@ -177,12 +190,14 @@ class RolloutBatch:
         prompt_truncated: torch.Tensor | None = None,
         pad_token_id: int = 0,
         weight_version: int | None = None,
+        routed_experts: torch.Tensor | None = None,
     ) -> RolloutBatch:
         """Build the masks and position ids from already padded tensors.
 
         prompts: `[B, P]` left-padded; responses, rollout_log_probs: `[B, R]` right-padded
         (rollout_log_probs may be None: not computed by the engine);
-        prompt_lengths, response_lengths, finish_reason: `[B]`.
+        prompt_lengths, response_lengths, finish_reason: `[B]`;
+        routed_experts: `[B, P + R, L, k]` or None (module docstring).
         """
         b, p = prompts.shape
         r = responses.shape[1]
@@ -217,6 +232,7 @@ class RolloutBatch:
             else group_index.to(device),
             pad_token_id=pad_token_id,
             weight_version=weight_version,
+            routed_experts=routed_experts,
         )
 
     # ---- views --------------------------------------------------------------------
@@ -295,7 +311,7 @@ class RolloutBatch:
                 return t[:, p - p_keep :]
             if name in ("responses", "response_mask", "rollout_log_probs"):
                 return t[:, :r_keep]
-            if name in ("attention_mask", "position_ids"):
+            if name in ("attention_mask", "position_ids", "routed_experts"):
                 return t[:, seq_cols]
             return t
 
@@ -312,6 +328,13 @@ class RolloutBatch:
                 f"RolloutBatch.cat: batch {with_lp.index(False)} has no rollout_log_probs but "
                 f"batch {with_lp.index(True)} has; generate every part with the same "
                 f"rollout.calculate_log_probs"
+            )
+        with_routing = [b.routed_experts is not None for b in batches]
+        if not all(with_routing) and any(with_routing):
+            raise ValueError(
+                f"RolloutBatch.cat: batch {with_routing.index(False)} has no routed_experts but "
+                f"batch {with_routing.index(True)} has; generate every part with the same "
+                f"actor.router_replay"
             )
         pad = batches[0].pad_token_id
         p = max(b.prompt_width for b in batches)
@@ -337,6 +360,9 @@ class RolloutBatch:
                 elif name == "position_ids":
                     right = t[:, -1:] + 1 + torch.arange(dr, device=t.device)[None, :]
                     t = torch.cat([torch.zeros_like(t[:, :1]).expand(-1, dp), t, right], 1)
+                elif name == "routed_experts":
+                    left, right = (t.new_full((len(t), n, *t.shape[2:]), -1) for n in (dp, dr))
+                    t = torch.cat([left, t, right], dim=1)
                 out[name] = t
             return replace(b, **out)
 
@@ -392,6 +418,8 @@ class RolloutBatch:
         }
         if self.rollout_log_probs is None:
             del expect["rollout_log_probs"]  # not computed by the engine: nothing to check
+        if self.routed_experts is not None:
+            expect["routed_experts"] = (b, p + r, *self.routed_experts.shape[2:])
         for name, shape in expect.items():
             got = tuple(getattr(self, name).shape)
             if got != shape:
@@ -400,6 +428,26 @@ class RolloutBatch:
             raise ValueError("RolloutBatch.response_mask disagrees with response_lengths")
         if not torch.equal(self.attention_mask[:, :p].sum(1), self.prompt_lengths):
             raise ValueError("RolloutBatch.attention_mask disagrees with prompt_lengths")
+
+
+def _pad_routing(rows: Sequence[torch.Tensor], prompt_lengths: list[int], width: int):
+    """Per-row routing `[n_i, L, k]` → `[B, width, L, k]` int16 aligned with `input_ids`
+    (row i's first token at column P − prompt_lengths[i]), -1 elsewhere."""
+    shapes = {tuple(torch.as_tensor(x).shape[1:]) for x in rows}
+    if len(shapes) != 1:
+        raise ValueError(f"RolloutBatch: routed_experts rows differ in (layers, top_k): {shapes}")
+    out = torch.full((len(rows), width, *shapes.pop()), -1, dtype=torch.int16)
+    p = max(prompt_lengths, default=0)
+    for i, x in enumerate(rows):
+        x = torch.as_tensor(x)
+        start = p - prompt_lengths[i]
+        if start + len(x) > width:
+            raise ValueError(
+                f"RolloutBatch: row {i} has routing for {len(x)} tokens, more than its "
+                f"{width - start} prompt + response tokens"
+            )
+        out[i, start : start + len(x)] = x.to(torch.int16)
+    return out
 
 
 def _apply(fn, t: torch.Tensor | None) -> torch.Tensor | None:

@@ -10,8 +10,9 @@ kernels issued from Python, which is what bounds batch decoding of a small model
 H200: 2.4k → 13.7k tokens/s at batch 64 for the 0.85B shape). A graph bakes in the
 addresses of the parameters, the cache and the buffers: the session drops its graphs
 when any parameter's storage moved (offload and reload). Captures stop at a memory budget
-(`GRAPH_MEMORY_FRACTION`); the engine turns graphs off at TP > 1 and under
-`rollout.enforce_eager`.
+(`GRAPH_MEMORY_FRACTION`, shared by the sessions the engine keeps: it sets each session's
+`graph_budget` to what the others' graphs left); the engine turns graphs off at TP > 1, with
+expert parallelism and under `rollout.enforce_eager`.
 """
 
 from __future__ import annotations
@@ -26,12 +27,19 @@ from rl_megatron.models.sdpa_attention import causal_padding_mask
 # Prompt widths are rounded up to this, so one decode session (and its graphs) serves
 # batches whose longest prompt differs by a few tokens.
 PROMPT_WIDTH_STEP = 16
-# Device memory the decode graphs of a session may hold, as a fraction of the GPU's. Each
+# Device memory the decode graphs of all kept sessions may hold, as a fraction of the GPU's. Each
 # position's graph keeps its attention temporaries, which grow with the position, so a
 # graph pool cannot reuse one position's blocks for the next: on the H200, 16 layers of
 # 32 full (non-GQA) heads at 128 rows held 54 GB after ~250 positions. Past the budget
 # the remaining positions decode eagerly.
 GRAPH_MEMORY_FRACTION = 0.08
+
+
+def graph_budget(device: torch.device) -> int:
+    """Bytes the decode graphs of all sessions on `device` may hold (0 off a GPU)."""
+    if device.type != "cuda":
+        return 0
+    return int(GRAPH_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory)
 
 
 class DecodeSession:
@@ -59,12 +67,17 @@ class DecodeSession:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self.graph_bytes = 0  # reserved by the captures so far
-        self.graph_budget = (
-            int(GRAPH_MEMORY_FRACTION * torch.cuda.get_device_properties(device).total_memory)
-            if self.use_graphs
-            else 0
-        )
+        # This session's share of the graph budget; the engine sets it before each use.
+        self.graph_budget = graph_budget(device) if self.use_graphs else 0
         self.param_ptrs: list[int] = []
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory held: the KV cache (allocated by the first prefill), the step's
+        buffers and the graph pool's growth."""
+        tensors = [self.tokens, self.positions, self.keep, self.logits]
+        tensors += [t for kv in self.ctx.key_value_memory_dict.values() for t in kv]
+        return sum(t.numel() * t.element_size() for t in tensors) + self.graph_bytes
 
     def check_parameters(self, model: torch.nn.Module) -> None:
         """Drop the graphs if a parameter's storage moved since they were captured."""

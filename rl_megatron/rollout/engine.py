@@ -55,6 +55,9 @@ class RolloutEngine(abc.ABC):
     # actor): those must then stay on the device while it generates. False: it holds a
     # copy of its own, and the trainer may offload its modules once the sync is done.
     generates_with_trainer_modules: bool = False
+    # True when `generate` is collective across training DP replicas (the Megatron engine
+    # with expert parallelism): a replica without prompts must still call it, with none.
+    needs_every_replica: bool = False
 
     def __init__(self, weight_version: int | None = 0) -> None:
         self._weight_version = weight_version

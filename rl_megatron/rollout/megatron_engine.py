@@ -12,8 +12,26 @@ RoPE by column, so a left-padded row's positions are shifted by its padding; RoP
 only on the distance between query and key, so attention scores are unchanged.
 
 Decode state and CUDA graphs: the KV cache, the decode step's buffers and one CUDA graph
-per decode position live in a `DecodeSession` (`rollout/decode_session.py`), kept from one
-call to the next while the shape stays the same; TP = 1 only.
+per decode position live in a `DecodeSession` (`rollout/decode_session.py`). The engine
+keeps the `MAX_SESSIONS` most recently used ones, keyed by shape (rows, prompt width, new
+tokens), so that an evaluation's batches do not evict training's session (and its graphs,
+~7 s to capture again on an H200); a batch is left-padded into a kept session of the same
+rows and new tokens up to twice as wide as it needs. The graphs of all kept sessions share
+one memory budget. TP = 1 only.
+
+Expert parallelism. An MoE layer exchanges tokens with an all-to-all over the expert group
+(EP × ETP ranks), which spans training DP replicas that decode different prompts: every rank
+of it must run the same number of model forwards per `generate` call, or the all-to-all
+waits forever. So the ranks agree (all-reduce MAX over that group) once on the number of
+decode batches, and before each decode step on whether any of them still decodes; a rank
+with nothing (left) to decode joins each such forward with a one-token forward without a
+cache, whose output it drops. The all-reduce replaces the per-step `done.all()` host sync
+the loop already has, and a finished rank's stand-in forward is the cheapest forward there
+is; decoding every batch to `max_new_tokens` instead would waste whole steps of every rank
+whenever all rows stop early. The token counts may differ between ranks: the all-to-all
+carries per-rank splits. A replica without prompts (an uneven evaluation share) must still
+call `generate` (with an empty list): `needs_every_replica` tells the trainer so. With the
+alltoall dispatcher's host-side splits, such forwards are not captured as CUDA graphs.
 
 Weights. The engine generates with the modules it was given, so when they are the actor's
 own (same layout) a weight update is only a version stamp: `sync_from(actor_chunks, step)`
@@ -32,6 +50,8 @@ tokens therefore do not depend on which rows share its decode batch.
 
 from __future__ import annotations
 
+import logging
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -41,12 +61,20 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from rl_megatron.checkpoint import hf_mapping as hm
 from rl_megatron.checkpoint.hf_loader import iter_rule_params, unwrap
 from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.models.sdpa_attention import causal_padding_mask
 from rl_megatron.rollout.batch import FinishReason, RolloutBatch
-from rl_megatron.rollout.decode_session import PROMPT_WIDTH_STEP, DecodeSession
+from rl_megatron.rollout.decode_session import PROMPT_WIDTH_STEP, DecodeSession, graph_budget
 from rl_megatron.rollout.engine import NamedTensors, OutputLayout, RolloutEngine, iter_named_tensors
 from rl_megatron.rollout.sampling import SamplingParams, fit_prompts, sample_tokens, seed_tensor
 
+logger = logging.getLogger(__name__)
+
 Sample = tuple[list[int], list[float], FinishReason]
+Shape = tuple[int, int, int]  # (rows, prompt width, new tokens) of a decode session
+
+# Decode sessions kept between calls: training's and evaluation's. Each holds a KV cache of
+# rows × (prompt width + new tokens) positions; their graphs share one budget.
+MAX_SESSIONS = 2
 
 
 class MegatronEngine(RolloutEngine):
@@ -66,6 +94,7 @@ class MegatronEngine(RolloutEngine):
         max_batch_size: int = 64,
         pad_token_id: int = 0,
         use_cuda_graphs: bool = True,
+        expert_group: dist.ProcessGroup | None = None,
     ) -> None:
         """Wrap this rank's model chunk.
 
@@ -79,6 +108,8 @@ class MegatronEngine(RolloutEngine):
             different seeds).
         max_batch_size: rows decoded together (sizes the KV cache: rows × context).
         use_cuda_graphs: on a GPU, replay one CUDA graph per decode position (see above).
+        expert_group: an MoE model's expert group, whose ranks exchange tokens in every
+            forward (None: parallel_state's expert-tensor-and-model-parallel group).
         """
         super().__init__(weight_version=0)
         if len(model_chunks) != 1:
@@ -101,12 +132,17 @@ class MegatronEngine(RolloutEngine):
 
             tp_group = parallel_state.get_tensor_model_parallel_group()
         self._check_same_seed(tp_group)
+        self._lockstep = self._lockstep_group(tp_group, expert_group)
+        self.needs_every_replica = self._lockstep is not None
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._buffer: dict[str, torch.Tensor] = {}
         # Graphs hold the TP all-gather of the logits too; that capture is not validated
         # (the two-GPU engine test did not finish with it), so TP > 1 decodes eagerly.
-        self.use_cuda_graphs = use_cuda_graphs and dist.get_world_size(tp_group) == 1
-        self._session: DecodeSession | None = None
+        self.use_cuda_graphs = (
+            use_cuda_graphs and dist.get_world_size(tp_group) == 1 and self._lockstep is None
+        )
+        self._sessions: OrderedDict[Shape, DecodeSession] = OrderedDict()  # oldest first
+        self._graph_budget = graph_budget(self._device) if self.use_cuda_graphs else 0
         # Context parallelism: decoding one token per step cannot be split over CP ranks,
         # so each CP rank generates the whole rows itself (the same seed, the same samples)
         # and the model is told so per batch, through the one-rank group megatron-core's
@@ -128,6 +164,37 @@ class MegatronEngine(RolloutEngine):
                 f"megatron rollout engine: seeds differ across the tensor-parallel group "
                 f"({low.item()} … {high.item()}); give every TP rank of a replica the same seed"
             )
+
+    def _lockstep_group(
+        self, tp_group: dist.ProcessGroup, expert_group: dist.ProcessGroup | None
+    ) -> dist.ProcessGroup | None:
+        """The group whose ranks must run as many forwards as this one, when it reaches
+        beyond the TP group (whose ranks decode the same rows in lockstep anyway); None: no
+        such rank. That is an MoE model's expert group (EP × ETP)."""
+        if not self.model.config.num_moe_experts:
+            return None
+        if expert_group is None:
+            from megatron.core import parallel_state
+
+            expert_group = parallel_state.get_expert_tensor_and_model_parallel_group()
+        experts = set(dist.get_process_group_ranks(expert_group))
+        tp = set(dist.get_process_group_ranks(tp_group))
+        if experts <= tp:
+            return None
+        if not tp <= experts:
+            # Agreeing over the expert group would then let TP ranks of one replica differ.
+            raise ValueError(
+                f"megatron rollout engine: the expert group {sorted(experts)} neither holds "
+                f"nor lies within the tensor-parallel group {sorted(tp)}"
+            )
+        local = next(m.num_local_experts for m in self.model.modules()
+                     if hasattr(m, "num_local_experts"))  # fmt: skip
+        logger.info(
+            "megatron rollout engine: %d of %d experts per rank, an expert group of %d ranks "
+            "that agree on every forward",
+            local, self.model.config.num_moe_experts, len(experts),
+        )  # fmt: skip
+        return expert_group
 
     @property
     def _device(self) -> torch.device:
@@ -207,8 +274,18 @@ class MegatronEngine(RolloutEngine):
         results: dict[tuple[int, int], Sample] = {
             (i, j): ([], [], FinishReason.REJECTED) for i, j in rows if fitted.rejected[i]
         }
-        for start in range(0, len(served), self.max_batch_size):
-            chunk = served[start : start + self.max_batch_size]
+        chunks = [
+            served[start : start + self.max_batch_size]
+            for start in range(0, len(served), self.max_batch_size)
+        ]
+        self.model.eval()
+        # Ranks of the expert group may have fewer batches (rejected prompts, an uneven
+        # evaluation share, none at all): they join the others' forwards.
+        for k in range(self._agree(len(chunks))):
+            if k >= len(chunks):
+                self._join_decode()
+                continue
+            chunk = chunks[k]
             prompts = [fitted.token_ids[i] for i, _ in chunk]
             seeds = None
             if sampling.seed is not None:
@@ -232,13 +309,15 @@ class MegatronEngine(RolloutEngine):
         """Generate one response per prompt row (`len(prompts)` ≤ max_batch_size).
 
         The loop issues no host sync except one `done.all()` per step when there are stop
-        tokens; results come back to the host once, at the end.
+        tokens (and, in an expert group, the agreement on whether to go on); results come
+        back to the host once, at the end.
         """
         device = self._device
         b, r = len(prompts), sampling.max_new_tokens
         longest = max(map(len, prompts))
         p = max(longest, min(-(-longest // PROMPT_WIDTH_STEP) * PROMPT_WIDTH_STEP,
                              self.max_model_len - r))  # fmt: skip
+        p = self._kept_width(b, p, r)
         stop_ids = sampling.resolved_stop_token_ids(self.eos_token_ids)
         stop = torch.tensor(stop_ids, dtype=torch.int64, device=device)
         # Built on the host, copied once (not one small copy per row).
@@ -251,7 +330,6 @@ class MegatronEngine(RolloutEngine):
         prompt_len = keep.sum(1)
         row_seeds = seed_tensor(seeds, device) if seeds is not None else None
         session = self._decode_session(b, p, r)
-        self.model.eval()
         logits = session.prefill(tokens, keep)
 
         out_tokens, out_lps = [], []
@@ -270,10 +348,13 @@ class MegatronEngine(RolloutEngine):
                     break
             elif step == r - 1:
                 break
+            self._agree(1)  # this rank decodes on (the others join if they are done)
             session.keep[:, p + step] = True
             session.tokens.copy_(tok[:, None])
             torch.add(prompt_len, step, out=session.positions[:, 0])
             logits = session.decode(step)
+        while self._agree(0):  # others of the expert group still decode
+            self._join_forward()
         # A row stopped iff it hit a stop token before the cap (its last kept token is one).
         tok_t = torch.stack(out_tokens, 1)
         last = tok_t.gather(1, (length - 1)[:, None])[:, 0]
@@ -289,17 +370,68 @@ class MegatronEngine(RolloutEngine):
             for k, n in enumerate(length_l)
         ]
 
+    # ---- the expert group's lockstep -------------------------------------------------
+
+    def _agree(self, count: int) -> int:
+        """The largest `count` over the expert group (collective there; `count` alone when
+        this rank has no such group): how many decode batches, or whether any rank
+        decodes another step."""
+        if self._lockstep is None:
+            return count
+        t = torch.tensor([count], dtype=torch.int64, device=self._device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._lockstep)
+        return int(t.item())
+
+    def _join_decode(self) -> None:
+        """Stand in for a decode batch of the expert group that this rank does not have:
+        its prefill, then each step any other rank still decodes."""
+        self._join_forward()
+        while self._agree(0):
+            self._join_forward()
+
+    @torch.no_grad()
+    def _join_forward(self) -> None:
+        """A one-token forward without a KV cache: the MoE layers' all-to-alls of the
+        others' forward, with no token of this rank's that matters (output dropped)."""
+        device = self._device
+        token = torch.full((1, 1), self.pad_token_id, dtype=torch.int64, device=device)
+        keep = torch.ones((1, 1), dtype=torch.bool, device=device)
+        self.model(token, torch.zeros_like(token), causal_padding_mask(keep))
+
+    # ---- decode sessions ----------------------------------------------------------
+
+    @property
+    def session_bytes(self) -> int:
+        """Device memory the kept decode sessions hold (KV caches, buffers, graph pools)."""
+        return sum(session.nbytes for session in self._sessions.values())
+
+    def _kept_width(self, rows: int, width: int, max_new: int) -> int:
+        """The prompt width to decode at: that of the most recently used kept session of
+        these rows and new tokens that is at least `width` and at most twice it (its graphs
+        are reused; the extra left-padding costs prefill only), else `width`."""
+        for b, p, r in reversed(self._sessions):
+            if b == rows and r == max_new and width <= p <= 2 * width:
+                return p
+        return width
+
     def _decode_session(self, rows: int, prompt_width: int, max_new: int) -> DecodeSession:
-        """The session of this shape: the last one if it matches, else a new one."""
+        """The kept session of this shape (now the most recently used), else a new one in
+        place of the least recently used."""
         shape = (rows, prompt_width, max_new)
-        if self._session is None or self._session.shape != shape:
-            self._session = None  # free the old cache and graphs before allocating
-            self._session = DecodeSession(
+        session = self._sessions.pop(shape, None)
+        if session is None:
+            while len(self._sessions) >= MAX_SESSIONS:
+                self._sessions.popitem(last=False)  # freed before the new one allocates
+            session = DecodeSession(
                 self._forward, rows, prompt_width, max_new, self.vocab_size, self._device,
                 self.use_cuda_graphs,
             )  # fmt: skip
-        self._session.check_parameters(self.model)
-        return self._session
+        self._sessions[shape] = session
+        # One graph budget for all sessions: what the others' graphs hold is spent.
+        others = sum(s.graph_bytes for s in self._sessions.values() if s is not session)
+        session.graph_budget = self._graph_budget - others
+        session.check_parameters(self.model)
+        return session
 
     def _forward(self, tokens, position_ids, mask, ctx) -> torch.Tensor:
         """Last-position logits `[b, vocab]` (fp32, padding ids cut), gathered over TP."""

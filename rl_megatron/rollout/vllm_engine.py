@@ -77,7 +77,7 @@ from rl_megatron.rollout.engine import (
 from rl_megatron.rollout.replicas import ReplicaLayout
 from rl_megatron.rollout.sampling import SamplingParams, fit_prompts
 from rl_megatron.rollout.vllm_cpu_shm import run_shm_names
-from rl_megatron.rollout.vllm_io import convert_sample, to_vllm_sampling_params
+from rl_megatron.rollout.vllm_io import convert_sample, sample_routing, to_vllm_sampling_params
 
 if TYPE_CHECKING:
     from rl_megatron.resharding.executor import SyncStats
@@ -120,6 +120,9 @@ class VllmEngineArgs:
     # Ask vLLM for each sampled token's log-prob (RolloutBatch.rollout_log_probs, only for
     # the trainer's mismatch metric); False leaves them None and spares vLLM the work.
     calculate_log_probs: bool = True
+    # Record every token's experts (MoE; vLLM's `enable_return_routed_experts`) into
+    # RolloutBatch.routed_experts, for the actor's routing replay (`actor.router_replay`).
+    return_routed_experts: bool = False
     # How weights are reloaded: "direct" (model.load_weights), "layerwise" (vLLM's reload
     # with post-processing, needed where weights are repacked), "auto": layerwise on CPU.
     weight_reload: Literal["auto", "direct", "layerwise"] = "auto"
@@ -164,6 +167,7 @@ def _rpc_begin_reload(worker: Any) -> None:
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
     with set_current_vllm_config(worker.vllm_config):
+        _moe_first_load_processing(worker.model_runner.model, True)
         initialize_layerwise_reload(worker.model_runner.model)
 
 
@@ -180,7 +184,41 @@ def _rpc_finish_reload(worker: Any) -> None:
     from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
     with set_current_vllm_config(worker.vllm_config):
-        finalize_layerwise_reload(worker.model_runner.model, worker.vllm_config.model_config)
+        try:
+            finalize_layerwise_reload(worker.model_runner.model, worker.vllm_config.model_config)
+        finally:
+            _moe_first_load_processing(worker.model_runner.model, False)
+
+
+def _moe_first_load_processing(model: torch.nn.Module, on: bool) -> None:
+    """CPU build, MoE: while `on`, a fused-MoE layer is post-processed as on its first load.
+
+    vLLM's unquantized fused MoE takes a second `process_weights_after_loading` for a weight
+    update (its `moe_kernel` exists) and then skips the CPU experts' repack
+    (`cpu_prepack_moe_weight`, same shape), so the layerwise reload copied unpacked weights
+    over the packed ones: reloading the very checkpoint it started from changed vLLM's
+    greedy tokens. Dropping the kernel first makes the reload pack (and pad) again.
+    """
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if not isinstance(method, UnquantizedFusedMoEMethod):
+            continue
+        if not on:
+            method.__dict__.pop("process_weights_after_loading", None)
+            continue
+
+        def first_load(layer: torch.nn.Module, method=method) -> None:
+            method.moe_kernel = None
+            type(method).process_weights_after_loading(method, layer)
+
+        method.process_weights_after_loading = first_load
 
 
 # ---- the engine ---------------------------------------------------------------------
@@ -245,6 +283,8 @@ class VllmEngine(RolloutEngine):
         )
         if self._sleep_mode:
             kwargs["enable_sleep_mode"] = True
+        if args.return_routed_experts:
+            kwargs["enable_return_routed_experts"] = True
         if args.max_model_len is not None:
             kwargs["max_model_len"] = args.max_model_len
         if args.block_size is not None:
@@ -267,6 +307,7 @@ class VllmEngine(RolloutEngine):
         )
         self.pad_token_id: int = int(pad) if pad is not None else 0
         self._param_names = set(self._llm.collective_rpc(_rpc_param_names)[0])
+        self._routing: dict[int, list[torch.Tensor]] = {}  # this generate's, by prompt
         self._loaded: set[str] = set()
         # Groups with several replicas gather results; gloo keeps that off the GPU. Group
         # creation is collective, so every rank decides from the same global facts.
@@ -375,6 +416,12 @@ class VllmEngine(RolloutEngine):
                     results.update(part)
         order = sorted(results)
         rows = [(i, sample) for i in order for sample in results[i]]
+        gathered = not (output_layout == "replica" or layout.num_replicas == 1)
+        routing = (
+            self._routing_rows(results, order, gathered)
+            if self.args.return_routed_experts
+            else None
+        )
         return RolloutBatch.from_sequences(
             prompts=[fitted.token_ids[i] for i, _ in rows],
             responses=[s[0] for _, s in rows],
@@ -383,6 +430,7 @@ class VllmEngine(RolloutEngine):
             group_index=[i for i, _ in rows],
             prompt_truncated=[fitted.truncated[i] for i, _ in rows],
             pad_token_id=self.pad_token_id,
+            routed_experts=routing,
         )
 
     def _generate_share(
@@ -424,7 +472,28 @@ class VllmEngine(RolloutEngine):
                     f"vLLM returned {len(samples)} samples for prompt {i}, expected {sampling.n}"
                 )
             out[i] = [convert_sample(i, c, calculate_log_probs=with_lp) for c in samples]
+            if self.args.return_routed_experts:
+                self._routing[i] = [sample_routing(i, c) for c in samples]
         return out
+
+    def _routing_rows(
+        self, results: dict[int, list], order: list[int], gathered: bool
+    ) -> list[torch.Tensor]:
+        """Each row's routing (`RolloutBatch.routed_experts`), gathered like the samples;
+        rejected prompts get none (`[0, L, k]`)."""
+        hf = self._llm.llm_engine.model_config.hf_config
+        none = torch.empty(0, hf.num_hidden_layers, hf.num_experts_per_tok, dtype=torch.int16)
+        mine, self._routing = self._routing, {}
+        if gathered:
+            parts: list[Any] = [None] * len(self.layout.group_ranks)
+            dist.all_gather_object(
+                parts, mine if self.layout.is_replica_leader else None, group=self._gather_group
+            )
+            for part in parts:
+                mine.update(part or {})
+        return [
+            mine.get(i, [none] * len(results[i]))[j] for i in order for j in range(len(results[i]))
+        ]
 
 
 def _eos_ids(hf_config: Any, model_config: Any) -> tuple[int, ...]:

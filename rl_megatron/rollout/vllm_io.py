@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from rl_megatron.rollout.batch import FinishReason
 from rl_megatron.rollout.sampling import SamplingParams
 
@@ -76,3 +78,17 @@ def sampled_log_probs(logprobs: Any, tokens: list[int]) -> list[float]:
         if all(ids[start] == token for start, token in zip(starts, tokens)):
             return [float(values[start]) for start in starts]
     return [float(step[token].logprob) for step, token in zip(logprobs, tokens)]
+
+
+def sample_routing(prompt_index: int, c: Any) -> torch.Tensor:
+    """The experts vLLM routed a sample's tokens to (`enable_return_routed_experts`):
+    `[n, L, k]` for the first n = prompt + response − 1 tokens (vLLM never forwards the
+    last sampled token; vllm/distributed/aux_output_connector/connector.py), layers in
+    model order."""
+    routing = getattr(c, "routed_experts", None)
+    if routing is None:
+        raise RuntimeError(
+            f"vLLM returned no routed experts for a sample of prompt {prompt_index}; this "
+            f"vLLM build may not record them (the CPU build needs Model Runner V2)"
+        )
+    return torch.as_tensor(routing).to(torch.int16)

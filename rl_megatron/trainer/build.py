@@ -271,6 +271,7 @@ def build_roles(
         temperature=temperature,
         total_steps=total_steps * act.ppo_epochs * _mini_batches(config, act.mini_batch_size),
         offload=act.offload,
+        router_replay=act.router_replay,
     )
     return Roles(actor, critic, reference, reward_model)
 
@@ -332,6 +333,7 @@ def build_engine(
         enable_sleep_mode=r.enable_sleep_mode if torch.cuda.is_available() else False,
         enforce_eager=r.enforce_eager if torch.cuda.is_available() else None,
         calculate_log_probs=r.calculate_log_probs,
+        return_routed_experts=config.actor.router_replay,
         pad_token_id=pad,
         extra=dict(r.engine_kwargs),
     )

@@ -28,7 +28,8 @@ __all__ = [
 def training_batch(rollout: RolloutBatch) -> dict[str, torch.Tensor]:
     """The dict layout `MegatronRole` reads (see `trainer/roles.py`), from a rollout.
 
-    `rollout_log_prob` is there only when the engine computed it (`rollout.calculate_log_probs`).
+    `rollout_log_prob` is there only when the engine computed it (`rollout.calculate_log_probs`),
+    `routed_experts` `[b, P + R, L, k]` only when it recorded the routing (routing replay).
     """
     batch = {
         "prompts": rollout.prompts,
@@ -39,6 +40,8 @@ def training_batch(rollout: RolloutBatch) -> dict[str, torch.Tensor]:
     }
     if rollout.rollout_log_probs is not None:
         batch["rollout_log_prob"] = rollout.rollout_log_probs.float()
+    if rollout.routed_experts is not None:
+        batch["routed_experts"] = rollout.routed_experts
     return batch
 
 

@@ -210,7 +210,8 @@ def left_align(
     ~8 % of a training step on an H200). Outputs at the padding columns are never read.
 
     batch: `prompts [b, P]`, `responses [b, R]`, `attention_mask [b, P + R]` and any
-        per-row loss inputs (`[b, R]` ones are trimmed with the responses).
+        per-row loss inputs (`[b, R]` ones are trimmed with the responses); an optional
+        `routed_experts [b, P + R, L, k]` moves with the tokens (-1 on padding).
     width: the sequence length; None: the longest row's real tokens, rounded up to
         `multiple_of` (sequence parallelism splits the sequence over TP). A fixed width
         keeps the response width at R as well (one shape for an interleaved pipeline).
@@ -236,8 +237,12 @@ def left_align(
     out = {
         key: value[:, :response_len] if value.dim() >= 2 and value.shape[1] == full_r else value
         for key, value in batch.items()
-        if key not in ("prompts", "attention_mask", "position_ids")
+        if key not in ("prompts", "attention_mask", "position_ids", "routed_experts")
     }
+    if "routed_experts" in batch:  # per token, like the ids: [b, width, L, k]
+        routing = batch["routed_experts"]
+        index = source.view(*source.shape, 1, 1).expand(-1, -1, *routing.shape[2:])
+        out["routed_experts"] = routing.gather(1, index).masked_fill(~inside[..., None, None], -1)
     out["input_ids"] = ids.gather(1, source)
     out["attention_mask"] = mask.gather(1, source) * inside
     out["position_ids"] = torch.arange(width, device=device).expand(len(ids), width).contiguous()

@@ -32,7 +32,9 @@ def pack_micro_batch(
     """Pack one micro-batch's rows; per-row response tensors are cut to its longest response.
 
     batch: `prompts [b, P]`, `responses [b, R]`, `attention_mask [b, P + R]` and any
-        per-row loss inputs (`[b, R]` ones are trimmed with the responses).
+        per-row loss inputs (`[b, R]` ones are trimmed with the responses); an optional
+        `routed_experts [b, P + R, L, k]` is packed like the ids (`[1, T, L, k]`, -1 on
+        padding).
     multiple_of: pad the packed length to a multiple of this (sequence parallelism needs
         a multiple of the TP size); min_length: pad at least to this (one shape for all
         micro-batches of an interleaved pipeline). Padding forms a sequence of its own, so
@@ -55,7 +57,10 @@ def pack_micro_batch(
         raise ValueError("pack_micro_batch: a row has an empty prompt")
 
     ids = torch.cat([prompts, responses], dim=1)[real]  # row-major: row 0's tokens first
+    routing = batch["routed_experts"][real] if "routed_experts" in batch else None
     if seq_multiple > 1:
+        if routing is not None:
+            routing, _ = _pad_each(routing, lengths, seq_multiple, fill=-1)
         ids, lengths = _pad_each(ids, lengths, seq_multiple)
     starts = torch.cumsum(lengths, 0) - lengths
     positions = torch.arange(ids.numel(), device=device) - torch.repeat_interleave(starts, lengths)
@@ -66,6 +71,8 @@ def pack_micro_batch(
     if target > total:
         pad = target - total
         ids = torch.cat([ids, ids.new_zeros(pad)])
+        if routing is not None:
+            routing = torch.cat([routing, routing.new_full((pad, *routing.shape[1:]), -1)])
         positions = torch.cat([positions, torch.arange(pad, device=device)])
         bounds.append(torch.tensor([target], device=device))
     cu_seqlens = torch.cat(bounds).to(torch.int32)
@@ -77,7 +84,7 @@ def pack_micro_batch(
 
     out = {}
     for key, value in batch.items():
-        if key in ("attention_mask", "position_ids"):
+        if key in ("attention_mask", "position_ids", "routed_experts"):
             continue  # the packed layout replaces them
         if value.dim() >= 2 and value.shape[1] == big_r and key != "prompts":
             out[key] = value[:, :r]
@@ -90,13 +97,15 @@ def pack_micro_batch(
         max_seqlen=torch.diff(cu_seqlens).max(),
         gather_index=gather,
     )
+    if routing is not None:
+        out["routed_experts"] = routing.unsqueeze(0)
     return out
 
 
 def _pad_each(
-    ids: torch.Tensor, lengths: torch.Tensor, multiple: int
+    ids: torch.Tensor, lengths: torch.Tensor, multiple: int, fill: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed `ids` `[Σ L_i]` with each row's sequence padded (zeros at its end) to a
+    """Packed `ids` `[Σ L_i, ...]` with each row's sequence padded (`fill` at its end) to a
     multiple of `multiple`; returns the new ids and lengths."""
     padded = -(-lengths // multiple) * multiple
     starts = torch.cumsum(padded, 0) - padded
@@ -105,6 +114,6 @@ def _pad_each(
     offset = (
         torch.arange(ids.numel(), device=ids.device) - (torch.cumsum(lengths, 0) - lengths)[row]
     )
-    out = ids.new_zeros(int(padded.sum()))
+    out = ids.new_full((int(padded.sum()), *ids.shape[1:]), fill)
     out[starts[row] + offset] = ids
     return out, padded

@@ -221,6 +221,10 @@ class PPOTrainer:
                 batch["rollout_log_prob"], batch["old_log_prob"], mask, group=self.dp_group
             )
             metrics.update({k: float(v) for k, v in mismatch.items()})
+        if "routed_experts" in batch:  # routing replay: the routers' own choices vs the engine's
+            routing_mismatch = roles.actor.routing_mismatch_frac()
+            if routing_mismatch is not None:
+                metrics["rollout/routing_mismatch_frac"] = routing_mismatch
         metrics.update(correction_metrics, **collected.metrics)
         metrics.update(actor_metrics, **critic_metrics, **sync, **self.sampler.metrics())
         metrics.update(self.data.metrics())  # rollout/prompts_truncated: counted at load
@@ -470,15 +474,19 @@ class PPOTrainer:
         )
         for batch_index, rows in enumerate(batches):
             # Every rank walks the same batches; a replica with an empty share (the last
-            # batch may be uneven) generates nothing but joins the reward collectives.
+            # batch may be uneven) generates nothing (unless the engine's generate spans
+            # replicas: then it joins with no prompts) but joins the reward collectives.
             rollout, batch = None, None
-            if rows:
+            if rows or self.engine.needs_every_replica:
                 sampling = self._sampling(batch_index, evaluation=True)
                 with contextlib.ExitStack() as stack:
                     if self.engine.generates_with_trainer_modules:
                         stack.enter_context(self.roles.actor.on_device())
                     rollout = self._generate([val.input_ids[i] for i in rows], sampling)
+            if rows:
                 batch = self._to_device(ex.training_batch(rollout))
+            else:
+                rollout = None
             scores, _ = self.scorer.score(rollout, val.dataset, rows, batch, self.step)
             if rows:
                 totals += torch.tensor(

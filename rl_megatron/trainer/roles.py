@@ -72,6 +72,7 @@ from rl_megatron.models.chunked_logprobs import (
     output_hidden_states,
     output_weight,
 )
+from rl_megatron.models.router_replay import RoutingStats, replay_routing
 from rl_megatron.models.vocab_parallel import (
     vocab_parallel_kl,
     vocab_parallel_log_probs,
@@ -121,6 +122,11 @@ class MegatronRole:
             `NonFiniteUpdateError` on every rank before the parameters change; `skip`
             leaves them unchanged, reports `skipped` = 1 and goes on
             (`optimizer_step.step_if_finite`).
+        router_replay: MoE routing replay (R3, `actor.router_replay`): where a micro-batch
+            carries the rollout's `routed_experts`, the routers take those experts
+            (`models/router_replay.py`) and `forward_only` counts how often their own
+            choice differs (`routing_mismatch_frac`); False: the routing is ignored
+            (unless `compare_routing` is set: counted, not replayed).
     """
 
     def __init__(
@@ -140,6 +146,7 @@ class MegatronRole:
         name: str = "role",
         on_nonfinite: str = "stop",
         logprob_chunk_tokens: int = 0,
+        router_replay: bool = False,
     ) -> None:
         if output_at not in ("prediction", "token"):
             raise ValueError(f"output_at must be 'prediction' or 'token', got {output_at!r}")
@@ -165,6 +172,13 @@ class MegatronRole:
         # > 0: log-probs / entropy from the final hidden states, this many tokens at a
         # time, never the full logits (`models/chunked_logprobs.py`); LM heads only.
         self.logprob_chunk_tokens = logprob_chunk_tokens
+        self.router_replay = router_replay
+        # Without replay, still compare the routers' choices with the batch's routing
+        # (`routing_mismatch_frac` of a run or test with replay off).
+        self.compare_routing = False
+        # Routing mismatch counts of the running `forward_only` (None outside it).
+        self._routing_stats: RoutingStats | None = None
+        self._last_routing_stats: RoutingStats | None = None
         self.optim_config = optim
         self.total_steps = total_steps
         self.step_count = 0
@@ -307,7 +321,10 @@ class MegatronRole:
             args, kwargs = (batch["input_ids"], batch["position_ids"], None), {}
         # The exact KL needs both models' logits at every position: those stay whole.
         from_hidden = self.logprob_chunk_tokens > 0 and not self.value_head and kl_to is None
-        with output_hidden_states(model) if from_hidden else contextlib.nullcontext():
+        with (
+            output_hidden_states(model) if from_hidden else contextlib.nullcontext(),
+            self._routing(model, batch),
+        ):
             output = model(*args, **kwargs)
         if from_hidden and unwrap(model).post_process:
             batch = {**batch, "output_weight": output_weight(model)}
@@ -315,6 +332,43 @@ class MegatronRole:
             with torch.no_grad():  # a constant of the loss
                 batch = {**batch, "kl_ref_logits": kl_to.model[0](*args, **kwargs)}
         return output, partial(loss_func, batch)
+
+    def _routing(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]):
+        """The rollout's routing for this micro-batch's forward, when it carries one: replayed
+        with `router_replay`, else only compared (`models/router_replay.py`)."""
+        if self.router_replay and "routed_experts" not in batch:
+            raise ValueError(
+                f"{self.name}: router_replay is on but the batch has no routed_experts "
+                f"(the rollout engine recorded no routing)"
+            )
+        # Other roles (a reference, an MoE reward model of another shape) ignore it.
+        if "routed_experts" not in batch or not (self.router_replay or self.compare_routing):
+            return contextlib.nullcontext()
+        sp = self.config.sequence_parallel
+        return replay_routing(
+            unwrap(model),
+            batch["routed_experts"],
+            replay=self.router_replay,
+            stats=self._routing_stats,
+            sp_rank=dist.get_rank(self.groups.tp) if sp else 0,
+            sp_size=dist.get_world_size(self.groups.tp) if sp else 1,
+        )
+
+    def routing_mismatch_frac(self) -> float | None:
+        """Of the (token, layer) pairs with a recorded routing in the last `forward_only`,
+        the fraction whose recorded top-k set differs from the router's own choice (given
+        the layers below as they ran); summed over pipeline stages and DP (and TP with
+        sequence parallelism, which splits the tokens). None when nothing was recorded.
+        Collective over this role's ranks."""
+        stats = self._last_routing_stats or RoutingStats()
+        counts = torch.stack([stats.mismatched, stats.recorded]).to(self.device).double()
+        groups = [self.groups.pp, self.groups.dp]
+        if self.config.sequence_parallel:
+            groups.append(self.groups.tp)
+        for group in groups:
+            dist.all_reduce(counts, group=group)
+        mismatched, recorded = counts.tolist()
+        return mismatched / recorded if recorded else None
 
     def _split_for_cp(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Context parallelism: this CP rank's tokens of a micro-batch (megatron-core's
@@ -503,7 +557,11 @@ class MegatronRole:
         step = partial(self._forward_step, loss_func=loss_func, kl_to=kl_to)
         b, r = batch["responses"].shape
         results = {k: torch.zeros(b, r, dtype=torch.float32, device=self.device) for k in keys}
-        outs = self._run(micro, step, forward_only=True)
+        self._routing_stats = RoutingStats()
+        try:
+            outs = self._run(micro, step, forward_only=True)
+        finally:
+            self._last_routing_stats, self._routing_stats = self._routing_stats, None
         if self.is_pp_last:
             for key in keys:
                 full = [mb.pad_responses(o[key][: len(rows)], r) for o, rows in zip(outs, split)]

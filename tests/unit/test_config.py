@@ -159,6 +159,18 @@ SHIPPED = {
         1,
         dict(num_attention_heads=12, num_key_value_heads=2, vocab=151936),
     ),
+    "qwen3_30b_a3b_grpo.yaml": (
+        16,
+        dict(
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            vocab=151936,
+            model_type="qwen3_moe",
+            num_experts=128,
+            num_experts_per_tok=8,
+            moe_intermediate_size=768,
+        ),
+    ),
 }
 
 
@@ -177,6 +189,7 @@ def test_shipped_configs_validate(tmp_path, name):
                 "num_key_value_heads": arch["num_key_value_heads"],
                 "intermediate_size": 11008,
                 "vocab_size": arch["vocab"],
+                **{k: v for k, v in arch.items() if k.startswith(("num_experts", "moe_"))},
             }
         )
     )
@@ -461,13 +474,9 @@ def test_tiny_moe_config_loads_and_validates():
     config = load_config(TINY_MOE, [])
     layout = validate(config, world_size=2)
     assert config.model.num_experts == 4 and (layout.ep, layout.expert_tp) == (1, 1)
-    # EP over the DP ranks validates when the engine does not generate with the actor's EP.
+    # EP over the DP ranks, the Megatron engine generating with the actor's experts.
     config = load_config(TINY_MOE, ["parallel.ep=2"])
-    with pytest.raises(
-        ConfigError,
-        match="rollout.engine: megatron generates with an MoE actor only at parallel.ep=1",
-    ):  # noqa: E501
-        validate(config, world_size=2)
+    assert validate(config, world_size=2).ep == 2
 
 
 @pytest.mark.parametrize(
@@ -479,11 +488,20 @@ def test_tiny_moe_config_loads_and_validates():
         (["parallel.tp=2", "rollout.tp=2"], 2, "parallel.sequence_parallel: megatron-core trains an MoE"),
         (["model.moe_router_topk=5"], 1, "model.moe_router_topk: must be in [1, model.num_experts=4]"),
         (["model.moe_aux_loss_coeff=-1"], 1, "model.moe_aux_loss_coeff: must be >= 0"),
-        (["rollout.engine=vllm"], 1, "rollout.engine: vllm: resharding an MoE actor"),
+        (["rollout.engine=vllm", "parallel.tp=2", "parallel.sequence_parallel=true", "rollout.tp=2",
+          "model.moe_ffn_hidden_size=33"], 2, "rollout.tp: 2 does not divide model.moe_ffn_hidden_size"),
     ],
 )  # fmt: skip
 def test_moe_config_errors_name_the_key(overrides, world, message):
     assert _error(TINY_MOE, overrides, world).startswith(message)
+
+
+def test_vllm_takes_an_moe_actor_at_any_ep_but_not_its_expert_parallel_mode():
+    config = load_config(TINY_MOE, ["rollout.engine=vllm", "parallel.ep=2"])
+    assert validate(config, world_size=2).ep == 2  # resharding gathers the experts
+    config.rollout.engine_kwargs = {"enable_expert_parallel": True}
+    with pytest.raises(ConfigError, match="^rollout.engine_kwargs.enable_expert_parallel: "):
+        validate(config, world_size=2)
 
 
 def test_expert_degrees_need_an_moe_model():
@@ -491,3 +509,22 @@ def test_expert_degrees_need_an_moe_model():
     assert _error(TINY, ["model.moe_z_loss_coeff=0.1"]).startswith(
         "model.moe_z_loss_coeff: needs an MoE model"
     )
+
+
+@pytest.mark.parametrize(
+    "config, overrides, message",
+    [
+        (TINY, ["actor.router_replay=true"], "actor.router_replay: needs an MoE model"),
+        (TINY_MOE, ["actor.router_replay=true", "rollout.engine=megatron"],
+         "actor.router_replay: needs an engine that records the routing: vllm"),
+        (TINY_MOE, ["actor.router_replay=true", "rollout.engine=vllm",
+                    "actor.recompute.granularity=full"], "actor.recompute: routing replay needs"),
+    ],
+)  # fmt: skip
+def test_router_replay_config_errors_name_the_key(config, overrides, message):
+    assert _error(config, overrides).startswith(message)
+
+
+def test_router_replay_with_vllm_validates():
+    config = load_config(TINY_MOE, ["actor.router_replay=true", "rollout.engine=vllm"])
+    validate(config, world_size=1)

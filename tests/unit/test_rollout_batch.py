@@ -225,3 +225,28 @@ def test_cat_refuses_to_mix_batches_with_and_without_log_probs():
         RolloutBatch.cat([with_lp, without])
     with pytest.raises(ValueError, match="batch 0 has no rollout_log_probs but batch 1 has"):
         RolloutBatch.cat([without[:2], with_lp])
+
+
+def test_routed_experts_follow_the_tokens():
+    """Per-row routing `[n_i, L, k]` lands on the row's first n_i tokens of `input_ids`
+    (-1 elsewhere) and moves with them through indexing, compact and cat."""
+    prompts, responses = [[5, 6, 7], [8]], [[1, 2], [3, 4, 9]]
+    routing = [torch.arange(4 * 2 * 2).view(4, 2, 2), torch.arange(3 * 2 * 2).view(3, 2, 2) + 50]
+    batch = RolloutBatch.from_sequences(
+        prompts, responses, None, ["stop", "length"], routed_experts=routing
+    )
+    batch.validate()
+    assert batch.routed_experts.shape == (2, 6, 2, 2) and batch.routed_experts.dtype == torch.int16
+    for i in range(2):
+        real = batch.attention_mask[i].bool().nonzero()[:, 0]
+        n = len(routing[i])
+        assert torch.equal(batch.routed_experts[i, real[:n]].long(), routing[i])
+        unknown = torch.ones(6, dtype=torch.bool)
+        unknown[real[:n]] = False
+        assert bool((batch.routed_experts[i, unknown] == -1).all())
+    one = batch[1].compact()  # prompt width 1, response width 3
+    assert torch.equal(one.routed_experts[0, :3].long(), routing[1])
+    joined = RolloutBatch.cat([batch[0].compact(), one])
+    assert torch.equal(joined.routed_experts, batch.routed_experts)
+    with pytest.raises(ValueError, match="batch 1 has no routed_experts but batch 0 has"):
+        RolloutBatch.cat([batch[:1], build_without_log_probs(rows=1)])

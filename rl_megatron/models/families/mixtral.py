@@ -14,6 +14,8 @@ from rl_megatron.models.families.table import COPY, GATE_UP, Family, Rule
 
 X_M = M + "mlp.experts.experts.{expert}."
 X_H = H + "block_sparse_moe.experts.{expert}."
+# vLLM's fused-MoE parameters (`RoutedExperts`, vLLM 0.32), every local expert stacked.
+X_V = H + "block_sparse_moe.experts.routed_experts."
 
 # fmt: off
 LAYERS: tuple[Rule, ...] = (
@@ -25,8 +27,9 @@ LAYERS: tuple[Rule, ...] = (
     Rule(X_M + "linear_fc1.weight",
          ((X_H + "w1.weight", ("Fe", "h")),
           (X_H + "w3.weight", ("Fe", "h"))), GATE_UP, 0,
-         vllm=X_H + "w13.weight"),
-    Rule(X_M + "linear_fc2.weight", ((X_H + "w2.weight", ("h", "Fe")),), COPY, 1),
+         vllm=X_V + "w13_weight"),
+    Rule(X_M + "linear_fc2.weight", ((X_H + "w2.weight", ("h", "Fe")),), COPY, 1,
+         vllm=X_V + "w2_weight"),
 )
 # fmt: on
 

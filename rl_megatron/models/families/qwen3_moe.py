@@ -18,6 +18,8 @@ from rl_megatron.models.families.table import COPY, GATE_UP, Family, Rule
 
 X_M = M + "mlp.experts.experts.{expert}."  # Megatron: one expert (global index)
 X_H = H + "mlp.experts.{expert}."  # Hugging Face
+# vLLM's fused-MoE parameters (`RoutedExperts`, vLLM 0.32), every local expert stacked.
+X_V = H + "mlp.experts.routed_experts."
 
 # fmt: off
 # The pre-MLP norm and the router, ahead of the experts (megatron-core's module order).
@@ -30,8 +32,9 @@ EXPERT_LAYERS: tuple[Rule, ...] = (
     Rule(X_M + "linear_fc1.weight",
          ((X_H + "gate_proj.weight", ("Fe", "h")),
           (X_H + "up_proj.weight", ("Fe", "h"))), GATE_UP, 0,
-         vllm=X_H + "gate_up_proj.weight"),
-    Rule(X_M + "linear_fc2.weight", ((X_H + "down_proj.weight", ("h", "Fe")),), COPY, 1),
+         vllm=X_V + "w13_weight"),
+    Rule(X_M + "linear_fc2.weight", ((X_H + "down_proj.weight", ("h", "Fe")),), COPY, 1,
+         vllm=X_V + "w2_weight"),
 )
 # fmt: on
 

@@ -15,7 +15,8 @@ A row (`Rule`) says, for one parameter of the Megatron model:
                `partition_dim` (tests/multirank/test_name_tables.py checks it on the built
                model); None: replicated on every TP rank. vLLM splits the same dim. An
                `{expert}` row is split across the expert-TP ranks (`parallel.etp`) instead.
-    vllm       the vLLM parameter it fills ("" = the row's one HF name)
+    vllm       the vLLM parameter it fills ("" = the row's one HF name); for an `{expert}`
+               row without `{expert}`, the fused-MoE parameter stacking the experts
     export     False: another row writes the HF tensor (a tied head)
 
 A `Family` is a model type's rows — embedding, the per-layer rows, final norm, LM head — and
@@ -40,10 +41,12 @@ Mixture-of-experts layers (`qwen3_moe.py`, `mixtral.py`) add a second placeholde
   holding expert e on expert-parallel rank r is `mlp.experts.local_experts.{e - r·E/ep}`
   (TE's grouped GEMM: `mlp.experts.linear_fc1.weight{e - r·E/ep}`), which
   `checkpoint/hf_mapping.canonical_param_name` maps to the row.
-* a row whose HF names hold `{expert}` while its Megatron or vLLM name does not would stack
-  every expert's tensors along a new leading dim (vLLM's `w13_weight [E, 2·Fe, h]`,
-  Megatron's legacy grouped-GEMM weights), the dim expert parallelism splits. The converters
-  do not stack, so `Family` refuses such a row (one line).
+* an `{expert}` row whose vLLM name lacks `{expert}` names vLLM's fused-MoE parameter, which
+  stacks every (local) expert along a new leading dim: `w13_weight [E_local, 2·Fe/t_g, h]`
+  (each expert's `[gate_r; up_r]`), `w2_weight [E_local, h, Fe/t_g]`. Only the resharding
+  shard specs read it (`resharding/shards.py`); the HF converters never stack.
+* a row whose HF names hold `{expert}` while its Megatron name does not (Megatron's legacy
+  grouped-GEMM weights, stacked) is not converted: `Family` refuses it (one line).
 """
 
 from __future__ import annotations
@@ -118,7 +121,9 @@ def _check_rule(family: str, rule: Rule) -> None:
 
     names = [rule.megatron, rule.vllm_name, *(name for name, _ in rule.hf)]
     placeholders = {p for name in names for p in _PLACEHOLDER.findall(name)}
-    if "expert" in placeholders and not all("{expert}" in name for name in names):
+    # vLLM's name may drop `{expert}`: its fused-MoE parameter stacks the experts.
+    per_expert = [rule.megatron, *(name for name, _ in rule.hf)]
+    if "expert" in placeholders and not all("{expert}" in name for name in per_expert):
         fail("`{expert}` rows stacking every expert (fused expert tensors) are not converted yet")
     if placeholders - {"layer", "expert"}:
         fail(f"unknown placeholder(s) {sorted(placeholders - {'layer', 'expert'})}")

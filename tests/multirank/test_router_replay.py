@@ -1,0 +1,208 @@
+"""Routing replay (R3, `models/router_replay.py`) into a Megatron MoE actor, on gloo ranks.
+
+Two tiny Qwen3-MoE checkpoints made in the test (2 layers, 4 experts, top-2): the "rollout"
+model A and the "training" model B, equal except for B's router weights (perturbed, so B
+would route many tokens elsewhere). A's routing of each row is recorded one row at a time
+(unpadded, the way an engine serves a request) by forward hooks on megatron-core's
+routers, and the last token's is dropped (vLLM never forwards it).
+
+* `test_replay_makes_top_k_sets_agree` (1 rank): B's forward of each row, its routers
+  observed by the same hooks (not by the replay code): with A's routing replayed the top-k
+  sets equal A's on every recorded (token, layer); without it, they differ on some.
+* `test_role_replays_the_rollout_routing` (2 ranks; DP2 left-aligned and packed
+  micro-batches, PP2, EP2): `MegatronRole.forward_only` of a `RolloutBatch` carrying the
+  routing gives the log-probs of B's per-row forward with A's routing replayed (the
+  reference: 1e-5, fp32 summation order between padded / packed and single-row forwards),
+  and, with `router_replay` off, the log-probs of B's own routing and a
+  `routing_mismatch_frac` equal to the hooks' count (within one (token, layer) pair: a
+  near-tie may flip between layouts). One training step with replay runs at each layout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.multirank.test_hf_parity import _perturb
+from tests.spawn import ON_GPU, run_on_ranks
+
+V, LAYERS, TOPK = 100, 2, 2
+PROMPTS = [[5, 17, 9], [33, 2, 71, 8, 60, 4], [12], [90, 45, 3, 3, 27]]
+RESPONSES = [[40, 41, 42, 43], [7], [66, 19, 23], [88, 5]]
+LOGPROB_TOL = 1e-5
+
+pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU (gloo) test of routing replay")
+
+
+def _make_checkpoints(root) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from tests.multirank.test_moe import _hf_configs
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_hf_configs()["qwen3_moe"]).eval()
+    _perturb(model, 0)
+    model.save_pretrained(root / "a", safe_serialization=True)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.add_(0.1 * torch.randn(p.shape, generator=gen))
+    model.save_pretrained(root / "b", safe_serialization=True)
+
+
+class _Observer:
+    """Forward hooks on every top-k router: the experts each token went to, per layer."""
+
+    def __init__(self, model) -> None:
+        from rl_megatron.models.router_replay import moe_routers
+
+        self.sets: dict[int, torch.Tensor] = {}
+        self.handles = [
+            router.register_forward_hook(self._hook(layer)) for layer, router in moe_routers(model)
+        ]
+
+    def _hook(self, layer):
+        def hook(module, args, output):
+            _, routing_map = output  # [tokens, experts] bool
+            idx = routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1)
+            self.sets[layer] = idx.sort(dim=-1).values
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _init(pp=1, ep=1):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from rl_megatron.parallel import MEGATRON_RANK_ORDER
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, pp, expert_model_parallel_size=ep, order=MEGATRON_RANK_ORDER)
+    model_parallel_cuda_manual_seed(0)
+
+
+def _row_forward(model, tokens, routing=None):
+    """One unpadded row through a whole model (pp = 1): its routing `[s, L, k]` as the
+    hooks saw it and its next-token log-probs `[s - 1]`; `routing` replayed if given."""
+    import contextlib
+
+    from rl_megatron.models.router_replay import replay_routing
+
+    ids = torch.tensor([tokens])
+    pos = torch.arange(len(tokens))[None]
+    obs = _Observer(model)
+    replay = replay_routing(model, routing[None]) if routing is not None else None
+    with torch.no_grad(), replay or contextlib.nullcontext():
+        logits = model(ids, pos, None).float()
+    obs.remove()
+    seen = torch.stack([obs.sets[layer] for layer in range(LAYERS)], dim=1)
+    log_probs = torch.log_softmax(logits[0, :-1, :V], -1)  # the vocabulary without padding
+    log_probs = log_probs.gather(-1, ids[0, 1:, None])[:, 0]
+    return seen, log_probs
+
+
+def _rollout_routing(root):
+    """A's routing of every row, recorded per row, last token dropped (as vLLM returns)."""
+    from rl_megatron.checkpoint.hf_builders import build_actor
+
+    model_a = build_actor(root / "a", tp=1, pp=1, dtype=torch.float32)[0].eval()
+    return [_row_forward(model_a, p + r)[0][:-1] for p, r in zip(PROMPTS, RESPONSES)]
+
+
+def _agree_body(rank: int, world_size: int, root) -> None:
+    from rl_megatron.checkpoint.hf_builders import build_actor
+
+    _init()
+    rollout = _rollout_routing(root)
+    model_b = build_actor(root / "b", tp=1, pp=1, dtype=torch.float32)[0].eval()
+    differ = 0
+    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
+        recorded = rollout[i]
+        routing = torch.cat([recorded, torch.full((1, LAYERS, TOPK), -1)])  # last: own choice
+        own, _ = _row_forward(model_b, p + r)
+        replayed, _ = _row_forward(model_b, p + r, routing)
+        n = len(recorded)
+        assert torch.equal(replayed[:n], recorded), f"row {i}: replayed routing differs"
+        differ += int((own[:n] != recorded).any(-1).sum())
+    assert differ > 0, "B's own routing equals A's: the test shows nothing"
+
+
+def test_replay_makes_top_k_sets_agree(tmp_path):
+    _make_checkpoints(tmp_path)
+    run_on_ranks(_agree_body, world_size=1, root=tmp_path)
+
+
+def _references(root, rollout):
+    """B's per-row response log-probs with A's routing replayed and with its own, and the
+    (token, layer) pairs where B's own routing differs from A's (and of how many)."""
+    from rl_megatron.checkpoint.hf_builders import build_actor
+
+    model_b = build_actor(root / "b", tp=1, pp=1, dtype=torch.float32)[0].eval()
+    replayed, own, differ, recorded = [], [], 0, 0
+    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
+        routing = torch.cat([rollout[i], torch.full((1, LAYERS, TOPK), -1)])
+        _, lp = _row_forward(model_b, p + r, routing)
+        replayed.append(lp[len(p) - 1 :])
+        seen, lp = _row_forward(model_b, p + r)
+        own.append(lp[len(p) - 1 :])
+        differ += int((seen[:-1] != rollout[i]).any(-1).sum())
+        recorded += rollout[i].shape[0] * LAYERS
+    return replayed, own, differ / recorded, 1 / recorded
+
+
+def _role_body(rank: int, world_size: int, root) -> None:
+    from rl_megatron.checkpoint.hf_builders import build_actor
+    from rl_megatron.config import OptimConfig
+    from rl_megatron.rollout.batch import RolloutBatch
+    from rl_megatron.trainer.experience import training_batch
+    from rl_megatron.trainer.roles import MegatronRole
+
+    _init()
+    rollout = _rollout_routing(root)
+    replayed, own, frac, one_pair = _references(root, rollout)
+    batch = training_batch(
+        RolloutBatch.from_sequences(
+            PROMPTS, RESPONSES, None, ["length"] * len(PROMPTS), routed_experts=rollout
+        )
+    )
+    for pp, ep, pack in ((1, 1, False), (1, 1, True), (2, 1, False), (1, 2, False)):
+        if pp * ep > world_size:
+            continue
+        _init(pp, ep)
+        where = f"pp{pp} ep{ep} pack={pack}"
+        for replay, expected in ((True, replayed), (False, own)):
+            chunks = build_actor(root / "b", tp=1, pp=pp, dtype=torch.float32)
+            role = MegatronRole(
+                chunks, micro_batch_size=2, pack_sequences=pack, router_replay=replay
+            )
+            role.compare_routing = True
+            log_prob = role.forward_only(batch)["log_prob"]
+            for i, ref in enumerate(expected):
+                err = (log_prob[i, : len(ref)] - ref).abs().max().item()
+                assert err < LOGPROB_TOL, f"{where} replay={replay} row {i}: {err:.2e}"
+            got = role.routing_mismatch_frac()
+            if not replay:
+                assert abs(got - frac) <= one_pair + 1e-12, f"{where}: mismatch {got} vs {frac}"
+        trained = MegatronRole(
+            build_actor(root / "b", tp=1, pp=pp, dtype=torch.float32),
+            optim=OptimConfig(lr=1e-4),
+            micro_batch_size=2,
+            pack_sequences=pack,
+            router_replay=True,
+        )
+        metrics = trained.train_step(
+            {**batch, "advantages": torch.ones_like(batch["response_mask"], dtype=torch.float)},
+            lambda out, mb, totals: ((-out["log_prob"] * mb["response_mask"]).sum() / 64, {}),
+        )
+        assert metrics["update_successful"] == 1.0, f"{where}: {metrics}"
+
+
+@pytest.mark.slow
+def test_role_replays_the_rollout_routing(tmp_path):
+    _make_checkpoints(tmp_path)
+    run_on_ranks(_role_body, world_size=2, root=tmp_path)
