@@ -108,8 +108,8 @@ import torch.distributed as dist
 from ab import interleave, target_record
 from bench_utils import sync
 from phase_probes import GC_PAUSES
-from rollout_common import batch_tokens, error_text, greedy, max_model_len, rows_equal
-from rollout_engines_vllm import build_vllm_engine, shared_vllm_kwargs, standalone_sampling_params
+from rollout_common import batch_tokens, error_text, greedy, rows_equal
+from rollout_engines_vllm import build_standalone, build_vllm_engine, standalone_sampling_params
 
 MODES = ("greedy", "sampled", "sampled_unseeded")
 TARGET, WORST_TARGET = 0.98, 0.95  # issue 21: median, worst round
@@ -133,40 +133,6 @@ PROFILED = {
     "all_gather_object": "distributed/distributed_c10d.py",
     "generate": "entrypoints/llm.py",
 }
-
-
-def build_standalone(ckpt: Path, args) -> tuple[Any, dict[str, Any]]:
-    """The standalone `vllm.LLM`, as `rollout_engines_vllm.bench_vllm_standalone` builds it,
-    kept alive; returns it and its start-up record."""
-    import vllm
-    import vllm.envs as envs
-
-    if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-        raise RuntimeError(
-            "VLLM_ENABLE_V1_MULTIPROCESSING=0: the standalone engine would run in this process"
-        )
-    kwargs: dict[str, Any] = dict(
-        model=str(ckpt),
-        dtype=args.dtype,
-        max_model_len=max_model_len(args),
-        gpu_memory_utilization=args.gpu_memory_utilization,
-        seed=0,
-        skip_tokenizer_init=True,  # the random checkpoint has no tokenizer
-        **shared_vllm_kwargs(args),
-    )
-    if not torch.cuda.is_available():
-        kwargs["enforce_eager"] = True  # as VllmEngine on CPU
-    # See bench_vllm_standalone: a one-rank group on the loopback, and no client-only
-    # TCP store in the engine-core process.
-    os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-    start = time.perf_counter()
-    try:
-        llm = vllm.LLM(**kwargs)
-    finally:
-        if agent_store is not None:
-            os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
-    return llm, {"startup_s": time.perf_counter() - start, "vllm_kwargs": kwargs}
 
 
 def output_tokens(outputs) -> list[list[int]]:

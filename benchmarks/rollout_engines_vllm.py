@@ -42,12 +42,13 @@ def standalone_sampling_params(args) -> Any:
     )
 
 
-def bench_vllm_standalone(ckpt: Path, prompts: list[list[int]], args, result):
+def build_standalone(ckpt: Path, args) -> tuple[Any, dict[str, Any]]:
+    """The standalone `vllm.LLM` (its own engine-core process) and its start-up record:
+    `bench_vllm_standalone` times and shuts it down, `rollout_ab.py` keeps it alive."""
     import vllm
     import vllm.envs as envs
 
     if not envs.VLLM_ENABLE_V1_MULTIPROCESSING:
-        # In-process, its shutdown would tear down torch.distributed (vllm_engine.py).
         raise RuntimeError(
             "VLLM_ENABLE_V1_MULTIPROCESSING=0: the standalone engine would run in this "
             "process; run `--engines vllm-standalone` alone and merge with --merge-json"
@@ -69,15 +70,19 @@ def bench_vllm_standalone(ckpt: Path, prompts: list[list[int]], args, result):
     # store as a client only, so no one serves it and the start hung (RESULTS.md: third
     # and fourth runs) until the variable was left out of the child's environment.
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
-    free_before = free_gib()
-    start = time.perf_counter()
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    start = time.perf_counter()
     try:
         llm = vllm.LLM(**kwargs)
     finally:
         if agent_store is not None:
             os.environ["TORCHELASTIC_USE_AGENT_STORE"] = agent_store
-    info: dict[str, Any] = {"startup_s": time.perf_counter() - start, "vllm_kwargs": kwargs}
+    return llm, {"startup_s": time.perf_counter() - start, "vllm_kwargs": kwargs}
+
+
+def bench_vllm_standalone(ckpt: Path, prompts: list[list[int]], args, result):
+    free_before = free_gib()
+    llm, info = build_standalone(ckpt, args)
     params = standalone_sampling_params(args)
 
     def run(b: int) -> list[list[int]]:
