@@ -73,8 +73,10 @@ MUTATIONS = [
     (
         "critic reads the wrong column",
         ROLES,
-        'index = batch["gather_index"] + (1 - self.output_shift) * self.value_head',
-        'index = batch["gather_index"] + self.value_head',
+        'index = batch["gather_index"] + (1 - self.output_shift) * self.value_head\n'
+        "        index = index.clamp(max=output.shape[1] - 1)",
+        'index = batch["gather_index"] + self.value_head\n'
+        "        index = index.clamp(max=output.shape[1] - 1)",
         ONE_RANK,
     ),
     (
@@ -87,8 +89,8 @@ MUTATIONS = [
     (
         "seq-mean-token-sum-norm by the micro-batch's width",
         TRAINER,
-        "totals=totals,\n            norm_len=norm_len,\n        )\n        if a.entropy_coeff",
-        "totals=totals,\n        )\n        if a.entropy_coeff",
+        "norm_len=norm_len,\n            loss_mode=a.policy_loss,",
+        "loss_mode=a.policy_loss,",
         ONE_RANK,
     ),
     (
@@ -122,8 +124,8 @@ MUTATIONS = [
     (
         "advantages whitened per DP rank",
         TRAINER,
-        "            group=self.dp_group,\n        )\n\n        # 4. Update",
-        "            group=None,\n        )\n\n        # 4. Update",
+        "            group=self.dp_group,\n        )\n\n        # 4. Off-policy correction",
+        "            group=None,\n        )\n\n        # 4. Off-policy correction",
         TP_DP,
     ),
     (
