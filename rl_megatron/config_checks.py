@@ -51,7 +51,7 @@ def validate(config: Config, world_size: int) -> ParallelLayout:
         _check_megatron_engine(config.rollout, p)
     _check_router_replay(config)
     if config.model.num_experts:
-        _check_moe_engine(config.rollout, p, config.model)
+        _check_moe_engine(config.rollout, config.model)
         _require(
             not config.checkpoint.save_hf or p.ep == 1,
             "checkpoint.save_hf",
@@ -369,7 +369,7 @@ def _check_megatron_engine(r: RolloutConfig, p: ParallelConfig) -> None:
     )
 
 
-def _check_moe_engine(r: RolloutConfig, p: ParallelConfig, m: ModelConfig) -> None:
+def _check_moe_engine(r: RolloutConfig, m: ModelConfig) -> None:
     if r.engine == "vllm":
         # Resharding fills vLLM's fused experts as vLLM splits them without expert
         # parallelism: every expert on every rank, its FFN split over rollout.tp.
