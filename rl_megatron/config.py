@@ -121,6 +121,12 @@ class RolloutConfig:
     prompt_overflow: Literal["truncate_left", "filter", "reject"] = "truncate_left"
     gpu_memory_utilization: float = 0.5  # fraction of GPU memory vLLM may use (weights + KV)
     enable_sleep_mode: bool = True  # free vLLM's KV cache and weights while training runs
+    # What a sleeping engine keeps of its weights while the roles train. 2: nothing (every
+    # sync rewrites all of them, so keeping them is wasted work: level 1 copies them to
+    # host memory at every sleep and back at every wake, 2x the weights over PCIe per
+    # step). 1: a host copy. Between the rounds of dynamic sampling the engine always
+    # sleeps at 1: the next round generates with the same weights, without a sync.
+    sleep_level: Literal[1, 2] = 2
     enforce_eager: bool = False  # no CUDA graphs in generation (vLLM's, Megatron engine's)
     # Ask vLLM for each sampled token's log-prob (verl's key). null: exactly when
     # algorithm.rollout_correction needs them (the behaviour policy's log-probs); with them
@@ -318,6 +324,10 @@ class DataConfig:
     # the end-to-end tests. It brings its own character tokenizer; model.vocab_size >= 100.
     synthetic_task: Literal["digit_echo"] | None = None
     synthetic_size: int = 1024  # training prompts; validation uses data.val_batch_size
+    # Prompts of this many tokens (k digits and their spaces: 2k - 1; an even length is
+    # one short) instead of 5-11: the demo task at the lengths of a real one, for
+    # throughput measurements. null: the demo's own.
+    synthetic_prompt_length: int | None = None
     val_size: int | None = None  # synthetic validation prompts; None = data.val_batch_size
 
 

@@ -281,6 +281,10 @@ class PPOTrainer:
             actor_on_device.enter_context(self.roles.actor.on_device())
             with self.phases.time("reshard"):
                 sync = self._sync_engine(version=self.step)
+            # Not part of the weight sync: the memory the roles trained in goes back to
+            # the engine (its cost grows with the KV cache, not with the weights).
+            with self.phases.time("wake_kv_cache"):
+                self._wake_kv_cache()
             if not self.engine.generates_with_trainer_modules:
                 actor_on_device.close()  # the engine has its own copy now
             collected = collect_groups(
@@ -302,7 +306,12 @@ class PPOTrainer:
         prompts = [self.data.train.input_ids[i] for i in indices]
         with self.phases.time("generate"):
             rollout = self._generate(prompts, self._sampling(self.step, round_index=round_index))
-        self.engine.sleep(level=1)
+        # Another round generates with these weights (no sync before it): keep them.
+        self.engine.sleep(
+            level=1
+            if self.config.algorithm.dynamic_sampling.enable
+            else self.config.rollout.sleep_level
+        )
         self._record_device_used("engine_asleep")
         with self.phases.time("reward"):
             samples = [indices[int(g)] for g in rollout.group_index]
@@ -323,12 +332,13 @@ class PPOTrainer:
         return Round(rollout, scores, per_row, m.get("reward/errors"))
 
     def _sync_engine(self, version: int, phase: str = "reshard") -> dict[str, float]:
-        """Put the actor's current weights into the engine as `version`: the engine's
-        weights wake first, its KV cache once they are in (`RolloutEngine.wake`).
+        """Put the actor's current weights into the engine as `version`: its weights wake
+        first; its KV cache wakes once they are in (`_wake_kv_cache`, `RolloutEngine.wake`).
 
-        Each part is timed (`timing_parts_s/<phase>/<part>`): waking the weights, the sync (its
-        host-side pieces in `reshard/*_s`: preparing the plan, the engine's begin, issuing
-        the copies, the engine's finish with its prefix-cache reset), waking the KV cache."""
+        Each part is timed (`timing_parts_s/<phase>/<part>`): waking the weights (after a
+        level-2 sleep: mapping their memory back, nothing copied), the sync (its host-side
+        pieces in `reshard/*_s`: preparing the plan, the engine's begin, issuing the
+        copies, the engine's finish with its prefix-cache reset)."""
         with self.phases.part(phase, "wake_weights"):
             self.engine.wake(["weights"])
         if version == 0 and self.engine.weight_version == 0 and not self.resumed:
@@ -338,9 +348,6 @@ class PPOTrainer:
         else:
             with self.phases.part(phase, "sync"):
                 stats = self.engine.sync_from(self.roles.actor.model, version)
-        with self.phases.part(phase, "wake_kv_cache"):
-            self.engine.wake(["kv_cache"])
-        self._record_device_used("engine_awake")
         if stats is None:
             return {}
         return {
@@ -351,6 +358,12 @@ class PPOTrainer:
             "reshard/issue_copies_s": stats.wall_s,
             "reshard/finish_s": stats.finish_s,
         }
+
+    def _wake_kv_cache(self) -> None:
+        """The engine's KV cache back, after its weights: peak memory never holds two
+        models plus a KV cache."""
+        self.engine.wake(["kv_cache"])
+        self._record_device_used("engine_awake")
 
     def _record_device_used(self, state: str) -> None:
         """Device memory in use (the driver's figure) with the engine in `state`: the
@@ -468,6 +481,7 @@ class PPOTrainer:
             return {}
         with self.roles.actor.on_device():
             self._sync_engine(version=self.step, phase="evaluate")
+            self._wake_kv_cache()
         totals = torch.zeros(3, dtype=torch.float64)  # reward sum, length sum, count
         batches = eval_batches(
             len(val), self.config.data.val_batch_size, self.dp_rank, self.dp_size
@@ -493,7 +507,7 @@ class PPOTrainer:
                     [scores.sum().item(), rollout.response_lengths.sum().item(), len(rows)],
                     dtype=torch.float64,
                 )
-        self.engine.sleep(level=1)
+        self.engine.sleep(level=self.config.rollout.sleep_level)
         totals = totals.to(self.device)
         dist.all_reduce(totals, group=self.dp_group)
         count = max(totals[2].item(), 1.0)

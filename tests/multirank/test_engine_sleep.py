@@ -1,0 +1,86 @@
+"""How deeply the trainer puts its engine to sleep, and that it syncs before every generate.
+
+`rollout.sleep_level` 2 (the default) lets the engine drop its weights while the roles
+train: the next sync rewrites every one of them, so a host copy (level 1) would be moved
+out and back for nothing. Between the rounds of dynamic sampling the engine keeps them
+(level 1): the next round generates with the same weights and no sync comes before it.
+The engine refuses to generate after a level-2 sleep until a full update
+(`RolloutEngine.generate`), so a trainer that slept deeply and skipped a sync fails here.
+
+One rank, the replayed rollout of `tests/trainer_probe.py`, two steps and an evaluation.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.spawn import run_on_ranks
+from tests.trainer_probe import build_probe_trainer, probe_config
+
+
+def _record(trainer) -> tuple[list[int], list[int | None]]:
+    """The level of every `sleep`, and the weight version at every `generate`."""
+    levels: list[int] = []
+    versions: list[int | None] = []
+    engine = trainer.engine
+    sleep, generate = engine.sleep, engine.generate
+
+    def recorded_sleep(level: int = 1) -> None:
+        levels.append(level)
+        sleep(level)
+
+    def recorded_generate(*args, **kwargs):
+        versions.append(engine.weight_version)
+        return generate(*args, **kwargs)
+
+    engine.sleep, engine.generate = recorded_sleep, recorded_generate
+    return levels, versions
+
+
+def _body(rank, world_size, tmp_path, overrides, expected_levels):
+    from rl_megatron.distributed import distributed_run
+
+    config = probe_config(
+        tmp_path,
+        {},
+        [
+            "algorithm.adv_estimator=grpo",
+            "trainer.total_steps=2",
+            "data.val_batch_size=4",
+            *overrides,
+        ],
+    )
+    with distributed_run(seed=config.trainer.seed, timeout_s=120) as run:
+        trainer = build_probe_trainer(config, run, total_steps=2)
+        trainer.data.val = trainer.data.train  # an evaluation set: the same prompts
+        levels, versions = _record(trainer)
+        for _ in range(2):
+            trainer.train_step()
+            trainer.step += 1
+        trainer.evaluate()
+        assert levels == expected_levels, levels
+        # Step 1 generates with the weights the engine started from; every later generate
+        # with the actor's weights of that step, synced after the deep sleep.
+        assert versions[0] == 0 and versions[-1] == 2, versions
+        assert all(v is not None for v in versions), versions
+
+
+@pytest.mark.parametrize(
+    "overrides, expected_levels",
+    [
+        ([], [2, 2, 2]),  # two rollouts, then the evaluation
+        # Dynamic sampling: a round may be followed by another without a sync in between.
+        (
+            [
+                "algorithm.dynamic_sampling.enable=true",
+                "algorithm.dynamic_sampling.max_extra_rounds=0",
+            ],
+            [1, 1, 2],
+        ),
+    ],
+    ids=["default", "dynamic_sampling"],
+)
+def test_sleep_level(tmp_path, overrides, expected_levels):
+    run_on_ranks(
+        _body, world_size=1, tmp_path=tmp_path, overrides=overrides, expected_levels=expected_levels
+    )
