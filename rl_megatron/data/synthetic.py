@@ -107,12 +107,13 @@ class CharTokenizer:
 
 
 def synthetic_dataset(
-    task: str, num_prompts: int, seed: int, split: str = "train"
+    task: str, num_prompts: int, seed: int, split: str = "train", length: int | None = None
 ) -> PromptDataset:
-    """`num_prompts` records of `task`, a pure function of (seed, split).
+    """`num_prompts` records of `task`, a pure function of (seed, split, length).
 
     Records are `{"prompt": "3 8 1", "answer": "1"}`; sources read `synthetic:<split>:<i>`
-    so that error messages name the record as they would a file line.
+    so that error messages name the record as they would a file line. `length`: every
+    prompt has (length + 1) // 2 digits, 2k - 1 tokens for k digits (None: 3 to 6 digits).
     """
     if task not in SYNTHETIC_TASKS:
         raise DataError(
@@ -120,12 +121,15 @@ def synthetic_dataset(
         )
     if num_prompts <= 0:
         raise DataError(f"data.synthetic_size: must be > 0, got {num_prompts}")
+    if length is not None and length < 1:
+        raise DataError(f"data.synthetic_prompt_length: must be >= 1, got {length}")
     # Train and validation draw from different streams, so evaluation prompts are held out
     # in the sense of never being the same draw (the task space is small; that is fine).
     rng = np.random.default_rng([seed, 0 if split == "train" else 1])
     samples, sources = [], []
     for i in range(num_prompts):
-        digits = rng.integers(0, 10, size=int(rng.integers(3, 7)))
+        count = int(rng.integers(3, 7)) if length is None else (length + 1) // 2
+        digits = rng.integers(0, 10, size=count)
         samples.append({"prompt": " ".join(map(str, digits)), "answer": str(digits[-1])})
         sources.append(f"synthetic:{split}:{i}")
     return PromptDataset(samples, sources, prompt_key="prompt", files=[f"synthetic:{task}"])

@@ -65,9 +65,10 @@ def build_data(config: Config, logger: logging.Logger) -> TrainingData:
     overflow = r.prompt_overflow
     if d.synthetic_task is not None:
         tokenizer = CharTokenizer()
-        train_set = synthetic_dataset(d.synthetic_task, d.synthetic_size, config.trainer.seed)
+        seed, length = config.trainer.seed, d.synthetic_prompt_length
+        train_set = synthetic_dataset(d.synthetic_task, d.synthetic_size, seed, length=length)
         val_size = d.val_size or d.val_batch_size
-        val_set = synthetic_dataset(d.synthetic_task, val_size, config.trainer.seed, "val")
+        val_set = synthetic_dataset(d.synthetic_task, val_size, seed, "val", length=length)
     else:
         from rl_megatron.data.datasets import dataset_from_config
 

@@ -80,6 +80,12 @@ def test_char_tokenizer_round_trip_and_specials():
 
 def test_synthetic_dataset_is_a_pure_function_of_seed_and_split():
     a = synthetic_dataset("digit_echo", 50, seed=1)
+    long = synthetic_dataset("digit_echo", 5, seed=1, length=511)
+    assert [len(s["prompt"]) for s in long.samples] == [511] * 5
+    assert all(s["answer"] == s["prompt"][-1] for s in long.samples)
+    assert len(synthetic_dataset("digit_echo", 1, seed=1, length=8).samples[0]["prompt"]) == 7
+    with pytest.raises(DataError, match="data.synthetic_prompt_length"):
+        synthetic_dataset("digit_echo", 5, seed=1, length=0)
     assert a.samples == synthetic_dataset("digit_echo", 50, seed=1).samples
     assert a.samples != synthetic_dataset("digit_echo", 50, seed=2).samples
     assert a.samples != synthetic_dataset("digit_echo", 50, seed=1, split="val").samples
