@@ -111,6 +111,8 @@ def bench_config(args):
         f"model.vocab_size={args.vocab}",
         "model.hf_path=null",
         "rollout.engine=vllm",
+        # Nothing is generated here: no compilation or graph capture at start-up.
+        "rollout.enforce_eager=true",
         f"rollout.sleep_level={args.sleep_level}",
         f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
         "algorithm.adv_estimator=grpo",
