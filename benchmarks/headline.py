@@ -10,13 +10,15 @@ a spread (one timed run, not an A/B) is never met.
 
 Where rows come from: a JSON that lists `"targets"` (records made by `ab.target_record`, as
 `rollout_ab.py` writes) needs nothing more. A benchmark whose JSON says its targets some
-other way gets a function in `EXTRACTORS` under its `"benchmark"` name (the hooks for
-`reshard` and `trainer_step` are there, empty until those benchmarks time A/B rounds).
+other way gets a function in `EXTRACTORS` under its `"benchmark"` name (`trainer_step`:
+the actor update against the plain loops that bracket it). A run's `metrics.jsonl` gives
+the row of the step after an evaluation.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -32,15 +34,94 @@ def rows_from_targets(data: dict, path: Path) -> list[Row]:
     return [{"json": str(path)} | {k: v for k, v in t.items() if v != ""} for t in data["targets"]]
 
 
+def _row(name: str, ratios: list[float], target: float, higher_is_better: bool, **extra) -> Row:
+    """A target row from per-round ratios (worst round bound = the target)."""
+    return {
+        "name": name,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "repeats": len(ratios),
+        "target": target,
+        "worst_target": target,
+        "higher_is_better": higher_is_better,
+        **extra,
+    }
+
+
+# Issue 19 (MoE) and issue 8 (dense): the actor update ≥ 0.9× a plain megatron-core loop.
+UPDATE_VS_PLAIN_TARGET = 0.9
+
+
+def rows_from_trainer_step(data: dict, path: Path) -> list[Row]:
+    """trainer_bench.py: per algorithm, the actor update's tokens/s of each timed step over
+    each plain loop's (the one before the trainers and the one after them), so the spread
+    holds both the steps' and the host's drift. Not an interleaved A/B: the plain loops
+    bracket the trainer's steps instead."""
+    plain = [
+        data[k]["tokens_per_s_per_gpu"] for k in ("plain_loop", "plain_loop_after") if k in data
+    ]
+    world = data.get("environment", {}).get("world_size", 1)
+    rows = []
+    for algorithm, res in data.get("trainer", {}).items():
+        steps = [s for s in res.get("timed_steps") or [] if s.get("timing_s/update_actor")]
+        if not steps or not plain:
+            continue
+        model = res.get("config", {}).get("model", {})
+        experts = model.get("num_experts") or 0
+        shape = f"{model.get('num_layers')}L h{model.get('hidden_size')}"
+        if experts:
+            shape += f", {experts} experts top-{model.get('moe_router_topk')}"
+        rates = [s["bench/actor_update_tokens"] / s["timing_s/update_actor"] / world for s in steps]
+        rows.append(
+            _row(
+                f"{algorithm} actor update ÷ plain megatron-core loop ({shape})",
+                [r / p for r in rates for p in plain],
+                UPDATE_VS_PLAIN_TARGET,
+                True,
+                command=data.get("environment", {}).get("command", ""),
+                json=str(path),
+            )
+        )
+    return rows
+
+
+# Issue 21: the step after an evaluation within 10 % of the median step.
+AFTER_EVAL_TARGET = 1.10
+
+
+def rows_from_metrics(lines: list[dict], path: Path) -> list[Row]:
+    """A run's metrics.jsonl: each step right after an evaluation (its row reports
+    `timing_s/evaluate`) generates in how many times the median step's time. The first
+    step (graph capture, compilation) is left out of the median."""
+    generate = {r["step"]: r["timing_s/generate"] for r in lines if "timing_s/generate" in r}
+    after_eval = [r["step"] for r in lines if "timing_s/evaluate" in r and r["step"] in generate]
+    later = [t for step, t in generate.items() if step > min(generate, default=0)]
+    if not after_eval or not later:
+        return []
+    median = statistics.median(later)
+    return [
+        _row(
+            "generate: the step after an evaluation ÷ the median step",
+            [generate[step] / median for step in after_eval],
+            AFTER_EVAL_TARGET,
+            False,
+            json=str(path),
+        )
+    ]
+
+
 # benchmark name → rows; benchmarks that write "targets" need no entry.
 EXTRACTORS: dict[str, Callable[[dict, Path], list[Row]]] = {
-    # "reshard": reshard_bench.py (sync ÷ copy floor, ≤ 3×; higher_is_better=False)
-    # "trainer_step": trainer_bench.py (trainer ÷ plain megatron-core loop)
+    "trainer_step": rows_from_trainer_step,
 }
 
 
 def load_rows(path: Path) -> tuple[list[Row], str | None]:
-    """Rows of one JSON file, and a note when it has none."""
+    """Rows of one JSON file (or a run's metrics `.jsonl`), and a note when it has none."""
+    if path.suffix == ".jsonl":
+        rows = rows_from_metrics([json.loads(x) for x in path.read_text().splitlines()], path)
+        return rows, None if rows else f"{path}: no step after an evaluation"
     data = json.loads(path.read_text())
     name = data.get("benchmark", "?")
     if name in EXTRACTORS:

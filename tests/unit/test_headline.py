@@ -91,3 +91,36 @@ def test_files_without_targets_are_noted_and_extractors_are_used(tmp_path, monke
     out = capsys.readouterr().out
     assert len(out.splitlines()) == 5  # header, rule, the hook's row, two rollout rows
     assert "| from hook | 1.000× |" in out
+
+
+def test_actor_update_against_the_plain_loops_that_bracket_it(tmp_path):
+    steps = [  # 1000 and 800 tokens/s
+        {"timing_s/update_actor": 2.0, "bench/actor_update_tokens": 2000.0},
+        {"timing_s/update_actor": 2.5, "bench/actor_update_tokens": 2000.0},
+    ]
+    model = {"num_layers": 2, "hidden_size": 64, "num_experts": 4, "moe_router_topk": 2}
+    data = {
+        "benchmark": "trainer_step",
+        "environment": {"world_size": 2, "command": "torchrun t.py"},
+        "plain_loop": {"tokens_per_s_per_gpu": 500.0},
+        "plain_loop_after": {"tokens_per_s_per_gpu": 400.0},
+        "trainer": {"grpo": {"timed_steps": steps, "config": {"model": model}}},
+    }
+    (row,) = headline.load_rows(write(tmp_path / "t.json", data))[0]
+    # Per GPU: 500 and 400 tokens/s, over 500 and 400: 1.0, 0.8, 1.25, 1.0.
+    assert (row["ratio_min"], row["ratio_max"], row["repeats"]) == (0.8, 1.25, 4)
+    assert row["ratio_median"] == 1.0 and row["target"] == 0.9 and row["higher_is_better"]
+    assert "4 experts top-2" in row["name"] and row["command"] == "torchrun t.py"
+
+
+def test_the_step_after_an_evaluation_against_the_median_step(tmp_path):
+    generate = [40.0, 1.0, 1.1, 1.3, 0.9, 1.0]  # step 1 captures; steps 4 and 6 follow evals
+    lines = [{"step": i + 1, "timing_s/generate": t} for i, t in enumerate(generate)]
+    lines[3]["timing_s/evaluate"] = lines[5]["timing_s/evaluate"] = 0.8
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    (row,) = headline.load_rows(path)[0]
+    # Median of steps 2-6: 1.0; after evaluations 1.3 and 1.0.
+    assert (row["ratio_min"], row["ratio_max"]) == (1.0, 1.3)
+    assert row["target"] == 1.1 and not row["higher_is_better"]
+    assert "**no**" in headline.table([row])
