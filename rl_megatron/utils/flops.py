@@ -1,11 +1,16 @@
-"""FLOPs and MFU for dense decoder-only transformers.
+"""FLOPs and MFU for decoder-only transformers, dense or mixture-of-experts.
 
 Training FLOPs per token = 6·N (forward 2·N, backward 4·N, N = non-embedding matmul
-parameters plus the output layer) + the attention score/value matmuls,
+parameters a token passes through, plus the output layer) + the attention score/value matmuls,
 6 · 2 · layers · heads · head_dim · seq_len per token (heads · head_dim = hidden unless the
 model sets its own head_dim, as Qwen3 and some Mistrals do) for full (non-causal-skipping)
 attention kernels; causal kernels do half, which is what `causal=True` counts (Chinchilla,
 Hoffmann et al. 2022, App. F; PaLM, Chowdhery et al. 2022, App. B).
+
+Mixture of experts: a token passes through the router (hidden × experts) and its top-k
+experts only, so N counts k expert FFNs per layer, not all of them (an MoE model's "active
+parameters"). Token dispatch (permutation, all-to-all) does no matmul work and is not
+counted.
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ class TransformerShape:
     vocab_size: int
     gated_mlp: bool = True  # SwiGLU: three FFN matrices instead of two
     head_dim: int | None = None  # None = hidden_size // num_attention_heads
+    # Mixture of experts (0 = dense): routed experts per layer and experts per token; an
+    # expert's FFN width is then `ffn_hidden_size` (HFModelInfo's moe_ffn_hidden_size).
+    num_experts: int = 0
+    moe_topk: int = 0
 
     @classmethod
     def of(cls, info) -> TransformerShape:
@@ -38,6 +47,8 @@ class TransformerShape:
             info.num_key_value_heads,
             info.vocab_size,
             head_dim=info.head_dim,
+            num_experts=getattr(info, "num_experts", 0),
+            moe_topk=getattr(info, "moe_topk", 0),
         )
 
     @property
@@ -47,11 +58,14 @@ class TransformerShape:
         return self.num_attention_heads * head_dim
 
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token (embedding lookup excluded)."""
+        """Parameters that take part in a matmul per token (embedding lookup excluded);
+        with experts, the router and the top-k experts a token is routed to."""
         q = self.q_width
         kv = 2 * self.num_query_groups * (q // self.num_attention_heads)
         attention = self.hidden_size * (q + kv) + q * self.hidden_size  # QKV + o_proj
         ffn = (3 if self.gated_mlp else 2) * self.hidden_size * self.ffn_hidden_size
+        if self.num_experts:
+            ffn = self.moe_topk * ffn + self.hidden_size * self.num_experts  # + router
         return self.num_layers * (attention + ffn) + self.hidden_size * self.vocab_size
 
 

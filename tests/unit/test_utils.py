@@ -71,6 +71,32 @@ def test_flops_per_token_matches_hand_count():
     )
 
 
+def test_moe_flops_count_the_router_and_the_top_k_experts_only():
+    # The hand-count shape above with 4 experts of FFN 8, top-2: each token passes through
+    # the router (4 × 4) and 2 experts, whatever the number of experts.
+    moe = TransformerShape(1, 4, 8, 2, 1, 10, num_experts=4, moe_topk=2)
+    attn = 4 * (4 + 2 * 1 * 2) + 4 * 4
+    assert moe.matmul_params() == attn + 2 * 3 * 4 * 8 + 4 * 4 + 4 * 10
+    more = TransformerShape(1, 4, 8, 2, 1, 10, num_experts=64, moe_topk=2)
+    assert more.matmul_params() - moe.matmul_params() == 4 * (64 - 4)  # the router only
+    # Qwen3-30B-A3B (48 layers, hidden 2048, 32 heads of 128, 4 KV groups, 128 experts of
+    # FFN 768, top-8, untied vocab 151936): its model card gives 3.3B activated parameters,
+    # which count the input embedding too.
+    a3b = TransformerShape(48, 2048, 768, 32, 4, 151936, head_dim=128, num_experts=128, moe_topk=8)
+    assert a3b.matmul_params() + 2048 * 151936 == pytest.approx(3.3e9, rel=0.02)
+
+
+def test_transformer_shape_of_moe_model_facts():
+    from types import SimpleNamespace
+
+    info = SimpleNamespace(num_layers=4, hidden_size=64, ffn_hidden_size=32,
+                           num_attention_heads=4, num_key_value_heads=2, vocab_size=100,
+                           head_dim=16, num_experts=8, moe_topk=2)  # fmt: skip
+    assert TransformerShape.of(info) == TransformerShape(
+        4, 64, 32, 4, 2, 100, head_dim=16, num_experts=8, moe_topk=2
+    )
+
+
 def test_launch_env_torchrun_then_slurm():
     env = launch_env({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3", "MASTER_ADDR": "n1"})
     assert (env.rank, env.world_size, env.local_rank, env.master_addr) == (3, 8, 3, "n1")
