@@ -1,5 +1,8 @@
 """The plain megatron-core training loop `trainer_bench.py` compares the trainer's actor
 update against: the same model shape, builder and parallel layout, none of our role code.
+A mixture of experts (`model.num_experts`) is built as the actor is (megatron-core's
+`MoELayer`, the same router and expert settings); its MFU counts the FLOPs of the router and
+the top-k experts a token passes through (`utils.flops`), as the trainer's does.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ def plain_loop(config, info, args, masked: bool = False, profile: bool = True) -
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from rl_megatron.models.builders import build_gpt_chunks
+    from rl_megatron.models.hf_config import moe_loss_overrides
     from rl_megatron.trainer.build import DTYPES
     from rl_megatron.utils.flops import flops_per_token
 
@@ -44,13 +48,18 @@ def plain_loop(config, info, args, masked: bool = False, profile: bool = True) -
         config.actor.mini_batch_size // (config.actor.micro_batch_size * dp)
     )
     before_gb = allocated_gb()
-    chunks = build_gpt_chunks(
-        info,
-        tp=p.tp,
-        pp=p.pp,
-        dtype=dtype,
-        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
-    )
+    # The actor's TransformerConfig extras (trainer/build.py, `build_roles`): sequence
+    # parallelism, the actor's recompute and, with experts, its router losses (off unless
+    # model.moe_*_loss_coeff say otherwise). The rest of an MoE layer (alltoall dispatcher,
+    # no token dropping, ep and etp from parallel_state) is the builder's, as for the actor.
+    extra = {
+        "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+        "sequence_parallel": p.sequence_parallel,
+        **config.actor.recompute.transformer_config(),
+    }
+    if m.num_experts:
+        extra.update(moe_loss_overrides(m.moe_aux_loss_coeff, m.moe_z_loss_coeff))
+    chunks = build_gpt_chunks(info, tp=p.tp, pp=p.pp, dtype=dtype, **extra)
     model_config = chunks[0].config
     ddp_config = DistributedDataParallelConfig(
         use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False

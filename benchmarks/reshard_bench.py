@@ -77,6 +77,25 @@ Two GPUs (NCCL; t=2 with t_g ∈ {2, 1}, p=2 with t_g ∈ {1, 2}, and pure DP):
 (`--model llama-1b` likewise; where `torchrun` is not on PATH, `python3 -m
 torch.distributed.run`. Each of these takes 20–35 s on H200s, start-up included.)
 
+Mixtures of experts (issue 19): `--model qwen3-moe-2b` is bench_h200_moe.yaml's Qwen3-MoE
+shape, synced into vLLM's fused-MoE layout (`w13_weight` / `w2_weight`, every expert on
+every rank); bytes, floors and ratios as for the dense models. A layout may name the
+expert-parallel and expert-TP sizes, `t,p,d,ep[,etp]` (etp defaults to 1, the trainer's
+default); "all" adds every ep that fits the world. One GPU (the experts come out of
+Megatron's one parameter per expert into the stacked tensors; floor: the device copy;
+under a minute, estimate):
+
+    torchrun --standalone --nproc_per_node 1 benchmarks/reshard_bench.py \
+        --model qwen3-moe-2b --dtype bfloat16 --bucket-mb 512 --repeats 10 \
+        --out-json reshard_h200_qwen3_moe_2b.json
+
+CPU (gloo; 4 layers, 4 experts; at 2 ranks "all" includes EP2 over DP and TP2·EP2):
+
+    .venv/bin/torchrun --standalone --nproc_per_node 1 benchmarks/reshard_bench.py \
+        --model qwen3-moe-tiny --out-json /tmp/reshard_moe_tiny.json
+    .venv/bin/torchrun --standalone --nproc_per_node 2 benchmarks/reshard_bench.py \
+        --model qwen3-moe-tiny --out-json /tmp/reshard_moe_tiny2.json
+
 Prints one JSON object (rank 0, stdout) and then a table (stderr).
 """
 
@@ -96,6 +115,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+# Qwen3-MoE fields shared by the MoE entries of MODELS (every layer sparse, QK-norm).
+_QWEN3_MOE = dict(model_type="qwen3_moe", norm_topk_prob=True, intermediate_size=128)
 MODELS = {
     # The resharding tests' Llama-GQA.
     "tiny": dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=8,
@@ -117,20 +138,48 @@ MODELS = {
     # Llama-2-7B's shape (6.74 B parameters, 13.5 GB in bf16).
     "llama2-7b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
                       num_key_value_heads=32, intermediate_size=11008, vocab_size=32000),
+    # Mixtures of experts into vLLM's fused-MoE layout (`w13_weight [E, 2·Fe/t_g, h]`,
+    # `w2_weight [E, h, Fe/t_g]` per layer, every expert on every rank; DESIGN.md "MoE
+    # resharding"). Tiny: tiny_moe_cpu.yaml's shape (4 layers, 4 experts of FFN 64, top-2).
+    "qwen3-moe-tiny": dict(_QWEN3_MOE, hidden_size=64, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                           vocab_size=512),
+    # bench_h200_moe.yaml's shape: 16 layers, 64 experts of FFN 512, top-8, head_dim 128,
+    # vocab 151936 (1.97 B parameters, 3.95 GB in bf16, 3.2 GB of it experts).
+    "qwen3-moe-2b": dict(_QWEN3_MOE, hidden_size=1024, num_hidden_layers=16,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=128,
+                         num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512,
+                         vocab_size=151936),
 }  # fmt: skip
 
 GB = 1e9
 
 
-def parse_layouts(text: str, world: int) -> list[tuple[int, int, int]]:
+def parse_layouts(text: str, world: int, experts: int = 0) -> list[tuple[int, ...]]:
+    """(t, p, d, ep, etp) per layout: `text` is "t,p,d[,ep[,etp]] ..." or "all".
+
+    experts: the model's routed experts (0 = dense: ep = etp = 1). "all" for an MoE model
+    adds every ep that divides the experts and fits the world (etp 1, the trainer's
+    default; with p > 1, megatron-core's order needs ep = t).
+    """
     if text == "all":
         out = []
         for t in (1, 2, 4, 8):
             for p in (1, 2, 4, 8):
-                if world % (t * p) == 0:
-                    out.append((t, p, world // (t * p)))
+                if world % (t * p):
+                    continue
+                for ep in (1, 2, 4, 8) if experts else (1,):
+                    fits = world % (ep * p) == 0 and (p == 1 or ep == t)
+                    if not experts or experts % ep == 0 and fits:
+                        out.append((t, p, world // (t * p), ep, 1))
         return out
-    return [tuple(int(x) for x in item.split(",")) for item in text.split()]
+    layouts = []
+    for item in text.split():
+        t, p, d, *expert = (int(x) for x in item.split(","))
+        ep, etp = (list(expert) + [1, 1])[:2]
+        layouts.append((t, p, d, ep, etp))
+    return layouts
 
 
 SUMMARY_KEYS = (
@@ -270,8 +319,10 @@ def summary(run: dict) -> dict:
     return out
 
 
-def run_layout(t: int, p: int, d: int, args, info, rank: int) -> list[dict]:
-    """Both paths for one training layout and every rollout TP; this rank's rows."""
+def run_layout(t: int, p: int, d: int, ep: int, etp: int, args, info, rank: int) -> list[dict]:
+    """Both paths for one training layout and every rollout TP; this rank's rows.
+
+    ep, etp: expert-parallel and expert-TP sizes (1, 1 for a dense model)."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -293,9 +344,16 @@ def run_layout(t: int, p: int, d: int, args, info, rank: int) -> list[dict]:
     dtype = getattr(torch, args.dtype)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    ps.initialize_model_parallel(t, p, order=MEGATRON_RANK_ORDER)
+    if info.is_moe:
+        ps.initialize_model_parallel(
+            t, p, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+            order=MEGATRON_RANK_ORDER,
+        )  # fmt: skip
+        training = TrainingLayout(t, p, d, ep=ep, etp=etp)
+    else:
+        ps.initialize_model_parallel(t, p, order=MEGATRON_RANK_ORDER)
+        training = TrainingLayout(t, p, d)
     model_parallel_cuda_manual_seed(0)
-    training = TrainingLayout(t, p, d)
     # Parameters only (no DDP wrapper, grad buffers or optimizer), initialised on the device.
     chunks = build_gpt_chunks(info, tp=t, pp=p, dtype=dtype)
     world = dist.get_world_size()
@@ -321,6 +379,8 @@ def run_layout(t: int, p: int, d: int, args, info, rank: int) -> list[dict]:
                 bucket_mb=args.bucket_mb,
                 tp_group=ps.get_tensor_model_parallel_group(),
                 pp_group=ps.get_pipeline_model_parallel_group(),
+                ep_group=ps.get_expert_model_parallel_group() if info.is_moe else None,
+                etp_group=ps.get_expert_tensor_parallel_group() if info.is_moe else None,
             ),
             device,
             *_rw(args),
@@ -340,6 +400,8 @@ def run_layout(t: int, p: int, d: int, args, info, rank: int) -> list[dict]:
             "t": t,
             "p": p,
             "d": d,
+            "ep": ep,
+            "etp": etp,
             "t_g": t_g,
             "d_g": t * p // t_g,
             "bit_exact_vs_full_gather": same,
@@ -394,7 +456,10 @@ def table(rows: list[dict]) -> str:
     """One line per (layout, t_g): bytes and peaks are the max over ranks, times the slowest."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["t"], r["p"], r["d"], r["t_g"]), []).append(r)
+        layout = f"{r['t']},{r['p']},{r['d']}"
+        if (r["ep"], r["etp"]) != (1, 1):
+            layout += f",{r['ep']},{r['etp']}"
+        groups.setdefault((layout, r["t_g"]), []).append(r)
 
     def top(rs, path, key):
         values = [r[path][key] for r in rs if r[path][key] is not None]
@@ -405,34 +470,36 @@ def table(rows: list[dict]) -> str:
         return cuda if cuda is not None else top(rs, path, "peak_staging_bytes")
 
     head = (
-        "t,p,d  t_g | recv MB  ours / fg | peak MB  ours / fg | ms  ours / fg | floor ms "
+        "t,p,d[,ep,etp]  t_g | recv MB  ours / fg | peak MB  ours / fg | ms  ours / fg | floor ms "
         "(kind) | ×floor ours / fg | exact"
     )
     lines = [head, "-" * len(head)]
-    for (t, p, d, t_g), rs in groups.items():
+    for (layout, t_g), rs in groups.items():
         ours_s, fg_s = top(rs, "reshard", "e2e_wall_s"), top(rs, "full_gather", "e2e_wall_s")
         floor_s = max(r["floor"]["s"] for r in rs)
         lines.append(
-            f"{t},{p},{d}  {t_g:>3} | {top(rs, 'reshard', 'bytes_received') / 1e6:8.1f} / "
+            f"{layout:<13}  {t_g:>3} | {top(rs, 'reshard', 'bytes_received') / 1e6:8.1f} / "
             f"{top(rs, 'full_gather', 'bytes_received') / 1e6:8.1f} | "
             f"{peak(rs, 'reshard') / 1e6:7.1f} / {peak(rs, 'full_gather') / 1e6:7.1f} | "
             f"{ours_s * 1e3:7.2f} / {fg_s * 1e3:7.2f} | {floor_s * 1e3:7.2f} "
             f"({rs[0]['floor']['kind']}) | {ours_s / floor_s:5.2f} / {fg_s / floor_s:5.2f} | "
             f"{all(r['bit_exact_vs_full_gather'] for r in rs)}"
         )
-    head = "t,p,d  t_g | sync host ms: prepare  begin  execute  finish | e2e ms (slowest rank)"
+    head = "t,p,d[,ep,etp]  t_g | sync host ms: prepare  begin  execute  finish | e2e ms (slowest rank)"
     lines += ["", head, "-" * len(head)]
-    for (t, p, d, t_g), rs in groups.items():
+    for (layout, t_g), rs in groups.items():
         phases = "  ".join(f"{top(rs, 'reshard', k) * 1e3:7.3f}" for k in HOST_PHASES)
         e2e = top(rs, "reshard", "e2e_wall_s") * 1e3
-        lines.append(f"{t},{p},{d}  {t_g:>3} |               {phases} | {e2e:7.3f}")
+        lines.append(f"{layout:<13}  {t_g:>3} |               {phases} | {e2e:7.3f}")
     return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="small")
-    parser.add_argument("--layouts", default="all", help='"t,p,d t,p,d ..." or "all"')
+    parser.add_argument(
+        "--layouts", default="all", help='"t,p,d[,ep[,etp]] ..." or "all"; ep, etp: MoE'
+    )
     parser.add_argument("--rollout-tp", default="1,2,4,8")
     parser.add_argument("--bucket-mb", type=float, default=64.0)
     parser.add_argument("--dtype", default=None, help="default: bfloat16 on GPU, float32 on CPU")
@@ -455,10 +522,11 @@ def main() -> None:
     env = launch_env()
     device = init_process_group(env, timeout_s=600)  # NCCL on cuda:LOCAL_RANK, else gloo
     rank, world = dist.get_rank(), dist.get_world_size()
-    info = parse_hf_config(dict(MODELS[args.model], model_type="llama", tie_word_embeddings=False))
+    shape = {"model_type": "llama", **MODELS[args.model], "tie_word_embeddings": False}
+    info = parse_hf_config(shape)
     rows = []
-    for t, p, d in parse_layouts(args.layouts, world):
-        mine = run_layout(t, p, d, args, info, rank)
+    for t, p, d, ep, etp in parse_layouts(args.layouts, world, info.num_experts):
+        mine = run_layout(t, p, d, ep, etp, args, info, rank)
         gathered = [None] * world
         dist.all_gather_object(gathered, mine)
         rows += [row for part in gathered for row in part]
@@ -467,6 +535,7 @@ def main() -> None:
         out = {
             "benchmark": "reshard",
             "model": args.model,
+            "model_type": info.model_type,
             "model_bytes": model_numel(info) * elem,
             "dtype": args.dtype,
             "world_size": world,

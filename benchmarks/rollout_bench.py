@@ -29,9 +29,10 @@ others' numbers; a failed section records `"error"` and no number):
 * `megatron`: `MegatronEngine` on the same actor's modules (CUDA graphs on a GPU), and
   `megatron-eager` the same without them (`use_cuda_graphs=False`).
 
-Every engine generates from the same random Llama checkpoint, the same prompts (the first
-`b` of `max(batches)` random prompts of `--prompt-len` ids) and `--max-new` tokens with
-`ignore_eos`, greedy, so each produces exactly b × max_new tokens. Per engine and batch
+Every engine generates from the same random Llama checkpoint (or Qwen3-MoE: `--family
+qwen3_moe --experts E --topk K --moe-ffn F`, `make_checkpoint`), the same prompts (the
+first `b` of `max(batches)` random prompts of `--prompt-len` ids) and `--max-new` tokens
+with `ignore_eos`, greedy, so each produces exactly b × max_new tokens. Per engine and batch
 size: one warm-up call with the full batch (CUDA-graph / compile shapes), then one timed
 call (CUDA synchronised around it). Engine construction is timed separately (`startup_s`).
 Both vLLM variants get identical `--gpu-memory-utilization`, `max_model_len`, dtype and
@@ -54,6 +55,25 @@ GPU, one H200, 0.85B Llama shape:
         --dtype bfloat16 --batches 64,256 --prompt-len 128 --max-new 256 \
         --gpu-memory-utilization 0.3 --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
         --out-json benchmarks/results/rollout_h200_0.85b.json
+
+GPU, one H200, Qwen3-MoE shape of `yaml_configs/bench_h200_moe.yaml` (1.97B parameters,
+64 experts of FFN 512, top-8; issue 19), in-trainer vLLM vs standalone as interleaved A/B
+(`rollout_ab.py`, which takes these shape flags); two vLLM starts dominate, about 2–3 min
+with warm caches, ~5 min on a fresh machine (estimate, not measured):
+
+    torchrun --standalone --nproc_per_node 1 benchmarks/rollout_ab.py \
+        --family qwen3_moe --layers 16 --hidden 1024 --heads 8 --kv-heads 4 --ffn 3072 \
+        --experts 64 --topk 8 --moe-ffn 512 --vocab 151936 --dtype bfloat16 \
+        --batches 64 --prompt-len 128 --max-new 128 --samples 4 --repeats 3 \
+        --modes greedy,sampled --gpu-memory-utilization 0.3 \
+        --cudagraph-capture-sizes 64,256 --out-json $OUT/rollout_ab_h200_moe.json
+
+CPU smoke of the same (hidden / heads = head_dim 32: vLLM's CPU attention refuses 16):
+
+    VLLM_CPU_KVCACHE_SPACE=1 OMP_NUM_THREADS=1 .venv/bin/torchrun --standalone \
+        --nproc_per_node 1 benchmarks/rollout_ab.py --family qwen3_moe --layers 2 \
+        --hidden 128 --heads 4 --kv-heads 2 --experts 4 --topk 2 --moe-ffn 64 --vocab 512 \
+        --prompt-len 16 --batches 4 --max-new 8 --repeats 3 --out-json /tmp/ab_moe.json
 
 Expected wall time on an H200 (estimate, not measured): checkpoint ~10 s; hf ~30 s;
 hf-static ~2–3 min (two compiles: one per batch size); each vLLM start-up 30–60 s with
@@ -111,10 +131,16 @@ TARGET_VLLM_RATIO = 0.95  # in-trainer vLLM / standalone vLLM, tokens/s
 
 
 def make_checkpoint(path: Path, args: argparse.Namespace) -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A random HF checkpoint of `--family` with the shape flags, in `--dtype`, at `path`.
+
+    qwen3_moe: every layer sparse (`--experts` of FFN `--moe-ffn`, `--topk` per token, the
+    top-k renormalised as Qwen3-MoE's released configs), QK-norm, head_dim hidden / heads
+    (as the trainer's random init, `trainer/build.random_init_hf_config`); `--ffn` unused.
+    """
+    import transformers
 
     torch.manual_seed(0)
-    config = LlamaConfig(
+    shape = dict(
         hidden_size=args.hidden,
         intermediate_size=args.ffn,
         num_hidden_layers=args.layers,
@@ -124,9 +150,24 @@ def make_checkpoint(path: Path, args: argparse.Namespace) -> None:
         max_position_embeddings=max_model_len(args),
         tie_word_embeddings=False,
     )
+    if args.family == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            **shape,
+            head_dim=args.hidden // args.heads,
+            num_experts=args.experts,
+            num_experts_per_tok=args.topk,
+            moe_intermediate_size=args.moe_ffn,
+            norm_topk_prob=True,
+        )
+        model_class = transformers.Qwen3MoeForCausalLM
+    else:
+        config, model_class = transformers.LlamaConfig(**shape), transformers.LlamaForCausalLM
     with torch.device(device()):  # random init of 0.85B on a host CPU takes a while
-        model = LlamaForCausalLM(config)
+        model = model_class(config)
     model.to(getattr(torch, args.dtype)).save_pretrained(path)
+    del model
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()  # the fp32 init (8 GB at 2B) is not held while vLLM starts
 
 
 # ------------------------------------------------------------------------------ run
@@ -223,6 +264,15 @@ def parse_args(extra: tuple[tuple[str, dict], ...] | list = ()) -> argparse.Name
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--ffn", type=int, default=704)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument(
+        "--family",
+        default="llama",
+        choices=["llama", "qwen3_moe"],
+        help="random checkpoint's architecture (qwen3_moe: the three flags below)",
+    )
+    parser.add_argument("--experts", type=int, default=8, help="qwen3_moe: experts per layer")
+    parser.add_argument("--topk", type=int, default=2, help="qwen3_moe: experts per token")
+    parser.add_argument("--moe-ffn", type=int, default=256, help="qwen3_moe: an expert's FFN")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--engines", default=",".join(ENGINES), help="subset of " + str(ENGINES))
     parser.add_argument("--batches", type=int_list, default=[8, 16], help="e.g. 64,256")

@@ -43,10 +43,20 @@ GPU (one H200; megatron-core from its wheel, see gpu/README.md):
         --config yaml_configs/bench_h200_1b.yaml --save --profile-dir $OUT \
         --out-json $OUT/trainer_h200_1b.json
 
-CPU smoke test (the tiny_cpu model shape, a few tokens, seconds):
+A mixture of experts (issue 19; `yaml_configs/bench_h200_moe.yaml`: 1.97B parameters,
+64 experts, top-8, 0.41B active), GRPO only, ~2 min (estimate, not measured):
+
+    torchrun --standalone --nproc_per_node 1 benchmarks/trainer_bench.py \
+        --config yaml_configs/bench_h200_moe.yaml --algorithms grpo --steps 2 \
+        --out-json $OUT/trainer_h200_moe.json
+
+CPU smoke test (the tiny_cpu model shape, a few tokens, seconds; with an MoE config, the
+tiny shape keeps 4 experts, top-2, `TINY_MOE_OVERRIDES`):
 
     .venv/bin/torchrun --standalone --nproc_per_node 1 benchmarks/trainer_bench.py \
         --config yaml_configs/bench_h200_1b.yaml --tiny
+    .venv/bin/torchrun --standalone --nproc_per_node 1 benchmarks/trainer_bench.py \
+        --config yaml_configs/bench_h200_moe.yaml --tiny --algorithms grpo
 
 Writes one JSON object (rank 0) to `--out-json` (default `$OUT/trainer_bench.json` when
 `$OUT` is set) and prints a summary table.
@@ -103,6 +113,13 @@ TINY_OVERRIDES = [
     "critic.micro_batch_size=4",
     "reference.micro_batch_size=4",
 ]
+# With --tiny, a config with experts (model.num_experts > 0) keeps them, at tiny_moe_cpu's
+# sizes.
+TINY_MOE_OVERRIDES = [
+    "model.num_experts=4",
+    "model.moe_ffn_hidden_size=64",
+    "model.moe_router_topk=2",
+]
 
 # Per algorithm: the overrides that make it (the critic follows from `gae`). KL terms
 # (and with them the reference) come from the YAML or the command line's overrides.
@@ -120,6 +137,8 @@ def load_bench_config(args, algorithm: str):
     from rl_megatron.config_checks import validate
 
     overrides = list(TINY_OVERRIDES if args.tiny else [])
+    if args.tiny and load_config(args.config, args.overrides).model.num_experts:
+        overrides += TINY_MOE_OVERRIDES
     overrides += ALGORITHMS[algorithm]
     overrides += [
         f"trainer.output_dir={args.run_dir}",
@@ -398,7 +417,8 @@ def main(argv: list[str] | None = None) -> int:
 
     configs = {name: load_bench_config(args, name) for name in args.algorithms}
     first = next(iter(configs.values()))
-    layout = ParallelLayout.from_config(first.parallel, launch_env().world_size)
+    moe = bool(first.model.num_experts)
+    layout = ParallelLayout.from_config(first.parallel, launch_env().world_size, moe=moe)
     result: dict = {"benchmark": "trainer_step", "args": vars(args) | {"out_json": None}}
     with distributed_run(layout, seed=first.trainer.seed) as run:
         log = get_logger(run.env.rank, "WARNING")
