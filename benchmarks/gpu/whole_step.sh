@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issues 19 and 21 on one H200: the whole RL step against its parts, each ratio an
+# interleaved A/B (benchmarks/ab.py). Needs megatron-core, and vLLM for every step but the
+# moe_* ones without it. Run a subset with STEPS="glob ..." (common.sh); results in
+# $OUT/whole_step.tgz.
+#   STEPS="moe_*" bash benchmarks/gpu/whole_step.sh            # no vLLM needed
+#   STEPS="rollout_ab_085b" bash benchmarks/gpu/whole_step.sh
+#   STEPS="sync_ab_* e2e_*" bash benchmarks/gpu/whole_step.sh
+SUITE=whole_step
+source "$(dirname "$0")/common.sh"
+SHAPE_7B="--layers 32 --hidden 4096 --heads 32 --kv-heads 32 --ffn 11008 --vocab 32000"
+
+# MoE (issue 19): the actor update against a plain megatron-core MoE loop, and resharding
+# the experts against a device copy of the same bytes.
+step moe_trainer 330 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_moe.yaml \
+  --algorithms grpo --steps 3 --no-plain-masked --out-json "$RES/trainer_h200_moe_$TAG.json"
+step moe_reshard 120 $TR1 benchmarks/reshard_bench.py --model qwen3-moe-2b --dtype bfloat16 \
+  --bucket-mb 512 --repeats 10 --out-json "$RES/reshard_h200_qwen3-moe-2b_$TAG.json"
+
+# In-trainer vLLM vs standalone vLLM, 0.85B (issue 21: >= 0.98x median, >= 0.95x worst).
+step rollout_ab_085b 420 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfloat16 \
+  --batches 64,256 --prompt-len 128 --max-new 256 --samples 4 --modes greedy,sampled \
+  --repeats 4 --gpu-memory-utilization 0.3 \
+  --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
+  --out-json "$RES/rollout_ab_h200_085b_$TAG.json"
+
+# The trainer's weight-sync phase vs a device copy of the same bytes (issue 21: <= 3x).
+step sync_ab_085b 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \
+  --out-json "$RES/sync_ab_h200_085b_$TAG.json"
+step sync_ab_7b 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 \
+  --out-json "$RES/sync_ab_h200_7b_$TAG.json" actor.offload.optimizer=true
+
+# The end-to-end headline (issue 21): a whole GRPO step of a 1.5B shape, vLLM rollout.
+step e2e_1.5b 420 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_1.5b.yaml \
+  --algorithms grpo --no-plain --warmup-steps 1 --steps 2 \
+  --out-json "$RES/e2e_h200_1.5b_$TAG.json"
+
+# vLLM's recorded routing against transformers' router on the same tokens (issue 19).
+step moe_routing 180 $TR1 benchmarks/moe_routing_check.py --out-json "$RES/moe_routing_h200_$TAG.json"
+
+# MoE in-trainer vLLM vs standalone (issue 19).
+step rollout_ab_moe 360 $TR1 benchmarks/rollout_ab.py --family qwen3_moe --layers 16 --hidden 1024 \
+  --heads 8 --kv-heads 4 --ffn 3072 --experts 64 --topk 8 --moe-ffn 512 --vocab 151936 \
+  --dtype bfloat16 --batches 64 --prompt-len 128 --max-new 128 --samples 4 --repeats 3 \
+  --modes greedy,sampled --gpu-memory-utilization 0.3 --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
+  --out-json "$RES/rollout_ab_h200_moe_$TAG.json"
+finish
