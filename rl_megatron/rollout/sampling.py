@@ -142,7 +142,7 @@ def fit_prompts(
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
-        if vocab_size is not None and not (0 <= min(prompt) and max(prompt) < vocab_size):
+        if vocab_size is not None and not (min(prompt) >= 0 and max(prompt) < vocab_size):
             bad = [t for t in prompt if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(
