@@ -399,11 +399,8 @@ def _check_router_replay(config: Config) -> None:
         "actor.router_replay",
         "needs an MoE model (model.num_experts > 0)",
     )
-    _require(
-        config.rollout.engine == "vllm",
-        "actor.router_replay",
-        "needs an engine that records the routing: vllm (the megatron engine does not yet)",
-    )
+    # Both engines record the routing: vLLM (`enable_return_routed_experts`) and the
+    # Megatron engine (hooks on the actor's own routers).
     # The replay covers a forward; an MoE layer recomputed in the backward would route
     # again by itself, and its gradient would belong to another routing.
     rc = act.recompute

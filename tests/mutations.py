@@ -10,7 +10,8 @@ catch is printed MISSED and the script exits 1. Not part of `make test`: it re-r
 slowest tests once per mutation. The faults are issue 17's list (the one-line faults that
 once passed the whole suite), the bugs the reference step found, and issue 20's wiring
 (rollout correction, GSPO / CISPO, DAPO, the critic's aggregation, the KL estimators),
-and issue 22's (log-probs from the hidden states, context parallelism).
+issue 22's (log-probs from the hidden states, context parallelism), and the Megatron
+engine's routing record (routing replay).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ NONFINITE = "tests/multirank/test_nonfinite_update.py"
 TRAINER = "rl_megatron/trainer/ppo_trainer.py"
 ROLES = "rl_megatron/trainer/roles.py"
 EXPERIENCE = "rl_megatron/trainer/experience.py"
+ENGINE = "rl_megatron/rollout/megatron_engine.py"
+RECORDING = "tests/multirank/test_router_replay.py::test_megatron_engine_records_the_routing"
 
 # (name, file, exact text, replacement, the test that must fail)
 MUTATIONS = [
@@ -309,6 +312,28 @@ MUTATIONS = [
         "    return _gather(x, group, 0, cu_seqlens, reduce_grad=True)",
         "    return _gather(x, group, 0, cu_seqlens, reduce_grad=False)",
         f"{REFERENCE}::test_four_ranks[cp2-dp2]",
+    ),
+    # The Megatron engine's routing record (routing replay with rollout.engine megatron).
+    (
+        "engine routing: each row's tokens shifted by one",
+        ENGINE,
+        "by_row[k, p - len(prompts[k]) : p + n - 1] for k, n in enumerate(length_l)",
+        "by_row[k, p - len(prompts[k]) + 1 : p + n] for k, n in enumerate(length_l)",
+        RECORDING,
+    ),
+    (
+        "engine routing: decode step t recorded as response token t + 1",
+        ENGINE,
+        "routing.append(recorder.take().unflatten(0, (p, b)))",
+        "routing.append(torch.cat([(pre := recorder.take().unflatten(0, (p, b))), pre[-1:]]))",
+        RECORDING,
+    ),
+    (
+        "engine routing: layers in reverse order",
+        "rl_megatron/models/router_replay.py",
+        "torch.stack([latest[layer] for layer in self.layers], dim=1)",
+        "torch.stack([latest[layer] for layer in reversed(self.layers)], dim=1)",
+        RECORDING,
     ),
 ]
 

@@ -28,6 +28,11 @@ own scores at the replayed experts, so gradients still reach the router.
 Each replayed router also compares its own top-k set with the recorded one on every
 recorded token (`RoutingStats`): the mismatch that replay removes, layer by layer, given
 the (replayed) routing of the layers below.
+
+Recording goes through the same hook: within `record_routing(model)` each router computes
+its own top-k as it would without a hook (so nothing about the forward changes) and keeps
+the indices, which `RoutingRecorder.take()` returns after each forward as one
+`[tokens, L, k]` tensor in the routers' token order (the Megatron rollout engine's routing).
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core.transformer.moe.router import TopKRouter
 
-__all__ = ["RoutingStats", "moe_routers", "replay_routing"]
+__all__ = ["RoutingRecorder", "RoutingStats", "moe_routers", "record_routing", "replay_routing"]
 
 
 @dataclass
@@ -123,6 +128,65 @@ def replay_routing(
             target = seq_first[:, :, layer].reshape(-1, k)
             router.router_replay = _Replay(target, replay, stats)
         yield
+    finally:
+        for (_, router), old in zip(routers, previous):
+            router.router_replay = old
+
+
+class RoutingRecorder:
+    """The experts a model chunk's routers chose in its latest forward (`record_routing`)."""
+
+    def __init__(self, layers: list[int]) -> None:
+        self.layers = layers  # global layer index (0-based) of each router, in layer order
+        self._latest: dict[int, torch.Tensor] = {}  # layer -> [tokens, k]
+
+    def take(self) -> torch.Tensor:
+        """The latest forward's routing, then forgotten: `[tokens, L, k]` int16 on the
+        model's device, token order the routers' (sequence-first, `[s, b]` flattened: token
+        (row i, column j) of a `[b, s]` input is number j·b + i), layers `self.layers`."""
+        missing = [layer for layer in self.layers if layer not in self._latest]
+        if missing:
+            raise RuntimeError(
+                f"routing recorder: the routers of layers {missing} did not run since the last "
+                f"take() (a replayed CUDA graph runs no Python hook)"
+            )
+        latest, self._latest = self._latest, {}
+        return torch.stack([latest[layer] for layer in self.layers], dim=1).to(torch.int16)
+
+
+class _Record:
+    """megatron-core's `router_replay` hook that routes as the router would and keeps it."""
+
+    def __init__(self, recorder: RoutingRecorder, layer: int) -> None:
+        self.recorder, self.layer = recorder, layer
+
+    def get_replay_topk(
+        self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None
+    ):
+        values, indices = default_compute_topk(
+            scores, topk, num_groups=num_groups, group_topk=group_topk
+        )
+        self.recorder._latest[self.layer] = indices  # [tokens, k]; stays on the device
+        return values, indices
+
+
+@contextlib.contextmanager
+def record_routing(model: torch.nn.Module) -> Iterator[RoutingRecorder]:
+    """Within the block, `model`'s routers keep the experts they choose (their own top-k,
+    unchanged); `recorder.take()` after each forward returns them (`RoutingRecorder`).
+
+    model: one model chunk with MoE layers. Routers with megatron-core's fused top-k
+    (`moe_router_fusion`, TE) never call the hook: `take()` then raises.
+    """
+    routers = moe_routers(model)
+    if not routers:
+        raise ValueError("routing recorder: the model has no MoE router")
+    recorder = RoutingRecorder([layer for layer, _ in routers])
+    previous = [router.router_replay for _, router in routers]
+    try:
+        for layer, router in routers:
+            router.router_replay = _Record(recorder, layer)
+        yield recorder
     finally:
         for (_, router), old in zip(routers, previous):
             router.router_replay = old

@@ -12,7 +12,8 @@ addresses of the parameters, the cache and the buffers: the session drops its gr
 when any parameter's storage moved (offload and reload). Captures stop at a memory budget
 (`GRAPH_MEMORY_FRACTION`, shared by the sessions the engine keeps: it sets each session's
 `graph_budget` to what the others' graphs left); the engine turns graphs off at TP > 1, with
-expert parallelism and under `rollout.enforce_eager`.
+expert parallelism, when it records the MoE routing (whose hooks a replay would skip) and
+under `rollout.enforce_eager`.
 """
 
 from __future__ import annotations

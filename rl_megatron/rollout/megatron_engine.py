@@ -33,6 +33,16 @@ carries per-rank splits. A replica without prompts (an uneven evaluation share) 
 call `generate` (with an empty list): `needs_every_replica` tells the trainer so. With the
 alltoall dispatcher's host-side splits, such forwards are not captured as CUDA graphs.
 
+Routing replay. With `record_routing` (an MoE model; `actor.router_replay`) every row also
+gets the experts each MoE layer's router chose for each token forwarded (`models/
+router_replay.py`'s recorder on the routers' `router_replay` hook), in the vLLM engine's
+format: `[n, L, k]` for the first n = prompt + response − 1 tokens (the last sampled token
+is never forwarded), layers in model order. A row's prompt tokens come from the prefill
+(the routers see `[P, rows]` sequence-first), response token t from decode step t. The
+routing stays on the device until the batch ends (no host sync per step) and is copied
+once; the hooks must run at every step, so the engine then decodes without CUDA graphs.
+Forwards that only join the expert group's lockstep are not recorded.
+
 Weights. The engine generates with the modules it was given, so when they are the actor's
 own (same layout) a weight update is only a version stamp: `sync_from(actor_chunks, step)`
 (`generates_with_trainer_modules`: the trainer keeps them on the device to generate).
@@ -50,6 +60,7 @@ tokens therefore do not depend on which rows share its decode batch.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -61,6 +72,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from rl_megatron.checkpoint import hf_mapping as hm
 from rl_megatron.checkpoint.hf_loader import iter_rule_params, unwrap
 from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.models.router_replay import moe_routers, record_routing
 from rl_megatron.models.sdpa_attention import causal_padding_mask
 from rl_megatron.rollout.batch import FinishReason, RolloutBatch
 from rl_megatron.rollout.decode_session import PROMPT_WIDTH_STEP, DecodeSession, graph_budget
@@ -69,7 +81,8 @@ from rl_megatron.rollout.sampling import SamplingParams, fit_prompts, sample_tok
 
 logger = logging.getLogger(__name__)
 
-Sample = tuple[list[int], list[float], FinishReason]
+# tokens, log-probs, finish reason, routing `[n, L, k]` (None: not recorded)
+Sample = tuple[list[int], list[float], FinishReason, torch.Tensor | None]
 Shape = tuple[int, int, int]  # (rows, prompt width, new tokens) of a decode session
 
 # Decode sessions kept between calls: training's and evaluation's. Each holds a KV cache of
@@ -95,6 +108,7 @@ class MegatronEngine(RolloutEngine):
         pad_token_id: int = 0,
         use_cuda_graphs: bool = True,
         expert_group: dist.ProcessGroup | None = None,
+        record_routing: bool = False,
     ) -> None:
         """Wrap this rank's model chunk.
 
@@ -110,6 +124,8 @@ class MegatronEngine(RolloutEngine):
         use_cuda_graphs: on a GPU, replay one CUDA graph per decode position (see above).
         expert_group: an MoE model's expert group, whose ranks exchange tokens in every
             forward (None: parallel_state's expert-tensor-and-model-parallel group).
+        record_routing: return every row's MoE routing (`RolloutBatch.routed_experts`, for
+            routing replay); decodes without CUDA graphs.
         """
         super().__init__(weight_version=0)
         if len(model_chunks) != 1:
@@ -134,12 +150,17 @@ class MegatronEngine(RolloutEngine):
         self._check_same_seed(tp_group)
         self._lockstep = self._lockstep_group(tp_group, expert_group)
         self.needs_every_replica = self._lockstep is not None
+        self._no_routing = self._check_routing(record_routing)  # a rejected row's; None: off
         self._generator = torch.Generator(device=self._device).manual_seed(seed)
         self._buffer: dict[str, torch.Tensor] = {}
         # Graphs hold the TP all-gather of the logits too; that capture is not validated
         # (the two-GPU engine test did not finish with it), so TP > 1 decodes eagerly.
+        # A replayed graph runs no Python hook: recording the routing decodes eagerly.
         self.use_cuda_graphs = (
-            use_cuda_graphs and dist.get_world_size(tp_group) == 1 and self._lockstep is None
+            use_cuda_graphs
+            and dist.get_world_size(tp_group) == 1
+            and self._lockstep is None
+            and not record_routing
         )
         self._sessions: OrderedDict[Shape, DecodeSession] = OrderedDict()  # oldest first
         self._graph_budget = graph_budget(self._device) if self.use_cuda_graphs else 0
@@ -195,6 +216,20 @@ class MegatronEngine(RolloutEngine):
             local, self.model.config.num_moe_experts, len(experts),
         )  # fmt: skip
         return expert_group
+
+    def _check_routing(self, record: bool) -> torch.Tensor | None:
+        """With `record`: the (empty) routing of a row that is not generated, `[0, L, k]`,
+        after checking that the layers are all MoE (the routing is indexed by layer)."""
+        if not record:
+            return None
+        routers = moe_routers(self.model)
+        layers = [layer for layer, _ in routers]
+        if layers != list(range(self.model.config.num_layers)):
+            raise ValueError(
+                f"megatron rollout engine: recording the routing needs an MoE router in every "
+                f"layer; the model has them in layers {layers} of {self.model.config.num_layers}"
+            )
+        return torch.empty(0, len(layers), routers[0][1].topk, dtype=torch.int16)
 
     @property
     def _device(self) -> torch.device:
@@ -272,7 +307,9 @@ class MegatronEngine(RolloutEngine):
         ]
         served = [(i, j) for i, j in rows if not fitted.rejected[i]]
         results: dict[tuple[int, int], Sample] = {
-            (i, j): ([], [], FinishReason.REJECTED) for i, j in rows if fitted.rejected[i]
+            (i, j): ([], [], FinishReason.REJECTED, self._no_routing)
+            for i, j in rows
+            if fitted.rejected[i]
         }
         chunks = [
             served[start : start + self.max_batch_size]
@@ -300,6 +337,7 @@ class MegatronEngine(RolloutEngine):
             group_index=[i for i, _ in rows],
             prompt_truncated=[fitted.truncated[i] for i, _ in rows],
             pad_token_id=self.pad_token_id,
+            routed_experts=None if self._no_routing is None else [results[r][3] for r in rows],
         )
 
     @torch.no_grad()
@@ -310,7 +348,8 @@ class MegatronEngine(RolloutEngine):
 
         The loop issues no host sync except one `done.all()` per step when there are stop
         tokens (and, in an expert group, the agreement on whether to go on); results come
-        back to the host once, at the end.
+        back to the host once, at the end. With `record_routing`, each row's routing too
+        (module docstring).
         """
         device = self._device
         b, r = len(prompts), sampling.max_new_tokens
@@ -330,29 +369,41 @@ class MegatronEngine(RolloutEngine):
         prompt_len = keep.sum(1)
         row_seeds = seed_tensor(seeds, device) if seeds is not None else None
         session = self._decode_session(b, p, r)
-        logits = session.prefill(tokens, keep)
+        # Sequence-first routing of every forward, `[columns, b, L, k]`: the prompt block's
+        # P columns, then one per decode step (step t forwards response token t).
+        routing: list[torch.Tensor] = []
+        recording = (
+            contextlib.nullcontext() if self._no_routing is None else record_routing(self.model)
+        )
+        with recording as recorder:
+            logits = session.prefill(tokens, keep)
+            if recorder is not None:
+                routing.append(recorder.take().unflatten(0, (p, b)))
 
-        out_tokens, out_lps = [], []
-        done = torch.zeros(b, dtype=torch.bool, device=device)
-        length = torch.zeros(b, dtype=torch.int64, device=device)
-        for step in range(r):
-            tok, lp = sample_tokens(
-                logits, sampling, seeds=row_seeds, step=step, generator=self._generator
-            )
-            out_tokens.append(tok)
-            out_lps.append(lp)
-            length += (~done).long()
-            if stop_ids:
-                done |= torch.isin(tok, stop)
-                if step == r - 1 or bool(done.all()):  # the one host sync per step
+            out_tokens, out_lps = [], []
+            done = torch.zeros(b, dtype=torch.bool, device=device)
+            length = torch.zeros(b, dtype=torch.int64, device=device)
+            for step in range(r):
+                tok, lp = sample_tokens(
+                    logits, sampling, seeds=row_seeds, step=step, generator=self._generator
+                )
+                out_tokens.append(tok)
+                out_lps.append(lp)
+                length += (~done).long()
+                if stop_ids:
+                    done |= torch.isin(tok, stop)
+                    if step == r - 1 or bool(done.all()):  # the one host sync per step
+                        break
+                elif step == r - 1:
                     break
-            elif step == r - 1:
-                break
-            self._agree(1)  # this rank decodes on (the others join if they are done)
-            session.keep[:, p + step] = True
-            session.tokens.copy_(tok[:, None])
-            torch.add(prompt_len, step, out=session.positions[:, 0])
-            logits = session.decode(step)
+                self._agree(1)  # this rank decodes on (the others join if they are done)
+                session.keep[:, p + step] = True
+                session.tokens.copy_(tok[:, None])
+                torch.add(prompt_len, step, out=session.positions[:, 0])
+                logits = session.decode(step)
+                if recorder is not None:
+                    routing.append(recorder.take()[None])  # [1, b, L, k]
+        # Outside the recorder: the join forwards' routing is nobody's.
         while self._agree(0):  # others of the expert group still decode
             self._join_forward()
         # A row stopped iff it hit a stop token before the cap (its last kept token is one).
@@ -361,11 +412,20 @@ class MegatronEngine(RolloutEngine):
         stopped = torch.isin(last, stop) if stop_ids else torch.zeros_like(done)
         tok_l, lp_l = tok_t.tolist(), torch.stack(out_lps, 1).tolist()
         length_l, stopped_l = length.tolist(), stopped.tolist()
+        rows_routing: list[torch.Tensor | None] = [None] * b
+        if routing:
+            by_row = torch.cat(routing).transpose(0, 1).cpu()  # [b, P + steps, L, k]
+            # Row k: its prompt (the last len_k prompt columns), then its response but the
+            # last token (decode steps 0 … n_k − 2).
+            rows_routing = [
+                by_row[k, p - len(prompts[k]) : p + n - 1] for k, n in enumerate(length_l)
+            ]
         return [
             (
                 tok_l[k][:n],
                 lp_l[k][:n],
                 FinishReason.STOP if stopped_l[k] else FinishReason.LENGTH,
+                rows_routing[k],
             )
             for k, n in enumerate(length_l)
         ]

@@ -306,6 +306,7 @@ def build_engine(
             max_batch_size=max(1, config.data.train_batch_size // run.layout.dp * r.n),
             pad_token_id=pad,
             use_cuda_graphs=not r.enforce_eager,
+            record_routing=config.actor.router_replay,
         )
     from rl_megatron.rollout.vllm_engine import VllmEngine, VllmEngineArgs
 

@@ -369,7 +369,9 @@ def test_reward_improves_with_context_parallelism(tmp_path):
 def test_reward_improves_moe_with_expert_parallelism(tmp_path):
     """GRPO on the tiny Qwen3-MoE (`tiny_moe_cpu.yaml`) at parallel.ep=2, TP1·DP4 on 4 ranks
     (~35 s): each pair of replicas splits the experts, so the Megatron engine's ranks, which
-    decode different prompts, agree on every forward (evaluation included)."""
+    decode different prompts, agree on every forward (evaluation included). With routing
+    replay: the engine records each token's experts (not in the forwards that only join
+    the expert group's lockstep) and the actor replays them."""
     args = [
         "--config",
         "yaml_configs/tiny_moe_cpu.yaml",
@@ -379,6 +381,7 @@ def test_reward_improves_moe_with_expert_parallelism(tmp_path):
         "trainer.total_steps=20",
         "trainer.val_interval=10",
         "checkpoint.save_interval=0",
+        "actor.router_replay=true",
     ]
     result = _run(args, torchrun_ranks=4, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -386,8 +389,13 @@ def test_reward_improves_moe_with_expert_parallelism(tmp_path):
     assert "2 of 4 experts per rank, an expert group of 2 ranks" in result.stdout
     rows = _metrics(tmp_path / "tiny_moe_cpu")
     assert [r["step"] for r in rows] == list(range(1, 21))
+    # The engine's routing is the actor's own: before the replay, the routers choose as the
+    # engine recorded on all but near-ties (fp32 noise of another token grouping; a step
+    # has ~3k recorded (token, layer) pairs); a token or layer off by one differs on many.
+    mismatch = [r["rollout/routing_mismatch_frac"] for r in rows]
+    assert max(mismatch) < 1e-3, mismatch
     gain = _improvement(rows)
     assert gain > MIN_IMPROVEMENT, f"ep=2: reward improved by {gain:.3f} only"
-    # Same policy in the engine and in the trainer's (EP-split) forward.
+    # Same policy in the engine and in the trainer's (EP-split) forward (and routing).
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-3
     assert rows[9]["val/num_prompts"] == 32 and "val/reward_mean" in rows[-1]

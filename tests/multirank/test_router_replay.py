@@ -9,6 +9,14 @@ routers, and the last token's is dropped (vLLM never forwards it).
 * `test_replay_makes_top_k_sets_agree` (1 rank): B's forward of each row, its routers
   observed by the same hooks (not by the replay code): with A's routing replayed the top-k
   sets equal A's on every recorded (token, layer); without it, they differ on some.
+* `test_megatron_engine_records_the_routing` (1 rank): the Megatron engine with
+  `record_routing` (greedy, n=2, a stop token that ends rows at different steps, three
+  decode batches of different prompt widths, one rejected prompt) returns, for every row,
+  the routing of its first prompt + response − 1 tokens equal to the hooks' routing of A's
+  plain full-sequence forward of that row (exact top-k sets: KV-cache decoding and the full
+  forward differ by ~1e-6 in fp32 router logits, and the reference's smallest lead of a
+  chosen expert over the next is checked to exceed MIN_GAP = 1e-4), -1 everywhere else;
+  recording does not change the tokens.
 * `test_role_replays_the_rollout_routing` (2 ranks; DP2 left-aligned and packed
   micro-batches, PP2, EP2): `MegatronRole.forward_only` of a `RolloutBatch` carrying the
   routing gives the log-probs of B's per-row forward with A's routing replayed (the
@@ -30,6 +38,7 @@ V, LAYERS, TOPK = 100, 2, 2
 PROMPTS = [[5, 17, 9], [33, 2, 71, 8, 60, 4], [12], [90, 45, 3, 3, 27]]
 RESPONSES = [[40, 41, 42, 43], [7], [66, 19, 23], [88, 5]]
 LOGPROB_TOL = 1e-5
+MIN_GAP = 1e-4  # router logits: the reference's top-k must lead the rest by this
 
 pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU (gloo) test of routing replay")
 
@@ -58,6 +67,7 @@ class _Observer:
         from rl_megatron.models.router_replay import moe_routers
 
         self.sets: dict[int, torch.Tensor] = {}
+        self.gaps: dict[int, float] = {}  # smallest lead of a chosen expert's logit
         self.handles = [
             router.register_forward_hook(self._hook(layer)) for layer, router in moe_routers(model)
         ]
@@ -67,6 +77,9 @@ class _Observer:
             _, routing_map = output  # [tokens, experts] bool
             idx = routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1)
             self.sets[layer] = idx.sort(dim=-1).values
+            logits = module.gating(args[0]).reshape(routing_map.shape).float()
+            top = logits.topk(idx.shape[1] + 1, dim=-1).values
+            self.gaps[layer] = float((top[:, -2] - top[:, -1]).min())
 
         return hook
 
@@ -135,6 +148,65 @@ def _agree_body(rank: int, world_size: int, root) -> None:
 def test_replay_makes_top_k_sets_agree(tmp_path):
     _make_checkpoints(tmp_path)
     run_on_ranks(_agree_body, world_size=1, root=tmp_path)
+
+
+def _engine_body(rank: int, world_size: int, root) -> None:
+    from rl_megatron.checkpoint.hf_builders import build_actor
+    from rl_megatron.models.hf_config import load_hf_config
+    from rl_megatron.rollout.megatron_engine import MegatronEngine
+    from rl_megatron.rollout.sampling import SamplingParams
+    from tests.multirank.test_megatron_engine_ep import _first_stop
+
+    _init()
+    info = load_hf_config(root / "a")
+    model = build_actor(root / "a", tp=1, pp=1, dtype=torch.float32)
+    new = 6
+    prompts = [*PROMPTS, list(range(3, 63))]  # the last is too long for 64 − 6: rejected
+    plain = MegatronEngine(model, info, max_model_len=64, max_batch_size=3)
+    free = plain.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=new))
+    stop = _first_stop([free.row_tokens(i)[1] for i in range(len(free))], 2)
+    greedy = SamplingParams(temperature=0, n=2, max_new_tokens=new, stop_token_ids=[stop])
+    expected = plain.generate(prompts, greedy)
+    assert expected.routed_experts is None
+    engine = MegatronEngine(model, info, max_model_len=64, max_batch_size=3, record_routing=True)
+    batch = engine.generate(prompts, greedy)
+    assert not engine.use_cuda_graphs
+    assert torch.equal(batch.responses, expected.responses), "recording changed the tokens"
+    reasons = set(batch.finish_reasons)
+    assert {"stop", "length", "rejected"} <= reasons, reasons
+    assert len({int(n) for n in batch.response_lengths[:-2]}) > 1, batch.response_lengths
+
+    routing = batch.routed_experts  # [B, P + R, L, k]
+    width = batch.prompts.shape[1]
+    assert routing.dtype == torch.int16
+    assert routing.shape == (len(batch), width + batch.responses.shape[1], LAYERS, TOPK)
+    compared = 0
+    for i in range(len(batch)):
+        prompt, response = batch.row_tokens(i)
+        if batch.finish_reasons[i] == "rejected":
+            assert (routing[i] == -1).all(), f"row {i}: rejected, yet routing recorded"
+            continue
+        n, start = len(prompt) + len(response) - 1, width - len(prompt)
+        got = routing[i, start : start + n].long().sort(dim=-1).values
+        outside = torch.cat([routing[i, :start], routing[i, start + n :]])
+        assert (outside == -1).all(), f"row {i}: routing outside its first {n} tokens"
+        model[0].eval()
+        obs = _Observer(model[0])
+        with torch.no_grad():
+            model[0](torch.tensor([prompt + response]), torch.arange(n + 1)[None], None)
+        obs.remove()
+        assert min(obs.gaps.values()) > MIN_GAP, f"row {i}: near-tie {obs.gaps}"
+        seen = torch.stack([obs.sets[layer] for layer in range(LAYERS)], dim=1)[:n]
+        for layer in range(LAYERS):
+            bad = (got[:, layer] != seen[:, layer]).any(-1).nonzero()[:, 0].tolist()
+            assert not bad, f"row {i} layer {layer}: tokens {bad} routed differently"
+        compared += n
+    assert compared > 0
+
+
+def test_megatron_engine_records_the_routing(tmp_path):
+    _make_checkpoints(tmp_path)
+    run_on_ranks(_engine_body, world_size=1, root=tmp_path)
 
 
 def _references(root, rollout):
