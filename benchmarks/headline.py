@@ -31,7 +31,7 @@ Row = dict[str, Any]
 
 def rows_from_targets(data: dict, path: Path) -> list[Row]:
     """The JSON's own "targets" list; its "json" field defaults to the file read."""
-    return [{"json": str(path)} | {k: v for k, v in t.items() if v != ""} for t in data["targets"]]
+    return [{k: v for k, v in t.items() if v != ""} | {"json": str(path)} for t in data["targets"]]
 
 
 def _row(name: str, ratios: list[float], target: float, higher_is_better: bool, **extra) -> Row:
