@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import gc
 import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -34,6 +36,11 @@ PROMPT_WIDTH_STEP = 16
 # 32 full (non-GQA) heads at 128 rows held 54 GB after ~250 positions. Past the budget
 # the remaining positions decode eagerly.
 GRAPH_MEMORY_FRACTION = 0.08
+# Decode sessions an engine keeps between calls: training's and evaluation's. Each holds a
+# KV cache of rows × (prompt width + new tokens) positions; their graphs share one budget.
+MAX_SESSIONS = 2
+
+Shape = tuple[int, int, int]  # (rows, prompt width, new tokens) of a decode session
 
 
 def graph_budget(device: torch.device) -> int:
@@ -149,3 +156,60 @@ class DecodeSession:
                 gc.enable()
         self.graphs[step] = graph
         self.graph_bytes += max(0, torch.cuda.memory_reserved() - reserved)
+
+
+class DecodeSessions:
+    """The sessions an engine keeps, least recently used first, at most `MAX_SESSIONS`;
+    their graphs share one budget (`GRAPH_MEMORY_FRACTION` of the device).
+
+    `sessions[shape]`, `shape in sessions` and iteration (oldest first) read them.
+    """
+
+    def __init__(self, forward: Callable, vocab: int, device: torch.device,
+                 use_graphs: bool) -> None:  # fmt: skip
+        self.forward, self.vocab, self.device, self.use_graphs = forward, vocab, device, use_graphs
+        self._kept: OrderedDict[Shape, DecodeSession] = OrderedDict()
+        self._graph_budget = graph_budget(device) if use_graphs else 0
+
+    def __getitem__(self, shape: Shape) -> DecodeSession:
+        return self._kept[shape]
+
+    def __contains__(self, shape: object) -> bool:
+        return shape in self._kept
+
+    def __iter__(self) -> Iterator[Shape]:
+        return iter(self._kept)
+
+    @property
+    def nbytes(self) -> int:
+        """Device memory the kept sessions hold (KV caches, buffers, graph pools)."""
+        return sum(session.nbytes for session in self._kept.values())
+
+    def width(self, rows: int, width: int, max_new: int) -> int:
+        """The prompt width to decode at: that of the most recently used kept session of
+        these rows and new tokens that is at least `width` and at most twice it (its graphs
+        are reused; the extra left-padding costs prefill only), else `width`."""
+        for b, p, r in reversed(self._kept):
+            if b == rows and r == max_new and width <= p <= 2 * width:
+                return p
+        return width
+
+    def get(self, rows: int, prompt_width: int, max_new: int,
+            model: torch.nn.Module) -> DecodeSession:  # fmt: skip
+        """The kept session of this shape (now the most recently used), else a new one in
+        place of the least recently used; its graphs dropped if `model`'s parameters moved."""
+        shape = (rows, prompt_width, max_new)
+        session = self._kept.pop(shape, None)
+        if session is None:
+            while len(self._kept) >= MAX_SESSIONS:
+                self._kept.popitem(last=False)  # freed before the new one allocates
+            session = DecodeSession(
+                self.forward, rows, prompt_width, max_new, self.vocab, self.device,
+                self.use_graphs,
+            )  # fmt: skip
+        self._kept[shape] = session
+        # One graph budget for all sessions: what the others' graphs hold is spent.
+        others = sum(s.graph_bytes for s in self._kept.values() if s is not session)
+        session.graph_budget = self._graph_budget - others
+        session.check_parameters(model)
+        return session

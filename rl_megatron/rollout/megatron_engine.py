@@ -12,8 +12,8 @@ RoPE by column, so a left-padded row's positions are shifted by its padding; RoP
 only on the distance between query and key, so attention scores are unchanged.
 
 Decode state and CUDA graphs: the KV cache, the decode step's buffers and one CUDA graph
-per decode position live in a `DecodeSession` (`rollout/decode_session.py`). The engine
-keeps the `MAX_SESSIONS` most recently used ones, keyed by shape (rows, prompt width, new
+per decode position live in a `DecodeSession` (`rollout/decode_session.py`). The engine's
+`DecodeSessions` keep the `MAX_SESSIONS` most recently used ones, keyed by shape (rows, prompt width, new
 tokens), so that an evaluation's batches do not evict training's session (and its graphs,
 ~7 s to capture again on an H200); a batch is left-padded into a kept session of the same
 rows and new tokens up to twice as wide as it needs. The graphs of all kept sessions share
@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections import OrderedDict
 from collections.abc import Sequence
 
 import torch
@@ -75,7 +74,7 @@ from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.models.router_replay import moe_routers, record_routing
 from rl_megatron.models.sdpa_attention import causal_padding_mask
 from rl_megatron.rollout.batch import FinishReason, RolloutBatch
-from rl_megatron.rollout.decode_session import PROMPT_WIDTH_STEP, DecodeSession, graph_budget
+from rl_megatron.rollout.decode_session import PROMPT_WIDTH_STEP, DecodeSessions
 from rl_megatron.rollout.engine import NamedTensors, OutputLayout, RolloutEngine, iter_named_tensors
 from rl_megatron.rollout.sampling import SamplingParams, fit_prompts, sample_tokens, seed_tensor
 
@@ -83,11 +82,6 @@ logger = logging.getLogger(__name__)
 
 # tokens, log-probs, finish reason, routing `[n, L, k]` (None: not recorded)
 Sample = tuple[list[int], list[float], FinishReason, torch.Tensor | None]
-Shape = tuple[int, int, int]  # (rows, prompt width, new tokens) of a decode session
-
-# Decode sessions kept between calls: training's and evaluation's. Each holds a KV cache of
-# rows × (prompt width + new tokens) positions; their graphs share one budget.
-MAX_SESSIONS = 2
 
 
 class MegatronEngine(RolloutEngine):
@@ -162,8 +156,9 @@ class MegatronEngine(RolloutEngine):
             and self._lockstep is None
             and not record_routing
         )
-        self._sessions: OrderedDict[Shape, DecodeSession] = OrderedDict()  # oldest first
-        self._graph_budget = graph_budget(self._device) if self.use_cuda_graphs else 0
+        self._sessions = DecodeSessions(
+            self._forward, self.vocab_size, self._device, self.use_cuda_graphs
+        )
         # Context parallelism: decoding one token per step cannot be split over CP ranks,
         # so each CP rank generates the whole rows itself (the same seed, the same samples)
         # and the model is told so per batch, through the one-rank group megatron-core's
@@ -356,7 +351,7 @@ class MegatronEngine(RolloutEngine):
         longest = max(map(len, prompts))
         p = max(longest, min(-(-longest // PROMPT_WIDTH_STEP) * PROMPT_WIDTH_STEP,
                              self.max_model_len - r))  # fmt: skip
-        p = self._kept_width(b, p, r)
+        p = self._sessions.width(b, p, r)
         stop_ids = sampling.resolved_stop_token_ids(self.eos_token_ids)
         stop = torch.tensor(stop_ids, dtype=torch.int64, device=device)
         # Built on the host, copied once (not one small copy per row).
@@ -368,7 +363,7 @@ class MegatronEngine(RolloutEngine):
         tokens, keep = tokens.to(device), keep.to(device)
         prompt_len = keep.sum(1)
         row_seeds = seed_tensor(seeds, device) if seeds is not None else None
-        session = self._decode_session(b, p, r)
+        session = self._sessions.get(b, p, r, self.model)
         # Sequence-first routing of every forward, `[columns, b, L, k]`: the prompt block's
         # P columns, then one per decode step (step t forwards response token t).
         routing: list[torch.Tensor] = []
@@ -463,35 +458,7 @@ class MegatronEngine(RolloutEngine):
     @property
     def session_bytes(self) -> int:
         """Device memory the kept decode sessions hold (KV caches, buffers, graph pools)."""
-        return sum(session.nbytes for session in self._sessions.values())
-
-    def _kept_width(self, rows: int, width: int, max_new: int) -> int:
-        """The prompt width to decode at: that of the most recently used kept session of
-        these rows and new tokens that is at least `width` and at most twice it (its graphs
-        are reused; the extra left-padding costs prefill only), else `width`."""
-        for b, p, r in reversed(self._sessions):
-            if b == rows and r == max_new and width <= p <= 2 * width:
-                return p
-        return width
-
-    def _decode_session(self, rows: int, prompt_width: int, max_new: int) -> DecodeSession:
-        """The kept session of this shape (now the most recently used), else a new one in
-        place of the least recently used."""
-        shape = (rows, prompt_width, max_new)
-        session = self._sessions.pop(shape, None)
-        if session is None:
-            while len(self._sessions) >= MAX_SESSIONS:
-                self._sessions.popitem(last=False)  # freed before the new one allocates
-            session = DecodeSession(
-                self._forward, rows, prompt_width, max_new, self.vocab_size, self._device,
-                self.use_cuda_graphs,
-            )  # fmt: skip
-        self._sessions[shape] = session
-        # One graph budget for all sessions: what the others' graphs hold is spent.
-        others = sum(s.graph_bytes for s in self._sessions.values() if s is not session)
-        session.graph_budget = self._graph_budget - others
-        session.check_parameters(self.model)
-        return session
+        return self._sessions.nbytes
 
     def _forward(self, tokens, position_ids, mask, ctx) -> torch.Tensor:
         """Last-position logits `[b, vocab]` (fp32, padding ids cut), gathered over TP."""

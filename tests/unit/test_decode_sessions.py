@@ -32,7 +32,7 @@ def _body(rank: int, world_size: int, ckpt: str) -> None:
 
     from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.rollout import megatron_engine
+    from rl_megatron.rollout import decode_session, megatron_engine
     from rl_megatron.rollout.sampling import SamplingParams
 
     parallel_state.initialize_model_parallel(1, 1)
@@ -42,12 +42,12 @@ def _body(rank: int, world_size: int, ckpt: str) -> None:
 
     built = []
 
-    class Counted(megatron_engine.DecodeSession):
+    class Counted(decode_session.DecodeSession):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             built.append(self.shape)
 
-    megatron_engine.DecodeSession = Counted
+    decode_session.DecodeSession = Counted
     engine = megatron_engine.MegatronEngine(chunks, info, max_model_len=64, seed=0)
     train = SamplingParams(temperature=0.8, n=2, max_new_tokens=MAX_NEW, ignore_eos=True, seed=3)
     greedy = SamplingParams(temperature=0, max_new_tokens=MAX_NEW, ignore_eos=True)
