@@ -17,7 +17,9 @@ Two measurements on the same model shape, builder and parallel layout (issue 8):
   (`memory_gb/*_peak`); per phase, garbage-collector pauses and CUDA allocator calls
   (`bench/<phase>_*`, `phase_probes.py`); the step's wall time; tokens/s per GPU over the
   wall time; the actor update's tokens/s per GPU and MFU (mean and median step), and their
-  ratios to both plain loops' tokens/s.
+  ratios to both plain loops' tokens/s; its seconds per optimizer step against a plain
+  iteration's (`actor_step_time_vs_*`: the same rows and one optimizer step, whatever
+  their lengths; `_summarise`).
 
 The trainer counts real tokens (prompt + response lengths, no padding) in its throughput;
 the plain loop's batches have no padding, so both count the same kind of token. Its
@@ -153,13 +155,25 @@ def load_bench_config(args, algorithm: str):
     return config
 
 
-def _summarise(steps: list[dict], flops_tok: float | None, plain: dict[str, float]) -> dict:
+def _summarise(
+    steps: list[dict],
+    flops_tok: float | None,
+    plain: dict[str, float],
+    plain_iter_s: dict[str, float] | None = None,
+) -> dict:
     """Means over the timed steps (peaks: max), and the actor update vs the plain loops.
 
     plain: tokens/s per GPU of each plain loop by name (`plain_loop`, measured before the
     trainers; `plain_loop_after`, after them). The actor update's tokens/s is per GPU like
     theirs: the step's tokens are global (summed over DP), so they are divided by the world
     size. `..._median` is the median step's, which a single slow step does not move.
+    plain_iter_s: seconds per iteration of each plain loop. An iteration is one optimizer
+    step over the rows of one actor mini-batch (unless `--plain-micro-batch(es)` say
+    otherwise), so `actor_step_time_vs_<name>` (its
+    seconds ÷ the actor's per optimizer step) compares the same work whatever the tokens:
+    the tokens/s ratio also counts that the trainer's rows are shorter than the plain
+    loop's (prompt mean + response mean real tokens, against the full prompt + response
+    length), which on a launch-bound model costs tokens/s and no time.
     """
     keys = sorted({k for s in steps for k in s})
     out: dict = {}
@@ -192,10 +206,16 @@ def _summarise(steps: list[dict], flops_tok: float | None, plain: dict[str, floa
     for name, tok_s in plain.items():
         out[f"actor_update_vs_{name}"] = mean_rate / tok_s
         out[f"actor_update_vs_{name}_median"] = median_rate / tok_s
+    step_s = update_s / out["bench/actor_optimizer_steps"]
+    out["actor_update_s_per_optimizer_step"] = step_s
+    for name, iter_s in (plain_iter_s or {}).items():
+        out[f"actor_step_time_vs_{name}"] = iter_s / step_s
     return out
 
 
-def run_trainer(config, run, log, args, plain: dict[str, float], save: bool) -> dict:
+def run_trainer(
+    config, run, log, args, plain: dict[str, float], plain_iter_s: dict[str, float], save: bool
+) -> dict:
     """Build the trainer, run warm-up + timed steps; per-step and summary metrics."""
     from rl_megatron.config import to_dict
     from rl_megatron.trainer.ppo_trainer import build_trainer
@@ -211,6 +231,13 @@ def run_trainer(config, run, log, args, plain: dict[str, float], save: bool) -> 
     result["build_s"] = time.perf_counter() - start
     result["allocated_after_build_gb"] = allocated_gb()
     steps, flops_tok = [], None
+    # The actor's optimizer steps per update phase (a plain-loop iteration is one).
+    optimizer_steps = (
+        config.actor.ppo_epochs
+        * config.data.train_batch_size
+        * config.rollout.n
+        // config.actor.mini_batch_size
+    )
     try:
         for i in range(args.warmup_steps + args.steps):
             sync()
@@ -241,6 +268,7 @@ def run_trainer(config, run, log, args, plain: dict[str, float], save: bool) -> 
                     "timing_s/other": wall - phases,
                     "bench/tokens": tokens,
                     "bench/actor_update_tokens": tokens * config.actor.ppo_epochs,
+                    "bench/actor_optimizer_steps": optimizer_steps,
                     "bench/tokens_per_s_per_gpu_wall": tokens / wall / dist.get_world_size(),
                     "bench/max_reserved_gb": gib(torch.cuda.max_memory_reserved())
                     if torch.cuda.is_available()
@@ -260,7 +288,9 @@ def run_trainer(config, run, log, args, plain: dict[str, float], save: bool) -> 
         result["warmup_steps"] = steps[: args.warmup_steps]
         result["timed_steps"] = steps[args.warmup_steps :]
         result["flops_per_token"] = flops_tok
-        result["summary"] = _summarise(result["timed_steps"] or steps, flops_tok, plain)
+        result["summary"] = _summarise(
+            result["timed_steps"] or steps, flops_tok, plain, plain_iter_s
+        )
         if args.profile_update and args.profile_dir is not None:
             # One more step; its actor update (every optimizer step) is profiled, the same
             # work as the plain loop's profiled iterations.
@@ -367,6 +397,13 @@ def print_summary(result: dict) -> None:
             f"x{s.get('actor_update_vs_plain_loop_after', float('nan')):.2f}, "
             f"median x{s.get('actor_update_vs_plain_loop_after_median', float('nan')):.2f})"
         )
+        if "actor_update_s_per_optimizer_step" in s:
+            print(
+                f"  actor update {s['actor_update_s_per_optimizer_step']:.3f} s per optimizer "
+                f"step; a plain iteration's time ÷ it: "
+                f"x{s.get('actor_step_time_vs_plain_loop', float('nan')):.2f} (before), "
+                f"x{s.get('actor_step_time_vs_plain_loop_after', float('nan')):.2f} (after)"
+            )
         for k in phases:
             mem = s.get(f"memory_gb/{k[9:]}_peak")
             print(f"  {k[9:]:>15}: {s[k]:7.3f} s" + (f"  peak {mem:6.1f} GiB" if mem else ""))
@@ -439,17 +476,19 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{key}: {result[key]}", flush=True)
             write()
 
-        plain: dict[str, float] = {}
+        plain: dict[str, float] = {}  # tokens/s per GPU
+        plain_iter_s: dict[str, float] = {}  # seconds per iteration (one optimizer step)
         if not args.no_plain:
             measure_plain("plain_loop")
             if not args.no_plain_masked:
                 measure_plain("plain_loop_masked", masked=True)
             plain["plain_loop"] = result["plain_loop"]["tokens_per_s_per_gpu"]
+            plain_iter_s["plain_loop"] = result["plain_loop"]["seconds_per_iter"]
         result["trainer"] = {}
         for i, (name, config) in enumerate(configs.items()):
             try:
                 result["trainer"][name] = run_trainer(
-                    config, run, log, args, plain, save=args.save and i == 0
+                    config, run, log, args, plain, plain_iter_s, save=args.save and i == 0
                 )
             except Exception:  # noqa: BLE001 - one failing algorithm must not lose the rest
                 if dist.get_world_size() > 1:
@@ -463,10 +502,11 @@ def main(argv: list[str] | None = None) -> int:
             # at the speed they ran at first (the ratio is given against both).
             measure_plain("plain_loop_after", profile=False)
             plain["plain_loop_after"] = result["plain_loop_after"]["tokens_per_s_per_gpu"]
+            plain_iter_s["plain_loop_after"] = result["plain_loop_after"]["seconds_per_iter"]
             for res in result["trainer"].values():
                 if "timed_steps" in res:
                     steps = res["timed_steps"] or res["warmup_steps"]
-                    res["summary"] = _summarise(steps, res["flops_per_token"], plain)
+                    res["summary"] = _summarise(steps, res["flops_per_token"], plain, plain_iter_s)
             write()
         if run.env.rank == 0:
             print_summary(result)

@@ -45,10 +45,10 @@ def _step_with_actor_update(trainer, around) -> None:
     `update()` is the phase itself (the critic's and the other phases run as usual)."""
     original = trainer._update
 
-    def patched(role, batch, loss_fn, name):
+    def patched(role, batch, loss_fn, name, **kwargs):
         if name != "actor":
-            return original(role, batch, loss_fn, name)
-        return around(lambda: original(role, batch, loss_fn, name))
+            return original(role, batch, loss_fn, name, **kwargs)
+        return around(lambda: original(role, batch, loss_fn, name, **kwargs))
 
     trainer._update = patched
     try:
