@@ -56,6 +56,10 @@ intercepts every tensor call and attribute read, which a GPU host does not pay.
     .venv/bin/torchrun --standalone --nproc_per_node 1 benchmarks/reshard_bench.py \
         --model llama-1b-tiny --rollout-tp 1 --repeats 200 --warmup 20 --without-cpu-shim
 
+`--model qwen3-moe-2b-tiny` likewise for qwen3-moe-2b's tensor count (2048 expert tensors in
+Megatron's one-parameter-per-expert layout, 147 in vLLM's); its full-gather baseline takes
+~1.4 s a call on 2 cores, so `--repeats 20 --warmup 3` (under a minute).
+
 CPU (gloo; tests, CI-sized checks):
 
     .venv/bin/torchrun --standalone --nproc_per_node 2 benchmarks/reshard_bench.py \
@@ -145,6 +149,12 @@ MODELS = {
                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                            vocab_size=512),
+    # qwen3-moe-2b's tensor count (16 layers x 64 experts: 2048 expert tensors in Megatron,
+    # 147 in vLLM's layout) at tiny sizes: the sync's host time per tensor, on a CPU.
+    "qwen3-moe-2b-tiny": dict(_QWEN3_MOE, hidden_size=64, num_hidden_layers=16,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                              num_experts=64, num_experts_per_tok=8, moe_intermediate_size=16,
+                              vocab_size=512),
     # bench_h200_moe.yaml's shape: 16 layers, 64 experts of FFN 512, top-8, head_dim 128,
     # vocab 151936 (1.97 B parameters, 3.95 GB in bf16, 3.2 GB of it experts).
     "qwen3-moe-2b": dict(_QWEN3_MOE, hidden_size=1024, num_hidden_layers=16,

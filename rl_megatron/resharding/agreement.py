@@ -17,7 +17,9 @@ all-reduce follow, on the checks against the agreed plan. With one rank there is
 to agree on and no collective. The checks themselves run on every sync, not only when
 something looks changed: for 99 tensors they cost ~0.1 ms of host time, about what a
 fingerprint of their inputs would, and they stay right whatever changed (an engine's
-weights reloaded, a trainer's parameters replaced).
+weights reloaded, a trainer's parameters replaced). For the 2k parameters of an MoE actor
+holding one tensor per expert they are kept to C-level passes over the tensors, against
+the shapes of the plan's specs computed once per plan.
 
 A `PlanAgreement` belongs to one weight sync (`weight_sync.py`): it keeps the last agreed
 values (what each rank guesses) and the plan built for them, which later syncs reuse as
@@ -26,6 +28,7 @@ long as the agreed inputs do not change.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 
 import torch
@@ -34,10 +37,11 @@ import torch.distributed as dist
 from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.resharding.layouts import TrainingLayout
 from rl_megatron.resharding.plan import PlanKey, ReshardPlan, build_plan
-from rl_megatron.resharding.shards import check_tensors
+from rl_megatron.resharding.shards import check_tensors, spec_shapes
 from rl_megatron.resharding.targets import ReshardTarget
 
 MIB = 1 << 20  # the unit of `rollout.weight_sync_bucket_mb`
+_DTYPE = operator.attrgetter("dtype")
 
 
 def all_max(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
@@ -102,6 +106,9 @@ class PlanAgreement:
         # more all-reduce, never a wrong plan: guesses are checked against the agreed values.
         self.agreed = [0, 0, 0]
         self.plan: ReshardPlan | None = None  # the plan of the last key asked for
+        # (plan, local rank, name → shape of the rank's training shards): the trainer's
+        # side is checked against it every sync, built once per plan.
+        self._source_shapes: tuple[ReshardPlan, int, dict] | None = None
 
     def _key(self, values: list[int]) -> PlanKey:
         return PlanKey(
@@ -126,7 +133,10 @@ class PlanAgreement:
                 return None, [str(exc)]
         plan = self.plan
         local = plan.local_rank(rank)
-        problems = check_tensors(plan.sources[local], sources, "trainer")
+        kept = self._source_shapes
+        if kept is None or kept[0] is not plan or kept[1] != local:
+            kept = self._source_shapes = (plan, local, spec_shapes(plan.sources[local]))
+        problems = check_tensors(kept[2], sources, "trainer")
         return plan, problems + self.target.check(plan.targets[local], self.info)
 
     def agree(self, sources: Mapping[str, torch.Tensor]) -> ReshardPlan:
@@ -138,7 +148,7 @@ class PlanAgreement:
         trainer's parameters, the target's parameters or the configs disagree with the plan.
         """
         rank = dist.get_rank()
-        dtypes = {t.dtype for t in sources.values()}
+        dtypes = set(map(_DTYPE, sources.values()))
         own = []  # problems found before any plan
         if len(dtypes) > 1:
             own.append(f"training parameters mix dtypes {sorted(map(str, dtypes))}")

@@ -38,6 +38,8 @@ every sync (as are the steps of a per-parameter program, whose buffers are new e
 from __future__ import annotations
 
 import dataclasses
+import operator
+from array import array
 from collections.abc import Callable, Iterator
 
 import torch
@@ -330,8 +332,23 @@ def run_ops(ops: list[Op], tensors: Tensors) -> None:
     issue(bind(ops, tensors))
 
 
-def _geometry(t: torch.Tensor) -> tuple:
-    return t.data_ptr(), t.shape, t.stride(), t.dtype, t.device
+_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+
+
+def _geometry(ts: list[torch.Tensor]) -> tuple:
+    """Address, shape, strides, device and dtype of each of `ts`, for equality only.
+
+    An MoE actor with one tensor per expert has 2k of them, checked on every sync, so this
+    is one C-level pass per field. A device is its index (-1: CPU or meta; a tensor moved
+    to another device type also moves its address); dtypes are singletons.
+    """
+    return (
+        array("Q", map(torch.Tensor.data_ptr, ts)),
+        list(map(_SHAPE, ts)),
+        list(map(torch.Tensor.stride, ts)),
+        array("q", map(torch.Tensor.get_device, ts)),
+        list(map(_DTYPE, ts)),
+    )
 
 
 class KeptViews:
@@ -346,12 +363,21 @@ class KeptViews:
 
     def __init__(self) -> None:
         self.program: CopyProgram | None = None
-        self.geometry: list[tuple] = []
+        self.geometry: tuple = ()  # `_geometry` of the tensors `bound` views
         self.bound: list[list[Bound]] = []  # per round, per `local` step
+        self._names: tuple[list[str], list[str]] = ([], [])  # the program's bases: src, dst
 
     def local(self, program: CopyProgram, tensors: Tensors) -> list[list[Bound]]:
         """Each round's bound `local` steps: the kept ones if nothing they view moved."""
-        geometry = [_geometry(tensors.full(ref)) for ref in program.bases]
+        if program is not self.program:
+            self._names = (
+                [name for kind, name in program.bases if kind == SRC],
+                [name for kind, name in program.bases if kind == DST],
+            )
+        src, dst = self._names
+        # Every destination is asked for on every sync (targets record what they hand out).
+        bases = list(map(tensors.sources.__getitem__, src)) + list(map(tensors.writable, dst))
+        geometry = _geometry(bases)
         if program is not self.program or geometry != self.geometry:
             self.bound = [[bind(step.ops, tensors) for step in r.local] for r in program.rounds]
             self.program, self.geometry = program, geometry

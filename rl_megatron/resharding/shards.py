@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import re
 import types
 from collections.abc import Mapping, Sequence
@@ -433,10 +434,32 @@ def vllm_padded_vocab(vocab_size: int, tp: int) -> int:
 # ------------------------------------------------------------------------ checks
 
 
-def check_tensors(specs: Sequence[ShardSpec], tensors: Mapping[str, Any], what: str) -> list[str]:
-    """Problems (one line each) if `tensors` (name → tensor or shape) do not match `specs`."""
+_SHAPE = operator.attrgetter("shape")
+
+
+def spec_shapes(specs: Sequence[ShardSpec]) -> dict[str, tuple[int, ...]]:
+    """Name → shape of each spec: what `check_tensors` compares with (keep it per plan)."""
+    return {s.name: s.shape for s in specs}
+
+
+def check_tensors(
+    specs: Sequence[ShardSpec] | Mapping[str, tuple[int, ...]],
+    tensors: Mapping[str, Any],
+    what: str,
+) -> list[str]:
+    """Problems (one line each) if `tensors` (name → tensor or shape) do not match `specs`
+    (shard specs, or their `spec_shapes`)."""
+    want = specs if isinstance(specs, Mapping) else spec_shapes(specs)
+    # Run on every sync over every parameter (2k for an MoE actor with one tensor per
+    # expert): the common case, all present and all equal, is a few C-level passes.
+    if tensors.keys() == want.keys():
+        try:
+            have = list(map(_SHAPE, tensors.values()))
+        except AttributeError:  # shapes given, not tensors
+            have = list(tensors.values())
+        if have == list(map(want.__getitem__, tensors)):  # torch.Size equals its tuple
+            return []
     problems = []
-    want = {s.name: s.shape for s in specs}
     for name, shape in want.items():
         if name not in tensors:
             problems.append(f"{what} lacks parameter '{name}' (plan shape {list(shape)})")

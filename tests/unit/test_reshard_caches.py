@@ -7,8 +7,10 @@ tests/multirank/test_reshard_agreement.py). The actor is a module tree holding, 
 GPTModel's parameter names, the training shards of random HF tensors
 (`megatron_reference`); the expected target is what vLLM holds after loading the same
 tensors itself (`vllm_reference`). The padded-vocabulary model is used so that zero fills
-run beside the copies, Llama-GQA for QKV's strided runs. Tolerance: bit-exact (pure
-copies; unwritten rows stay NaN).
+run beside the copies, Llama-GQA for QKV's strided runs, Qwen3-MoE for one tensor per
+expert copied into a slot of vLLM's stacked `w13_weight` / `w2_weight`
+(`moe_vllm_reference`). Tolerance: bit-exact (pure copies; unwritten rows stay NaN), and
+the kept program's views write each target element exactly once (`written_counts`).
 """
 
 from __future__ import annotations
@@ -21,14 +23,18 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron.models.conversions import padded_vocab_size
+from rl_megatron.models.hf_config import parse_hf_config
 from rl_megatron.resharding import shards
 from rl_megatron.resharding.layouts import TrainingLayout, generation_layout_for
+from rl_megatron.resharding.shards import ShardSpec, check_tensors, spec_shapes
 from rl_megatron.resharding.targets import TensorStoreTarget
 from rl_megatron.resharding.weight_sync import WeightSync
 from tests.reshard_refs import (
+    MOE_MODELS,
     assert_bit_exact,
     megatron_reference,
     model_info,
+    moe_vllm_reference,
     random_hf_state,
     vllm_reference,
 )
@@ -84,7 +90,9 @@ class Case:
     """One model's actor (training shards of HF state A), a store, its sync, references."""
 
     def __init__(self, model: str) -> None:
-        self.info = info = model_info(model)
+        self.info = info = (
+            parse_hf_config(MOE_MODELS[model]) if model in MOE_MODELS else model_info(model)
+        )
         self.training = TrainingLayout(1, 1, 1)
         self.gen = generation_layout_for(self.training, 1)
         self.train_vocab = padded_vocab_size(info.vocab_size, 128, 1)
@@ -99,7 +107,8 @@ class Case:
 
     def want(self, seed: int) -> dict[str, torch.Tensor]:
         state = random_hf_state(self.info, seed)
-        return vllm_reference(state, self.info, 1, 0, self.gen_vocab)
+        reference = moe_vllm_reference if self.info.num_experts else vllm_reference
+        return reference(state, self.info, 1, 0, self.gen_vocab)
 
     def new_store(self, cls=TensorStoreTarget) -> TensorStoreTarget:
         return cls("vllm", self.info, self.gen, 0, self.gen_vocab)
@@ -116,7 +125,7 @@ class Case:
         return (weight_sync or self.weight_sync)._views.bound
 
 
-@pytest.fixture(params=["llama_gqa", "qwen3_padded_vocab"])
+@pytest.fixture(params=["llama_gqa", "qwen3_padded_vocab", "qwen3_moe"])
 def case(request) -> Case:
     return Case(request.param)
 
@@ -190,6 +199,91 @@ def test_a_non_contiguous_replacement_is_refused_not_written_through_old_views(c
     with pytest.raises(ValueError, match=f"dst tensor '{QKV}' is not contiguous"):
         case.sync()
     assert case.weight_sync.version is None  # the target was told the transfer failed
+
+
+def test_a_replaced_module_is_read(case):
+    """A module swapped for a new one (the old one freed) holding a new parameter under the
+    same name: the old module's parameter dict is unchanged, yet the table is rebuilt."""
+    case.sync()
+    module_name, _, leaf = SRC_QKV.rpartition(".")
+    parent, _, child = module_name.rpartition(".")
+    new = case.training_shards(seed=1)[SRC_QKV]
+    fresh = torch.nn.Module()
+    for name, old in case.chunk.get_submodule(module_name).named_parameters():
+        value = new if name == leaf else old.detach().clone()
+        fresh.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
+    setattr(case.chunk.get_submodule(parent), child, fresh)
+    del old
+    gc.collect()
+    got = case.sync().tensors
+    assert torch.equal(got[QKV], case.want(1)[QKV])
+
+
+def test_a_source_of_another_shape_is_refused_on_a_repeated_sync(case):
+    case.sync()
+    p = param(case.chunk, SRC_QKV)
+    p.data = torch.zeros(p.shape[0] + 1, p.shape[1])
+    with pytest.raises(ValueError, match=f"trainer '{SRC_QKV}' has shape"):
+        case.sync()
+
+
+def written_counts(weight_sync: WeightSync) -> dict[str, torch.Tensor]:
+    """How many times the kept program's views write each element of each target tensor
+    (from the views' geometry, whatever values they carry; one rank: `local` steps only)."""
+    target = weight_sync.target.tensors
+    by_address = {t.untyped_storage().data_ptr(): name for name, t in target.items()}
+    counts = {name: torch.zeros(t.numel(), dtype=torch.int64) for name, t in target.items()}
+    for steps in weight_sync._views.bound:
+        for bound in steps:
+            for view in [*bound.dst, *(dst for dst, _ in bound.strided), *bound.zeros]:
+                name = by_address[view.untyped_storage().data_ptr()]
+                base = target[name]
+                offset = view.storage_offset() - base.storage_offset()
+                index = torch.arange(base.numel()).as_strided(view.shape, view.stride(), offset)
+                counts[name] += torch.bincount(index.reshape(-1), minlength=base.numel())
+    return counts
+
+
+def test_every_target_element_is_written_exactly_once(case):
+    case.sync()
+    for name, count in written_counts(case.weight_sync).items():
+        missed, twice = int(count.eq(0).sum()), int(count.gt(1).sum())
+        assert not missed and not twice, f"{name}: {missed} missed, {twice} written twice"
+
+
+def test_moe_experts_join_the_multi_tensor_copy():
+    """One copy per expert tensor (Megatron's fc1 into its `w13_weight` slot, fc2 into its
+    `w2_weight` slot), all in the one multi-tensor copy, none issued alone."""
+    case = Case("qwen3_moe")
+    assert_bit_exact(case.sync().tensors, case.want(0), "qwen3_moe")
+    ((bound,),) = case.kept_views()  # one round, one step
+    stacked = {
+        t.untyped_storage().data_ptr()
+        for name, t in case.store.tensors.items()
+        if name.endswith(("w13_weight", "w2_weight"))
+    }
+
+    def into_experts(views):
+        return sum(v.untyped_storage().data_ptr() in stacked for v in views)
+
+    assert into_experts(bound.dst) == 2 * case.info.num_layers * case.info.num_experts
+    assert into_experts(dst for dst, _ in bound.strided) == 0
+
+
+def test_check_tensors_fast_path_and_messages():
+    specs = [ShardSpec("a", (2, 3), 0, ()), ShardSpec("b", (4,), 0, ())]
+    good = {"b": torch.zeros(4), "a": torch.zeros(2, 3)}  # any order
+    for want in (specs, spec_shapes(specs)):
+        assert check_tensors(want, good, "x") == []
+        assert check_tensors(want, {"a": (2, 3), "b": [4]}, "x") == []  # shapes, not tensors
+        assert check_tensors(want, {"a": torch.zeros(3, 2), "c": torch.zeros(1)}, "x") == [
+            "x 'a' has shape [3, 2], the plan [2, 3]",
+            "x lacks parameter 'b' (plan shape [4])",
+            "x parameter 'c' is not in the plan",
+        ]
+        assert check_tensors(want, {**good, "b": torch.zeros(1, 4)}, "x") == [
+            "x 'b' has shape [1, 4], the plan [4]"
+        ]
 
 
 def test_the_kept_state_goes_with_the_sync(case):
