@@ -53,7 +53,14 @@ def _body(rank, world_size, tmp_path, mode):
     config = probe_config(
         tmp_path,
         {},
-        ["algorithm.adv_estimator=grpo", f"trainer.on_nonfinite={mode}", "trainer.total_steps=3"],
+        [
+            "algorithm.adv_estimator=grpo",
+            f"trainer.on_nonfinite={mode}",
+            "trainer.total_steps=3",
+            # The engine keeps the version it last got while asleep (level 2 drops it), so
+            # the end of the run shows which weights it was given last.
+            "rollout.sleep_level=1",
+        ],
     )
     with distributed_run(seed=config.trainer.seed, timeout_s=120) as run:
         trainer = build_probe_trainer(config, run, total_steps=3)
