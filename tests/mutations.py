@@ -10,8 +10,9 @@ catch is printed MISSED and the script exits 1. Not part of `make test`: it re-r
 slowest tests once per mutation. The faults are issue 17's list (the one-line faults that
 once passed the whole suite), the bugs the reference step found, and issue 20's wiring
 (rollout correction, GSPO / CISPO, DAPO, the critic's aggregation, the KL estimators),
-issue 22's (log-probs from the hidden states, context parallelism), and the Megatron
-engine's routing record (routing replay).
+issue 22's (log-probs from the hidden states, context parallelism), the Megatron
+engine's routing record (routing replay), and issue 21's engine sleep levels and batch
+padding.
 """
 
 from __future__ import annotations
@@ -334,6 +335,28 @@ MUTATIONS = [
         "torch.stack([latest[layer] for layer in self.layers], dim=1)",
         "torch.stack([latest[layer] for layer in reversed(self.layers)], dim=1)",
         RECORDING,
+    ),
+    # Issue 21: how deeply the engine sleeps, and the rollout batch's padding.
+    (
+        "engine sleep: rounds ignore rollout.sleep_level",
+        TRAINER,
+        "else self.config.rollout.sleep_level",
+        "else 1",
+        "tests/multirank/test_engine_sleep.py::test_sleep_level[default]",
+    ),
+    (
+        "engine sleep: dynamic sampling drops the weights between rounds",
+        TRAINER,
+        "            level=1\n",
+        "            level=2\n",
+        "tests/multirank/test_engine_sleep.py::test_sleep_level[dynamic_sampling]",
+    ),
+    (
+        "rollout batch: prompts right-aligned",
+        "rl_megatron/rollout/batch.py",
+        "    if left:",
+        "    if not left:",
+        "tests/unit/test_rollout_batch.py",
     ),
 ]
 
