@@ -281,12 +281,13 @@ class PPOTrainer:
             actor_on_device.enter_context(self.roles.actor.on_device())
             with self.phases.time("reshard"):
                 sync = self._sync_engine(version=self.step)
-            # Not part of the weight sync: the memory the roles trained in goes back to
-            # the engine (its cost grows with the KV cache, not with the weights).
-            with self.phases.time("wake_kv_cache"):
-                self._wake_kv_cache()
             if not self.engine.generates_with_trainer_modules:
                 actor_on_device.close()  # the engine has its own copy now
+            # After the actor's weights went (if they are offloaded): the memory the roles
+            # trained in goes back to the engine. Not part of the weight sync: its cost
+            # grows with the KV cache, not with the weights.
+            with self.phases.time("wake_kv_cache"):
+                self._wake_kv_cache()
             collected = collect_groups(
                 self._rollout_round,
                 self.sampler.local_batch_size,
@@ -360,8 +361,8 @@ class PPOTrainer:
         }
 
     def _wake_kv_cache(self) -> None:
-        """The engine's KV cache back, after its weights: peak memory never holds two
-        models plus a KV cache."""
+        """The engine's KV cache back, after its weights are in and the actor's put away
+        (`RolloutEngine.wake`): peak memory never holds two models plus a KV cache."""
         self.engine.wake(["kv_cache"])
         self._record_device_used("engine_awake")
 
