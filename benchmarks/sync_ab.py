@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
             to sleep at the configured level. The KV cache's wake is timed on its own."""
             sync()
             start = time.perf_counter()
-            engine.wake(["kv_cache"])
+            trainer._wake_kv_cache()  # the trainer's own phase after the sync
             sync()
             kv_wake_s.append(time.perf_counter() - start)
             engine.sleep(level=config.rollout.sleep_level)
@@ -187,20 +187,14 @@ def main(argv: list[str] | None = None) -> int:
                 parts.setdefault(key.removeprefix("timing_parts_s/"), []).append(value)
             return stats
 
-        state = {"asleep": False}
-
-        def pause() -> None:
-            if not state["asleep"]:
+        def pause() -> None:  # before every call; only a sync leaves the engine awake
+            if "weights" in engine.awake_tags:
                 to_step_start()
-                state["asleep"] = True
-
-        def b() -> dict:
-            out = trainer_sync()
-            state["asleep"] = False
-            return out
 
         with actor.on_device():
-            ab = interleave(floor, b, args.repeats, warmup=args.warmup, sync=sync, pause=pause)
+            ab = interleave(
+                floor, trainer_sync, args.repeats, warmup=args.warmup, sync=sync, pause=pause
+            )
         result.update(
             weight_bytes=nbytes,
             sleep_level=config.rollout.sleep_level,
