@@ -38,6 +38,10 @@ Per batch size b (all with `ignore_eos`, so each call makes exactly b·n·max_ne
   per row, "TODO: This can be slow"; the CPU build's `forward_cpu` draws one
   `torch.randint(..., generator=gen).item()` per row), and FlashInfer's sampler, which has
   no per-request generators, is not used.)
+* `greedy_llm`: A = the in-trainer engine's own `vllm.LLM.generate` (in this process, the
+  trainer's wrapper left out) with B's plain greedy parameters, B as in `greedy`. Where a
+  `greedy` miss comes from: the wrapper (this ratio near 1) or vLLM run in-process rather
+  than in an engine-core process of its own (this ratio as low). Information, no target.
 One difference in both sampled modes is the trainer engine's own setting: `VllmEngine`
 builds vLLM with `logprobs_mode="processed_logprobs"`, with which vLLM's sampler computes
 a `[rows, vocab]` fp32 log-softmax at every sampled decode step even when no log-probs are
@@ -111,13 +115,15 @@ from phase_probes import GC_PAUSES
 from rollout_common import batch_tokens, error_text, greedy, rows_equal
 from rollout_engines_vllm import build_standalone, build_vllm_engine, standalone_sampling_params
 
-MODES = ("greedy", "sampled", "sampled_unseeded")
+MODES = ("greedy", "sampled", "sampled_unseeded", "greedy_llm")
 TARGET, WORST_TARGET = 0.98, 0.95  # issue 21: median, worst round
+A_NAMES = {"greedy_llm": "in-trainer engine's own vllm.LLM.generate, plain greedy params"}
 A_NAME = "in-trainer VllmEngine.generate"
 B_NAMES = {
     "greedy": "standalone vllm.LLM, plain greedy params",
     "sampled": "standalone vllm.LLM, the same per-request seeded params",
     "sampled_unseeded": "standalone vllm.LLM, one unseeded params",
+    "greedy_llm": "standalone vllm.LLM, plain greedy params",
 }
 TARGETED = ("greedy", "sampled")
 # Environment that changes what the command measures; written into its command line.
@@ -157,7 +163,7 @@ def the_calls(engine, standalone, prompts: list[list[int]], mode: str, args):
     """(A, B, rows per call) of one mode: zero-argument callables returning token rows."""
     from rl_megatron.rollout.vllm_io import to_vllm_sampling_params
 
-    if mode == "greedy":
+    if mode in ("greedy", "greedy_llm"):
         sampling, b_params = greedy(args), standalone_sampling_params(args)
     else:
         sampling = trainer_sampling(args)
@@ -166,6 +172,9 @@ def the_calls(engine, standalone, prompts: list[list[int]], mode: str, args):
         b_params = to_vllm_sampling_params(sampling, stop_ids, None, calculate_log_probs=False)
 
     def a():
+        if mode == "greedy_llm":  # vLLM in this process, without the trainer's wrapper
+            requests = [{"prompt_token_ids": p} for p in prompts]
+            return engine.llm.generate(requests, b_params, use_tqdm=False)
         return engine.generate(prompts, sampling)
 
     def b():
@@ -209,12 +218,13 @@ def run_mode(engine, standalone, prompts, mode: str, args) -> tuple[dict, Any]:
     a, b = with_probes(a, probes["a"]), with_probes(b, probes["b"])
     pause = (lambda: time.sleep(args.pause_s)) if args.pause_s > 0 else None
     r = interleave(a, b, args.repeats, warmup=args.warmup, sync=sync, pause=pause)
-    a_rows, b_rows = batch_tokens(r.last_a), output_tokens(r.last_b)
+    a_rows = output_tokens(r.last_a) if mode == "greedy_llm" else batch_tokens(r.last_a)
+    b_rows = output_tokens(r.last_b)
     for name, got in (("A", a_rows), ("B", b_rows)):
         if len(got) != rows or any(len(t) != args.max_new for t in got):
             raise RuntimeError(f"{mode}: {name} returned other than {rows} × {args.max_new}")
     tokens = rows * args.max_new
-    out = {"a": A_NAME, "b": B_NAMES[mode], "rows": rows, "tokens": tokens}
+    out = {"a": A_NAMES.get(mode, A_NAME), "b": B_NAMES[mode], "rows": rows, "tokens": tokens}
     out |= r.as_dict(work=tokens)
     out["this_process_each_call"] = probes  # warm-up rounds first, in call order
     out["rows_equal"] = rows_equal(a_rows, b_rows)
@@ -417,6 +427,7 @@ def main() -> None:
                     f"({row['ratio_min']:.3f}–{row['ratio_max']:.3f})",
                     flush=True,
                 )
+                write_partial(result, args, rank)
         if args.profile:
             result["profile"] = profile_wrapper(engine, prompts[: max(args.batches)], args)
         # Its engine-core process exits now; the in-process engine is never torn down
@@ -435,6 +446,13 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def write_partial(result: dict[str, Any], args: Any, rank: int) -> None:
+    """The JSON so far, after every mode: a run cut short by its time limit keeps the rows
+    it measured (`"partial": true` until the end rewrites it)."""
+    if rank == 0 and args.out_json:
+        args.out_json.write_text(json.dumps(result | {"partial": True}, default=str) + "\n")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,12 @@ put to sleep at `--sleep-level` (the trainer's `rollout.sleep_level`). Ratio per
 time(B) / time(A); target ≤ 3× at the median and at the worst round (`ab.meets`,
 lower is better).
 
+`--sleep-level 0` keeps the engine's weights on the device while it sleeps (only its KV
+cache is freed), so the sync has nothing to wake. Every level is checked the same way: the
+engine's greedy tokens for fixed prompts after all rounds (each a sleep, a wake and a sync
+of the same weights) must equal those before them (`greedy_unchanged_after_rounds`; exit
+status 1 otherwise).
+
 Also per round: the sync's parts (`timing_parts_s/reshard/{wake_weights,sync}`) and its
 host pieces (`reshard/*_s`), so a miss says where the time went.
 
@@ -86,7 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--sleep-level", type=int, default=2, choices=(1, 2))
+    p.add_argument("--sleep-level", type=int, default=2, choices=(0, 1, 2))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     p.add_argument("--tiny", action="store_true", help="CPU smoke: tiny fp32 shape")
     p.add_argument("--run-dir", default="runs/sync_ab")
@@ -141,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from rl_megatron.distributed import distributed_run, launch_env
     from rl_megatron.parallel import ParallelLayout
+    from rl_megatron.rollout.sampling import SamplingParams
     from rl_megatron.trainer.ppo_trainer import build_trainer
     from rl_megatron.utils.logging import get_logger
 
@@ -187,15 +194,41 @@ def main(argv: list[str] | None = None) -> int:
                 parts.setdefault(key.removeprefix("timing_parts_s/"), []).append(value)
             return stats
 
-        def pause() -> None:  # before every call; only a sync leaves the engine awake
-            if "weights" in engine.awake_tags:
+        def pause() -> None:  # before every call: after a sync, where the next finds it
+            if synced[0]:
                 to_step_start()
+                synced[0] = False
+
+        def synced_trainer_sync() -> dict:
+            synced[0] = True
+            return trainer_sync()
+
+        def greedy_tokens() -> list[list[int]]:
+            """The engine's greedy responses to fixed prompts (with its KV cache awake)."""
+            trainer._wake_kv_cache()
+            vocab = args.vocab
+            prompts = [[(31 * i + 7 * j + 1) % vocab for j in range(12)] for i in range(4)]
+            greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+            return engine.generate(prompts, greedy).responses.tolist()
 
         with actor.on_device():
+            trainer_sync()  # the actor's weights in (vLLM started from dummy ones)
+            greedy_before = greedy_tokens()
+            engine.sleep(level=config.rollout.sleep_level)
+            synced = [False]
             ab = interleave(
-                floor, trainer_sync, args.repeats, warmup=args.warmup, sync=sync, pause=pause
+                floor,
+                synced_trainer_sync,
+                args.repeats,
+                warmup=args.warmup,
+                sync=sync,
+                pause=pause,
             )
+            # The engine slept and woke at the configured level, and was synced the same
+            # weights again at every round: it must still generate what it did before.
+            greedy_after = greedy_tokens()
         result.update(
+            greedy_unchanged_after_rounds=greedy_before == greedy_after,
             weight_bytes=nbytes,
             sleep_level=config.rollout.sleep_level,
             ab=ab.as_dict(),
@@ -239,6 +272,13 @@ def main(argv: list[str] | None = None) -> int:
             if args.out_json:
                 args.out_json.parent.mkdir(parents=True, exist_ok=True)
                 args.out_json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if not result["greedy_unchanged_after_rounds"]:
+        print(
+            "sync_ab: the engine's greedy tokens changed after the rounds' sleeps, wakes "
+            "and syncs of the same weights",
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 

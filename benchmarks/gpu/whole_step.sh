@@ -12,15 +12,22 @@ SHAPE_7B="--layers 32 --hidden 4096 --heads 32 --kv-heads 32 --ffn 11008 --vocab
 
 # MoE (issue 19): the actor update against a plain megatron-core MoE loop, and resharding
 # the experts against a device copy of the same bytes.
-step moe_trainer 330 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_moe.yaml \
-  --algorithms grpo --steps 3 --no-plain-masked --out-json "$RES/trainer_h200_moe_$TAG.json"
+# Responses of 64 (the config's 128 took ~70 s of eager MoE decode per step; the update's
+# comparison with the plain loop is on whatever lengths the step makes), then one more
+# step whose actor update is profiled next to as many plain-loop iterations.
+step moe_trainer 400 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_moe.yaml \
+  --algorithms grpo --warmup-steps 1 --steps 2 --no-plain-masked \
+  --profile-dir "$RES" --profile-update --out-json "$RES/trainer_h200_moe_$TAG.json" \
+  rollout.max_response_length=64 model.max_position_embeddings=128
 step moe_reshard 120 $TR1 benchmarks/reshard_bench.py --model qwen3-moe-2b --dtype bfloat16 \
   --bucket-mb 512 --repeats 10 --out-json "$RES/reshard_h200_qwen3-moe-2b_$TAG.json"
 
 # In-trainer vLLM vs standalone vLLM, 0.85B (issue 21: >= 0.98x median, >= 0.95x worst).
-step rollout_ab_085b 420 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfloat16 \
-  --batches 64,256 --prompt-len 128 --max-new 256 --samples 4 --modes greedy,sampled \
-  --repeats 4 --gpu-memory-utilization 0.3 \
+# Eight rounds: four spread by up to 26 % (ninth run). Start-up is most of the time; the
+# JSON is written after every mode, so a cut run keeps its rows.
+step rollout_ab_085b 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfloat16 \
+  --batches 64,256 --prompt-len 128 --max-new 256 --samples 4 --modes greedy,greedy_llm,sampled \
+  --repeats 8 --gpu-memory-utilization 0.3 \
   --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
   --out-json "$RES/rollout_ab_h200_085b_$TAG.json"
 
@@ -29,6 +36,11 @@ step sync_ab_085b 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \
   --out-json "$RES/sync_ab_h200_085b_$TAG.json"
 step sync_ab_7b 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 \
   --out-json "$RES/sync_ab_h200_7b_$TAG.json" actor.offload.optimizer=true
+# rollout.sleep_level=0: the engine keeps its weights on the device while it sleeps.
+step sync_ab_085b_l0 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 --sleep-level 0 \
+  --out-json "$RES/sync_ab_h200_085b_l0_$TAG.json"
+step sync_ab_7b_l0 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 --sleep-level 0 \
+  --out-json "$RES/sync_ab_h200_7b_l0_$TAG.json" actor.offload.optimizer=true
 
 # The end-to-end headline (issue 21): a whole GRPO step of a 1.5B shape, vLLM rollout.
 step e2e_1.5b 420 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_1.5b.yaml \

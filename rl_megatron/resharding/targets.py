@@ -83,7 +83,8 @@ class ReshardTarget(abc.ABC):
 
     @abc.abstractmethod
     def padded_vocab(self) -> int:
-        """Rows of the whole (unsplit) embedding in the engine's layout."""
+        """Rows of the whole (unsplit) embedding in the engine's layout; the first thing
+        every sync asks (`PlanAgreement.agree`), before `check` and `begin`."""
 
     @abc.abstractmethod
     def check(self, specs: Sequence[ShardSpec], info: HFModelInfo) -> list[str]:
@@ -249,12 +250,24 @@ class VllmEngineTarget(ReshardTarget):
         self._pending: dict[torch.nn.Module, int] = {}  # bytes vLLM still holds per module
         self._swapped: list[tuple[torch.Tensor, Any]] = []  # (meta parameter, its loader)
         self._live = self._peak = 0
+        # vLLM's parameter table, read afresh by `padded_vocab` (the first thing every
+        # sync's agreement asks a target) and dropped when the sync ends: a parameter
+        # object that vLLM replaced between syncs is never written through a stale table,
+        # and one sync walks the module tree once, not three times.
+        self._table: dict[str, torch.nn.Parameter] | None = None
+        # The engine's model config never changes for its life: parsed once.
+        self._engine_info: HFModelInfo | None = None
 
     # ---- shapes ----------------------------------------------------------------
 
+    def _params(self) -> dict[str, torch.nn.Parameter]:
+        if self._table is None:
+            self._table = dict(self.model.named_parameters())
+        return self._table
+
     def _shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """vLLM parameter → (checkpoint-format shard shape, dtype)."""
-        params = dict(self.model.named_parameters())
+        params = self._params()
         if not self.layerwise:
             return {name: (tuple(p.shape), p.dtype) for name, p in params.items()}
         # Repacked weights lost their shape; vLLM recorded the checkpoint format.
@@ -269,11 +282,17 @@ class VllmEngineTarget(ReshardTarget):
         return out
 
     def padded_vocab(self) -> int:
-        return self._shapes()["model.embed_tokens.weight"][0][0] * self.layout.tp
+        self._table = None  # a new sync: its own reading of vLLM's parameters
+        name = "model.embed_tokens.weight"
+        if not self.layerwise:
+            return self._params()[name].shape[0] * self.layout.tp
+        return self._shapes()[name][0][0] * self.layout.tp
 
     def check(self, specs: Sequence[ShardSpec], info: HFModelInfo) -> list[str]:
-        hf = self.engine.llm.llm_engine.model_config.hf_config
-        problems = config_mismatch(info, parse_hf_config(hf.to_dict()), "vLLM")
+        if self._engine_info is None:
+            hf = self.engine.llm.llm_engine.model_config.hf_config
+            self._engine_info = parse_hf_config(hf.to_dict())
+        problems = config_mismatch(info, self._engine_info, "vLLM")
         parallel = self.engine.llm.llm_engine.vllm_config.parallel_config
         if info.num_experts and getattr(parallel, "enable_expert_parallel", False):
             # Its experts would be split over ranks, not each expert over TP (`vllm_specs`).
@@ -289,17 +308,20 @@ class VllmEngineTarget(ReshardTarget):
     def begin(self, version: int) -> None:
         self._names, self._buffers, self._pending, self._swapped = set(), {}, {}, []
         self._live = self._peak = 0
-        # On the CPU build this also puts every layer into vLLM's layerwise reload.
+        # On the CPU build this also puts every layer into vLLM's layerwise reload, which
+        # moves its parameters to the meta device: read the table after it.
+        if self.layerwise:
+            self._table = None
         self.engine.begin_weight_update(version)
-        self._params = dict(self.model.named_parameters())
+        self._params()
 
     def writable(self, name: str) -> torch.Tensor:
         self._names.add(name)
         if not self.layerwise:
-            return self._params[name].data
+            return self._params()[name].data
         buf = self._buffers.get(name)
         if buf is None:
-            meta = self._params[name]  # on the meta device during a layerwise reload
+            meta = self._params()[name]  # on the meta device during a layerwise reload
             buf = torch.empty(meta.shape, dtype=meta.dtype)
             self._buffers[name] = buf
             self._live += buf.nbytes
@@ -346,10 +368,12 @@ class VllmEngineTarget(ReshardTarget):
             self.engine.finish_weight_update()
         finally:
             self._restore_loaders()
+            self._table = None
         self._live = 0
 
     def abort(self, why: str) -> None:
         self._buffers.clear()
+        self._table = None
         self._restore_loaders()
         _mark_engine_failed(self.engine, why)
 

@@ -20,8 +20,9 @@ State the base class keeps, so that every engine refuses the same mistakes:
   `finish_weight_update()` (or all three at once with `update_weights`). Between begin
   and a successful finish, or after a failed one, `generate` raises: sampling from a mix
   of two steps' weights is a silent bug in RL, so it is an error here.
-* awake memory: `sleep()` releases weights and KV cache (GPU), `wake(tags)` brings them
-  back; `generate` needs both, a weight update needs the weights.
+* awake memory: `sleep(level)` releases the KV cache, and at level 1 or 2 the weights
+  (GPU); `wake(tags)` brings them back; `generate` needs both, a weight update needs the
+  weights.
 """
 
 from __future__ import annotations
@@ -199,16 +200,20 @@ class RolloutEngine(abc.ABC):
     def sleep(self, level: int = 1) -> None:
         """Release GPU memory while training runs.
 
+        level 0: the KV cache discarded, the weights kept on the device (they cost their
+            memory while the roles train; a sync then writes them without a wake).
         level 1: weights offloaded to host memory, KV cache discarded (wake restores both).
         level 2: weights discarded too; the next `update_weights` must bring a full set,
             and `generate` refuses until it has.
         """
-        if level not in (1, 2):
-            raise ValueError(f"sleep level must be 1 or 2, got {level}")
+        if level not in (0, 1, 2):
+            raise ValueError(f"sleep level must be 0, 1 or 2, got {level}")
         if self._pending_version is not None:
             raise RuntimeError("cannot sleep in the middle of a weight update")
         self._sleep(level)
-        self._awake.clear()
+        self._awake.discard("kv_cache")
+        if level >= 1:
+            self._awake.discard("weights")
         if level == 2:
             self._weight_version = None
 

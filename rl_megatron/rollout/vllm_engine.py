@@ -190,6 +190,49 @@ def _rpc_finish_reload(worker: Any) -> None:
             _moe_first_load_processing(worker.model_runner.model, False)
 
 
+def _rpc_unmap_kv_cache(worker: Any) -> int:
+    """Level-0 sleep: give the KV cache's memory back, keep the weights mapped; bytes freed.
+
+    vLLM's own `sleep` unmaps every allocation of its allocator (weights too). Its
+    allocator tags each one ("weights", "kv_cache"); this unmaps only the KV cache's, the
+    way its `sleep` does for all of them (`unmap_and_release`, contents discarded)."""
+    from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
+    torch.cuda.synchronize()  # no kernel may still use the cache
+    freed = 0
+    for data in _kv_cache_allocations(CuMemAllocator.get_instance()):
+        if not data.is_asleep:
+            unmap_and_release(data.handle)
+            data.is_asleep = True
+            freed += data.handle[1]
+    return freed
+
+
+def _rpc_map_kv_cache(worker: Any) -> None:
+    """Wake from a level-0 sleep: map the KV cache's memory back (vLLM's `wake_up(
+    ["kv_cache"])` on the allocator), then the runner's own after-wake step."""
+    from vllm.device_allocator.cumem import CuMemAllocator, create_and_map
+
+    for data in _kv_cache_allocations(CuMemAllocator.get_instance()):
+        if data.is_asleep:
+            create_and_map(data.handle)
+            data.is_asleep = False
+    after_wake = getattr(worker.model_runner, "post_kv_cache_wake_up", None)
+    if after_wake is not None:  # re-initialises quantised KV scales
+        after_wake()
+
+
+def _kv_cache_allocations(allocator: Any) -> list[Any]:
+    allocations = list(getattr(allocator, "pointer_to_data", {}).values())
+    if not allocations or not all(hasattr(d, "is_asleep") for d in allocations):
+        raise RuntimeError(
+            "rollout.sleep_level=0 frees the KV cache through vLLM's CuMemAllocator "
+            "(pointer_to_data entries with tag and is_asleep), which this vLLM does not "
+            f"have; use sleep_level 1 or 2, or {SUPPORTED_VLLM_VERSIONS}"
+        )
+    return [d for d in allocations if d.tag == "kv_cache"]
+
+
 def _moe_first_load_processing(model: torch.nn.Module, on: bool) -> None:
     """CPU build, MoE: while `on`, a fused-MoE layer is post-processed as on its first load.
 
@@ -309,6 +352,9 @@ class VllmEngine(RolloutEngine):
         self._param_names = set(self._llm.collective_rpc(_rpc_param_names)[0])
         self._routing: dict[int, list[torch.Tensor]] = {}  # this generate's, by prompt
         self._loaded: set[str] = set()
+        # Whether prompt blocks cached since the last reset may hold KV of older weights.
+        self._prefix_cache_dirty = False
+        self._kv_cache_unmapped = False  # asleep at level 0 (weights still mapped)
         # Groups with several replicas gather results; gloo keeps that off the GPU. Group
         # creation is collective, so every rank decides from the same global facts.
         groups = [list(range(world))] if prompt_groups is None else prompt_groups
@@ -356,24 +402,51 @@ class VllmEngine(RolloutEngine):
                 f"weight update to version {self._pending_version} is incomplete: "
                 f"{len(missing)} engine parameters were not loaded, e.g. {missing[0]}"
             )
-        # Cached prompt blocks hold KV computed with the old weights.
+        # Cached prompt blocks hold KV computed with the old weights. The reset walks
+        # every KV block (~6 ms for 75k blocks on an H200): skipped when nothing was
+        # cached since the last one (a sleep drops the cache with the KV memory).
+        self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        if not self._prefix_cache_dirty:
+            return
         if self._llm.reset_prefix_cache() is False:
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
+        self._prefix_cache_dirty = False
 
     # ---- memory -------------------------------------------------------------------
 
     def _sleep(self, level: int) -> None:
-        if self._sleep_mode:
-            self._llm.sleep(level=level)
+        if not self._sleep_mode:
+            return
+        if level == 0:
+            if "kv_cache" not in self._awake:
+                return  # still asleep from vLLM's own sleep, whose wake resumes it
+            # The KV cache's contents go with its memory: so must the blocks cached on it.
+            self._reset_prefix_cache()
+            self._llm.collective_rpc(_rpc_unmap_kv_cache)
+            self._kv_cache_unmapped = True
+            return
+        if self._kv_cache_unmapped:  # vLLM's sleep unmaps every allocation: once each
+            self._wake(["kv_cache"])
+        # vLLM drops its prefix cache whenever it discards the KV cache (its `sleep`).
+        self._llm.sleep(level=level)
+        self._prefix_cache_dirty = False
 
     def _wake(self, tags: list[str]) -> None:
-        if self._sleep_mode:
-            # vLLM maps its memory through its own allocator, which cannot use what torch's
-            # caching allocator holds: memory freed by training (activations, offloaded
-            # optimizer state) stays cached there until it is given back. Without this,
-            # waking the KV cache after a PPO+GAE update ran out of memory on the H200s.
-            torch.cuda.empty_cache()
-            self._llm.wake_up(tags=tags)
+        if not self._sleep_mode:
+            return
+        # vLLM maps its memory through its own allocator, which cannot use what torch's
+        # caching allocator holds: memory freed by training (activations, offloaded
+        # optimizer state) stays cached there until it is given back. Without this,
+        # waking the KV cache after a PPO+GAE update ran out of memory on the H200s.
+        torch.cuda.empty_cache()
+        if self._kv_cache_unmapped:  # a level-0 sleep: only the KV cache is asleep
+            if "kv_cache" in tags:
+                self._llm.collective_rpc(_rpc_map_kv_cache)
+                self._kv_cache_unmapped = False
+            return
+        self._llm.wake_up(tags=tags)
 
     # ---- generation ---------------------------------------------------------------
 
@@ -464,6 +537,7 @@ class VllmEngine(RolloutEngine):
                 for i in todo
             ]
         requests = [{"prompt_token_ids": prompts[i]} for i in todo]
+        self._prefix_cache_dirty = True
         outputs = self._llm.generate(requests, params, use_tqdm=False)
         for i, request_output in zip(todo, outputs):
             samples = sorted(request_output.outputs, key=lambda c: c.index)

@@ -308,11 +308,10 @@ class PPOTrainer:
         with self.phases.time("generate"):
             rollout = self._generate(prompts, self._sampling(self.step, round_index=round_index))
         # Another round generates with these weights (no sync before it): keep them.
-        self.engine.sleep(
-            level=1
-            if self.config.algorithm.dynamic_sampling.enable
-            else self.config.rollout.sleep_level
-        )
+        level = self.config.rollout.sleep_level
+        if self.config.algorithm.dynamic_sampling.enable:
+            level = min(level, 1)
+        self.engine.sleep(level=level)
         self._record_device_used("engine_asleep")
         with self.phases.time("reward"):
             samples = [indices[int(g)] for g in rollout.group_index]

@@ -77,8 +77,18 @@ def _body(rank, world_size, tmp_path, overrides, expected_levels):
             ],
             [1, 1, 2],
         ),
+        # Level 0 keeps the weights on the device: so do the rounds of dynamic sampling.
+        (["rollout.sleep_level=0"], [0, 0, 0]),
+        (
+            [
+                "rollout.sleep_level=0",
+                "algorithm.dynamic_sampling.enable=true",
+                "algorithm.dynamic_sampling.max_extra_rounds=0",
+            ],
+            [0, 0, 0],
+        ),
     ],
-    ids=["default", "dynamic_sampling"],
+    ids=["default", "dynamic_sampling", "level0", "level0_dynamic_sampling"],
 )
 def test_sleep_level(tmp_path, overrides, expected_levels):
     run_on_ranks(

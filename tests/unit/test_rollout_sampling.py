@@ -362,8 +362,22 @@ def test_engine_sleep_and_wake():
     assert eng.generate([[5]], SamplingParams()).weight_version == 1
     with pytest.raises(ValueError, match="unknown wake tag 'gpu'"):
         eng.wake(["gpu"])
-    with pytest.raises(ValueError, match="sleep level must be 1 or 2"):
+    with pytest.raises(ValueError, match="sleep level must be 0, 1 or 2"):
         eng.sleep(level=3)
+
+
+def test_engine_sleep_level_0_keeps_the_weights():
+    eng = RecordingEngine()
+    eng.update_weights({"w": torch.ones(1)}, version=1)
+    eng.sleep(level=0)  # the KV cache goes; the weights, and their version, stay
+    assert eng.awake_tags == {"weights"} and eng.weight_version == 1
+    with pytest.raises(RuntimeError, match="asleep \\(kv_cache released\\)"):
+        eng.generate([[5]], SamplingParams())
+    eng.wake(["weights"])  # nothing to wake
+    eng.update_weights({"w": torch.ones(1)}, version=2)  # written where they are
+    eng.wake()
+    assert eng.generate([[5]], SamplingParams()).weight_version == 2
+    assert eng.calls == ["begin", "finish", "sleep0", "begin", "finish", "wake:kv_cache"]
 
 
 def test_sampled_log_probs_from_flat_and_per_position_logprobs():
