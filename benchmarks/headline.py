@@ -63,6 +63,9 @@ def rows_from_trainer_step(data: dict, path: Path) -> list[Row]:
     ]
     world = data.get("environment", {}).get("world_size", 1)
     rows = []
+    for res in data.get("trainer", {}).values():  # `--interleave-update`: an A/B of its own
+        if "update_vs_plain_ab" in res:
+            rows.append(res["update_vs_plain_ab"]["target"] | {"json": str(path)})
     for algorithm, res in data.get("trainer", {}).items():
         steps = [s for s in res.get("timed_steps") or [] if s.get("timing_s/update_actor")]
         if not steps or not plain:

@@ -16,114 +16,136 @@ from bench_utils import allocated_gb, gib, sync  # benchmarks/, on sys.path in t
 from phase_probes import GC_PAUSES
 from update_traces import device_idle_of, profiled, sync_sites_of
 
-from rl_megatron.utils.flops import TransformerShape, device_peak_tflops
+from rl_megatron.utils.flops import TransformerShape, device_peak_tflops, flops_per_token
 
 
-def plain_loop(config, info, args, masked: bool = False, profile: bool = True) -> dict:
-    """Megatron-core forward/backward + Adam on fixed batches; tokens/s, MFU, peak memory.
+class PlainLoop:
+    """A plain megatron-core model, optimizer and fixed batch; `iteration()` is one
+    optimizer step (forward/backward over `num_micro` micro-batches + Adam).
 
     masked: pass an explicit causal `[b, 1, s, s]` mask (no padding in it) instead of None,
         which is what the trainer's micro-batches pass whenever a row is left-padded:
         it takes SDPA off the causal fast path (explicit mask, K/V expanded for GQA).
     """
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from rl_megatron.models.builders import build_gpt_chunks
-    from rl_megatron.models.hf_config import moe_loss_overrides
-    from rl_megatron.trainer.build import DTYPES
-    from rl_megatron.utils.flops import flops_per_token
-
-    p, m = config.parallel, config.model
-    dtype = DTYPES[m.dtype]
-    micro_batch = args.plain_micro_batch or config.actor.micro_batch_size
-    seq = args.plain_seq or (config.rollout.max_prompt_length + config.rollout.max_response_length)
-    dp = dist.get_world_size() // (p.tp * p.pp)
-    num_micro = args.plain_micro_batches or (
-        config.actor.mini_batch_size // (config.actor.micro_batch_size * dp)
-    )
-    before_gb = allocated_gb()
-    # The actor's TransformerConfig extras (trainer/build.py, `build_roles`): sequence
-    # parallelism, the actor's recompute and, with experts, its router losses (off unless
-    # model.moe_*_loss_coeff say otherwise). The rest of an MoE layer (alltoall dispatcher,
-    # no token dropping, ep and etp from parallel_state) is the builder's, as for the actor.
-    extra = {
-        "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
-        "sequence_parallel": p.sequence_parallel,
-        **config.actor.recompute.transformer_config(),
-    }
-    if m.num_experts:
-        extra.update(moe_loss_overrides(m.moe_aux_loss_coeff, m.moe_z_loss_coeff))
-    chunks = build_gpt_chunks(info, tp=p.tp, pp=p.pp, dtype=dtype, **extra)
-    model_config = chunks[0].config
-    ddp_config = DistributedDataParallelConfig(
-        use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
-    )
-    model = [DistributedDataParallel(model_config, ddp_config, c) for c in chunks]
-    model_config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-6,
-            weight_decay=0.0,
-            clip_grad=1.0,
-            bf16=dtype == torch.bfloat16,
-            params_dtype=dtype,
-            use_distributed_optimizer=True,
-        ),
-        model,
-    )
-    device = next(chunks[0].parameters()).device
-    gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, info.vocab_size, (micro_batch, seq + 1), generator=gen).to(device)
-    batch = {
-        "input_ids": tokens[:, :-1].contiguous(),
-        "labels": tokens[:, 1:].contiguous(),
-        "position_ids": torch.arange(seq, device=device).expand(micro_batch, seq).contiguous(),
-        "attention_mask": None,
-    }
-    if masked:
-        from rl_megatron.models.sdpa_attention import causal_padding_mask
-
-        ones = torch.ones(micro_batch, seq, dtype=torch.bool, device=device)
-        batch["attention_mask"] = causal_padding_mask(ones)
-
-    def loss_func(per_token_loss: torch.Tensor):
-        loss = per_token_loss.float().mean()
-        return loss, {"loss": loss.detach()}
-
-    def forward_step(data_iterator, chunk):
-        b = next(data_iterator)
-        # attention_mask None: the causal fast path of SDPAttention. With labels, GPTModel
-        # returns the per-token vocab-parallel cross-entropy `[b, s]`.
-        out = chunk(b["input_ids"], b["position_ids"], b["attention_mask"], labels=b["labels"])
-        return out, loss_func
-
-    forward_backward = get_forward_backward_func()
-
-    def iteration() -> float:
-        for chunk in model:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        losses = forward_backward(
-            forward_step_func=forward_step,
-            data_iterator=iter([batch] * num_micro),
-            model=model,
-            num_microbatches=num_micro,
-            seq_length=seq,
-            micro_batch_size=micro_batch,
-            forward_only=False,
+    def __init__(self, config, info, args, masked: bool = False) -> None:
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
         )
-        optimizer.step()
-        return float(torch.stack([x["loss"] for x in losses]).mean())
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    for chunk in model:
-        chunk.train()
+        from rl_megatron.models.builders import build_gpt_chunks
+        from rl_megatron.models.hf_config import moe_loss_overrides
+        from rl_megatron.trainer.build import DTYPES
+
+        p, m = config.parallel, config.model
+        dtype = DTYPES[m.dtype]
+        micro_batch = args.plain_micro_batch or config.actor.micro_batch_size
+        seq = args.plain_seq or (
+            config.rollout.max_prompt_length + config.rollout.max_response_length
+        )
+        dp = dist.get_world_size() // (p.tp * p.pp)
+        num_micro = args.plain_micro_batches or (
+            config.actor.mini_batch_size // (config.actor.micro_batch_size * dp)
+        )
+        before_gb = allocated_gb()
+        # The actor's TransformerConfig extras (trainer/build.py, `build_roles`): sequence
+        # parallelism, the actor's recompute and, with experts, its router losses (off unless
+        # model.moe_*_loss_coeff say otherwise). The rest of an MoE layer (alltoall dispatcher,
+        # no token dropping, ep and etp from parallel_state) is the builder's, as for the actor.
+        extra = {
+            "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+            "sequence_parallel": p.sequence_parallel,
+            **config.actor.recompute.transformer_config(),
+        }
+        if m.num_experts:
+            extra.update(moe_loss_overrides(m.moe_aux_loss_coeff, m.moe_z_loss_coeff))
+        chunks = build_gpt_chunks(info, tp=p.tp, pp=p.pp, dtype=dtype, **extra)
+        model_config = chunks[0].config
+        ddp_config = DistributedDataParallelConfig(
+            use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False
+        )
+        model = [DistributedDataParallel(model_config, ddp_config, c) for c in chunks]
+        model_config.finalize_model_grads_func = finalize_model_grads
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=1e-6,
+                weight_decay=0.0,
+                clip_grad=1.0,
+                bf16=dtype == torch.bfloat16,
+                params_dtype=dtype,
+                use_distributed_optimizer=True,
+            ),
+            model,
+        )
+        device = next(chunks[0].parameters()).device
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, info.vocab_size, (micro_batch, seq + 1), generator=gen).to(device)
+        batch = {
+            "input_ids": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "position_ids": torch.arange(seq, device=device).expand(micro_batch, seq).contiguous(),
+            "attention_mask": None,
+        }
+        if masked:
+            from rl_megatron.models.sdpa_attention import causal_padding_mask
+
+            ones = torch.ones(micro_batch, seq, dtype=torch.bool, device=device)
+            batch["attention_mask"] = causal_padding_mask(ones)
+
+        def loss_func(per_token_loss: torch.Tensor):
+            loss = per_token_loss.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        def forward_step(data_iterator, chunk):
+            b = next(data_iterator)
+            # attention_mask None: the causal fast path of SDPAttention. With labels, GPTModel
+            # returns the per-token vocab-parallel cross-entropy `[b, s]`.
+            out = chunk(b["input_ids"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+            return out, loss_func
+
+        forward_backward = get_forward_backward_func()
+
+        def iteration() -> float:
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses = forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter([batch] * num_micro),
+                model=model,
+                num_microbatches=num_micro,
+                seq_length=seq,
+                micro_batch_size=micro_batch,
+                forward_only=False,
+            )
+            optimizer.step()
+            return float(torch.stack([x["loss"] for x in losses]).mean())
+
+        for chunk in model:
+            chunk.train()
+        self.iteration = iteration
+        self.model, self.optimizer, self.model_config = model, optimizer, model_config
+        self.micro_batch, self.seq, self.num_micro = micro_batch, seq, num_micro
+        self.before_gb = before_gb
+
+    def close(self) -> None:
+        """Unhook megatron-core's grad finalisation from the model config (the model and
+        optimizer go with this object)."""
+        self.model_config.finalize_model_grads_func = None
+
+
+def plain_loop(config, info, args, masked: bool = False, profile: bool = True) -> dict:
+    """Megatron-core forward/backward + Adam on fixed batches; tokens/s, MFU, peak memory
+    (`PlainLoop`; masked: its explicit-mask variant)."""
+    loop = PlainLoop(config, info, args, masked=masked)
+    iteration = loop.iteration
+    micro_batch, seq, num_micro = loop.micro_batch, loop.seq, loop.num_micro
+    before_gb = loop.before_gb
     first_loss = iteration()  # warm-up: kernel selection, optimizer state allocation
     for _ in range(args.plain_warmup - 1):
         iteration()
@@ -183,5 +205,5 @@ def plain_loop(config, info, args, masked: bool = False, profile: bool = True) -
         "sync_sites": sync_sites,
         "gc_pauses": gc_pauses,
     }
-    model_config.finalize_model_grads_func = None
+    loop.close()
     return out  # the model and optimizer go with this frame (the caller measures that)

@@ -42,6 +42,9 @@ Per batch size b (all with `ignore_eos`, so each call makes exactly b·n·max_ne
   trainer's wrapper left out) with B's plain greedy parameters, B as in `greedy`. Where a
   `greedy` miss comes from: the wrapper (this ratio near 1) or vLLM run in-process rather
   than in an engine-core process of its own (this ratio as low). Information, no target.
+* `greedy_aa`: A = B = the standalone, plain greedy: the same call against itself, so its
+  spread is the host's own noise, which bounds what any worst-round target can resolve
+  here. Information, no target.
 One difference in both sampled modes is the trainer engine's own setting: `VllmEngine`
 builds vLLM with `logprobs_mode="processed_logprobs"`, with which vLLM's sampler computes
 a `[rows, vocab]` fp32 log-softmax at every sampled decode step even when no log-probs are
@@ -115,15 +118,19 @@ from phase_probes import GC_PAUSES
 from rollout_common import batch_tokens, error_text, greedy, rows_equal
 from rollout_engines_vllm import build_standalone, build_vllm_engine, standalone_sampling_params
 
-MODES = ("greedy", "sampled", "sampled_unseeded", "greedy_llm")
+MODES = ("greedy", "sampled", "sampled_unseeded", "greedy_llm", "greedy_aa")
 TARGET, WORST_TARGET = 0.98, 0.95  # issue 21: median, worst round
-A_NAMES = {"greedy_llm": "in-trainer engine's own vllm.LLM.generate, plain greedy params"}
+A_NAMES = {
+    "greedy_llm": "in-trainer engine's own vllm.LLM.generate, plain greedy params",
+    "greedy_aa": "standalone vllm.LLM, plain greedy params",
+}
 A_NAME = "in-trainer VllmEngine.generate"
 B_NAMES = {
     "greedy": "standalone vllm.LLM, plain greedy params",
     "sampled": "standalone vllm.LLM, the same per-request seeded params",
     "sampled_unseeded": "standalone vllm.LLM, one unseeded params",
     "greedy_llm": "standalone vllm.LLM, plain greedy params",
+    "greedy_aa": "standalone vllm.LLM, plain greedy params (the same calls)",
 }
 TARGETED = ("greedy", "sampled")
 # Environment that changes what the command measures; written into its command line.
@@ -163,7 +170,7 @@ def the_calls(engine, standalone, prompts: list[list[int]], mode: str, args):
     """(A, B, rows per call) of one mode: zero-argument callables returning token rows."""
     from rl_megatron.rollout.vllm_io import to_vllm_sampling_params
 
-    if mode in ("greedy", "greedy_llm"):
+    if mode in ("greedy", "greedy_llm", "greedy_aa"):
         sampling, b_params = greedy(args), standalone_sampling_params(args)
     else:
         sampling = trainer_sampling(args)
@@ -172,9 +179,10 @@ def the_calls(engine, standalone, prompts: list[list[int]], mode: str, args):
         b_params = to_vllm_sampling_params(sampling, stop_ids, None, calculate_log_probs=False)
 
     def a():
-        if mode == "greedy_llm":  # vLLM in this process, without the trainer's wrapper
+        if mode in ("greedy_llm", "greedy_aa"):  # without the trainer's wrapper
+            llm = engine.llm if mode == "greedy_llm" else standalone
             requests = [{"prompt_token_ids": p} for p in prompts]
-            return engine.llm.generate(requests, b_params, use_tqdm=False)
+            return llm.generate(requests, b_params, use_tqdm=False)
         return engine.generate(prompts, sampling)
 
     def b():
@@ -218,7 +226,8 @@ def run_mode(engine, standalone, prompts, mode: str, args) -> tuple[dict, Any]:
     a, b = with_probes(a, probes["a"]), with_probes(b, probes["b"])
     pause = (lambda: time.sleep(args.pause_s)) if args.pause_s > 0 else None
     r = interleave(a, b, args.repeats, warmup=args.warmup, sync=sync, pause=pause)
-    a_rows = output_tokens(r.last_a) if mode == "greedy_llm" else batch_tokens(r.last_a)
+    raw_a = mode in ("greedy_llm", "greedy_aa")
+    a_rows = output_tokens(r.last_a) if raw_a else batch_tokens(r.last_a)
     b_rows = output_tokens(r.last_b)
     for name, got in (("A", a_rows), ("B", b_rows)):
         if len(got) != rows or any(len(t) != args.max_new for t in got):

@@ -36,6 +36,16 @@ iterations (`plain_loop.device_idle`); one more actor-update phase and two plain
 iterations run under torch's sync debug mode, which names every host-device sync's call
 site (`update_actor_sync_sites`, `plain_loop.sync_sites`). The profiling and tracing
 helpers are in `update_traces.py`; the sync and memory helpers in `bench_utils.py`.
+`--interleave-update N` measures the update against the plain loop as an interleaved A/B
+(`ab.py`), the issue-21 way, after the timed steps: the arguments of one more step's
+`actor.train_steps` (its whole update phase) are kept, a plain loop is built beside the
+trainer, and N rounds alternate A = that update again (new weights each time, the same
+work) and B = as many plain iterations as it has optimizer steps, garbage collection off
+for both as `trainer.manual_gc` has it. Ratio of a round = B's time ÷ A's: the update's
+speed as a multiple of the plain loop's for the same optimizer steps (target ≥ 0.9×,
+worst round too; `headline.py` reads it). B's rows are the configured prompt + response
+length, A's as the rollout made them (no longer), so in a compute-bound update the ratio
+leans towards A; in a launch-bound one (an MoE without grouped GEMM) it does not.
 The first H200 run (RESULTS.md, 2026-11-29) patched two device-placement bugs of the
 trainer in-process; they are fixed in the trainer since, and the bench patches nothing.
 
@@ -68,6 +78,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -82,9 +93,10 @@ import torch
 import torch.distributed as dist
 
 # benchmarks/, this script's directory, is on sys.path: its siblings import as modules.
+from ab import interleave, target_record
 from bench_utils import allocated_gb, free_memory, gib, sync
 from phase_probes import GC_PAUSES, probed_phases
-from plain_loop import plain_loop
+from plain_loop import PlainLoop, plain_loop
 from update_traces import (
     actor_update_sync_sites,
     profile_next_call,
@@ -291,6 +303,10 @@ def run_trainer(
         result["summary"] = _summarise(
             result["timed_steps"] or steps, flops_tok, plain, plain_iter_s
         )
+        if args.interleave_update:
+            result["update_vs_plain_ab"] = update_vs_plain_ab(
+                trainer, config, args, optimizer_steps
+            )
         if args.profile_update and args.profile_dir is not None:
             # One more step; its actor update (every optimizer step) is profiled, the same
             # work as the plain loop's profiled iterations.
@@ -311,6 +327,67 @@ def run_trainer(
     finally:
         trainer.metrics.close()
     return result  # the trainer goes with this frame (the caller measures that)
+
+
+UPDATE_VS_PLAIN_TARGET = 0.9  # issues 8 and 19: the update ≥ 0.9× the plain loop
+
+
+def update_vs_plain_ab(trainer, config, args, optimizer_steps: int) -> dict:
+    """The actor update (A) against as many plain-loop iterations (B), interleaved rounds
+    in this process (see the module docstring); the A/B record and its target."""
+    actor = trainer.roles.actor
+    kept: list = []
+    train_steps = actor.train_steps
+
+    def keep(*a, **kw):
+        kept.append((a, kw))
+        return train_steps(*a, **kw)
+
+    actor.train_steps = keep  # one more step: its update's arguments are kept
+    try:
+        trainer.train_step()
+    finally:
+        actor.train_steps = train_steps
+    trainer.step += 1
+    ((update_args, update_kwargs),) = kept
+    loop = PlainLoop(config, trainer.info, args)
+    loop.iteration()  # its warm-up: kernel selection, optimizer state
+    automatic_gc = gc.isenabled()
+    if config.trainer.manual_gc:
+        gc.collect()
+        gc.disable()
+    try:
+        r = interleave(
+            lambda: actor.train_steps(*update_args, **update_kwargs),
+            lambda: [loop.iteration() for _ in range(optimizer_steps)],
+            args.interleave_update,
+            warmup=1,
+            sync=sync,
+        )
+    finally:
+        if automatic_gc:
+            gc.enable()
+        loop.close()
+    m = config.model
+    shape = f"{m.num_layers}L h{m.hidden_size}"
+    if m.num_experts:
+        shape += f", {m.num_experts} experts top-{m.moe_router_topk}"
+    record = target_record(
+        f"{config.algorithm.adv_estimator} actor update ÷ plain megatron-core loop, "
+        f"interleaved, time for {optimizer_steps} optimizer steps ({shape})",
+        r,
+        UPDATE_VS_PLAIN_TARGET,
+        UPDATE_VS_PLAIN_TARGET,
+        command="benchmarks/trainer_bench.py " + " ".join(sys.argv[1:]),
+        json_path=str(args.out_json or ""),
+    )
+    if dist.get_rank() == 0:
+        print(
+            f"update ÷ plain (interleaved, {args.interleave_update} rounds): median "
+            f"{r.ratio_median:.3f} [{r.ratio_min:.3f}, {r.ratio_max:.3f}]",
+            flush=True,
+        )
+    return {"ab": r.as_dict(), "optimizer_steps": optimizer_steps, "target": record}
 
 
 def _try_save(trainer, run) -> dict:
@@ -436,6 +513,13 @@ def main(argv: list[str] | None = None) -> int:
         "--profile-update",
         action="store_true",
         help="with --profile-dir: profile one actor update and as many plain-loop iterations",
+    )
+    parser.add_argument(
+        "--interleave-update",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N interleaved A/B rounds of the actor update against the plain loop",
     )
     parser.add_argument("--run-dir", default="runs/trainer_bench")
     parser.add_argument("--tiny", action="store_true", help="tiny_cpu model: CPU smoke test")

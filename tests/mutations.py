@@ -359,6 +359,14 @@ MUTATIONS = [
         "tests/unit/test_rollout_sampling.py::test_engine_sleep_level_0_keeps_the_weights",
     ),
     (
+        "vLLM target: a parameter that vLLM replaced is written through the kept table",
+        "rl_megatron/resharding/targets.py",
+        "        if self._owners is None or not self._owners.still_owned():",
+        "        if self._owners is None:",
+        "tests/unit/test_reshard_caches.py::"
+        "test_vllm_target_keeps_its_parameter_table_until_vllm_replaces_a_parameter",
+    ),
+    (
         "vLLM engine: no prefix-cache reset after a generate",
         "rl_megatron/rollout/vllm_engine.py",
         "        self._prefix_cache_dirty = True\n        outputs",

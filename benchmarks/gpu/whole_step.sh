@@ -13,11 +13,12 @@ SHAPE_7B="--layers 32 --hidden 4096 --heads 32 --kv-heads 32 --ffn 11008 --vocab
 # MoE (issue 19): the actor update against a plain megatron-core MoE loop, and resharding
 # the experts against a device copy of the same bytes.
 # Responses of 64 (the config's 128 took ~70 s of eager MoE decode per step; the update's
-# comparison with the plain loop is on whatever lengths the step makes), then one more
-# step whose actor update is profiled next to as many plain-loop iterations.
+# comparison with the plain loop is on whatever lengths the step makes), then the update
+# and the plain loop as eight interleaved A/B rounds (the tenth run profiled them instead:
+# add --profile-dir "$RES" --profile-update, ~80 s more).
 step moe_trainer 400 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_moe.yaml \
-  --algorithms grpo --warmup-steps 1 --steps 2 --no-plain-masked \
-  --profile-dir "$RES" --profile-update --out-json "$RES/trainer_h200_moe_$TAG.json" \
+  --algorithms grpo --warmup-steps 1 --steps 2 --no-plain-masked --interleave-update 8 \
+  --out-json "$RES/trainer_h200_moe_$TAG.json" \
   rollout.max_response_length=64 model.max_position_embeddings=128
 step moe_reshard 120 $TR1 benchmarks/reshard_bench.py --model qwen3-moe-2b --dtype bfloat16 \
   --bucket-mb 512 --repeats 10 --out-json "$RES/reshard_h200_qwen3-moe-2b_$TAG.json"
@@ -30,6 +31,13 @@ step rollout_ab_085b 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfloa
   --repeats 8 --gpu-memory-utilization 0.3 \
   --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
   --out-json "$RES/rollout_ab_h200_085b_$TAG.json"
+# Greedy only, sixteen rounds, with the standalone against itself (greedy_aa): the tenth
+# run's rounds spread ±30 % on both sides; this says how much of that is the host's.
+step rollout_ab_085b_greedy 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfloat16 \
+  --batches 64,256 --prompt-len 128 --max-new 256 --modes greedy,greedy_aa \
+  --repeats 16 --gpu-memory-utilization 0.3 \
+  --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
+  --out-json "$RES/rollout_ab_h200_085b_greedy_$TAG.json"
 
 # The trainer's weight-sync phase vs a device copy of the same bytes (issue 21: <= 3x).
 step sync_ab_085b 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \

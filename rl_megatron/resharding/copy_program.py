@@ -291,6 +291,15 @@ class Bound:
     src: list[torch.Tensor]
     strided: list[tuple[torch.Tensor, torch.Tensor]]  # runs of several blocks: (dst, src)
     zeros: list[torch.Tensor]
+    _strided_lists: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(
+        default=None, repr=False, compare=False
+    )
+
+    def strided_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """`strided` as (destinations, sources), made once (kept bindings issue again)."""
+        if self._strided_lists is None:
+            self._strided_lists = ([d for d, _ in self.strided], [s for _, s in self.strided])
+        return self._strided_lists
 
 
 def bind(ops: list[Op], tensors: Tensors) -> Bound:
@@ -318,11 +327,13 @@ def bind(ops: list[Op], tensors: Tensors) -> Bound:
 
 def issue(bound: Bound) -> None:
     """Launch `bound`'s copies: the multi-tensor copy first, as it holds the whole tensors
-    (embeddings, MLP weights), so the device is busy while the host issues the rest."""
+    (embeddings, MLP weights), so the device is busy while the host issues the rest. The
+    strided runs (three per layer's QKV) go in one call too: not the multi-tensor kernel
+    (their views are not contiguous), but one loop in C++ rather than one Python call each."""
     if bound.dst:
         torch._foreach_copy_(bound.dst, bound.src)
-    for dst, src in bound.strided:
-        dst.copy_(src)
+    if bound.strided:
+        torch._foreach_copy_(*bound.strided_lists())
     if bound.zeros:
         torch._foreach_zero_(bound.zeros)
 

@@ -45,7 +45,7 @@ class SourceTable:
 
     def __init__(self, info: HFModelInfo) -> None:
         self.info = info
-        self._tables: weakref.WeakKeyDictionary[torch.nn.Module, tuple[dict, _Owners]] = (
+        self._tables: weakref.WeakKeyDictionary[torch.nn.Module, tuple[dict, ParameterOwners]] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -55,7 +55,7 @@ class SourceTable:
             model = unwrap(chunk)
             table = self._tables.get(model)
             if table is None or not table[1].still_owned():
-                table = (megatron_sources([model], self.info), _Owners(model))
+                table = (megatron_sources([model], self.info), ParameterOwners(model))
                 self._tables[model] = table
             tables.append(table[0])
         if len(tables) == 1:
@@ -63,7 +63,7 @@ class SourceTable:
         return {name: param for table in tables for name, param in table.items()}
 
 
-class _Owners:
+class ParameterOwners:
     """Which module holds each parameter of a chunk, checkable in a few C-level passes.
 
     Holds each module's parameter dict (and the module weakly, its reference's callback

@@ -32,8 +32,8 @@ import torch
 from rl_megatron.models.hf_config import HFModelInfo, parse_hf_config
 from rl_megatron.resharding import shards
 from rl_megatron.resharding.layouts import GenerationLayout, TrainingLayout
-from rl_megatron.resharding.shards import ShardSpec, check_tensors
-from rl_megatron.resharding.sources import megatron_sources
+from rl_megatron.resharding.shards import ShardSpec, check_tensors, spec_shapes
+from rl_megatron.resharding.sources import ParameterOwners, megatron_sources
 
 # Fields that must agree between the trainer's model and the engine's: a difference in
 # any of them means the engine computes another function, even where shapes match.
@@ -250,24 +250,28 @@ class VllmEngineTarget(ReshardTarget):
         self._pending: dict[torch.nn.Module, int] = {}  # bytes vLLM still holds per module
         self._swapped: list[tuple[torch.Tensor, Any]] = []  # (meta parameter, its loader)
         self._live = self._peak = 0
-        # vLLM's parameter table, read afresh by `padded_vocab` (the first thing every
-        # sync's agreement asks a target) and dropped when the sync ends: a parameter
-        # object that vLLM replaced between syncs is never written through a stale table,
-        # and one sync walks the module tree once, not three times.
-        self._table: dict[str, torch.nn.Parameter] | None = None
-        # The engine's model config never changes for its life: parsed once.
-        self._engine_info: HFModelInfo | None = None
+        # vLLM's parameter table, checked at the start of every sync (`padded_vocab`, the
+        # first thing a sync's agreement asks a target) and read again only when vLLM
+        # replaced a parameter object (its layerwise reload does; writes in place do not):
+        # never written through a stale table, and no module-tree walk per sync.
+        self._table: dict[str, torch.nn.Parameter] = {}
+        self._owners: ParameterOwners | None = None
+        # The engine's model config and parallel settings never change for its life:
+        # checked once per trainer model info. The plan's shapes: once per plan.
+        self._config_checked: tuple[HFModelInfo, list[str]] | None = None
+        self._want: tuple[Sequence[ShardSpec], dict[str, tuple[int, ...]]] | None = None
 
     # ---- shapes ----------------------------------------------------------------
 
-    def _params(self) -> dict[str, torch.nn.Parameter]:
-        if self._table is None:
+    def _refresh_table(self) -> None:
+        """Read vLLM's parameter table again if a parameter object changed since."""
+        if self._owners is None or not self._owners.still_owned():
             self._table = dict(self.model.named_parameters())
-        return self._table
+            self._owners = ParameterOwners(self.model)
 
     def _shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """vLLM parameter → (checkpoint-format shard shape, dtype)."""
-        params = self._params()
+        params = self._table
         if not self.layerwise:
             return {name: (tuple(p.shape), p.dtype) for name, p in params.items()}
         # Repacked weights lost their shape; vLLM recorded the checkpoint format.
@@ -282,26 +286,37 @@ class VllmEngineTarget(ReshardTarget):
         return out
 
     def padded_vocab(self) -> int:
-        self._table = None  # a new sync: its own reading of vLLM's parameters
+        self._refresh_table()  # a new sync
         name = "model.embed_tokens.weight"
         if not self.layerwise:
-            return self._params()[name].shape[0] * self.layout.tp
+            return self._table[name].shape[0] * self.layout.tp
         return self._shapes()[name][0][0] * self.layout.tp
 
     def check(self, specs: Sequence[ShardSpec], info: HFModelInfo) -> list[str]:
-        if self._engine_info is None:
+        problems = self._config_problems(info)
+        if self._want is None or self._want[0] is not specs:  # per plan
+            self._want = (specs, spec_shapes(specs))
+        if self.layerwise:
+            tensors: dict[str, Any] = {name: shape for name, (shape, _) in self._shapes().items()}
+        else:
+            tensors = self._table
+        return problems + check_tensors(self._want[1], tensors, "vLLM")
+
+    def _config_problems(self, info: HFModelInfo) -> list[str]:
+        """The engine's config against the trainer's (both fixed: compared once per info)."""
+        if self._config_checked is None or self._config_checked[0] is not info:
             hf = self.engine.llm.llm_engine.model_config.hf_config
-            self._engine_info = parse_hf_config(hf.to_dict())
-        problems = config_mismatch(info, self._engine_info, "vLLM")
-        parallel = self.engine.llm.llm_engine.vllm_config.parallel_config
-        if info.num_experts and getattr(parallel, "enable_expert_parallel", False):
-            # Its experts would be split over ranks, not each expert over TP (`vllm_specs`).
-            problems.append(
-                "vLLM runs with enable_expert_parallel (rollout.engine_kwargs), which "
-                "resharding does not describe; leave it off"
-            )
-        shapes = {name: shape for name, (shape, _) in self._shapes().items()}
-        return problems + check_tensors(specs, shapes, "vLLM")
+            problems = config_mismatch(info, parse_hf_config(hf.to_dict()), "vLLM")
+            parallel = self.engine.llm.llm_engine.vllm_config.parallel_config
+            if info.num_experts and getattr(parallel, "enable_expert_parallel", False):
+                # Its experts would be split over ranks, not each expert over TP
+                # (`vllm_specs`).
+                problems.append(
+                    "vLLM runs with enable_expert_parallel (rollout.engine_kwargs), which "
+                    "resharding does not describe; leave it off"
+                )
+            self._config_checked = (info, problems)
+        return list(self._config_checked[1])
 
     # ---- update ----------------------------------------------------------------
 
@@ -309,19 +324,18 @@ class VllmEngineTarget(ReshardTarget):
         self._names, self._buffers, self._pending, self._swapped = set(), {}, {}, []
         self._live = self._peak = 0
         # On the CPU build this also puts every layer into vLLM's layerwise reload, which
-        # moves its parameters to the meta device: read the table after it.
-        if self.layerwise:
-            self._table = None
+        # moves its parameters to the meta device (new objects): the table follows.
         self.engine.begin_weight_update(version)
-        self._params()
+        if self.layerwise:
+            self._refresh_table()
 
     def writable(self, name: str) -> torch.Tensor:
         self._names.add(name)
         if not self.layerwise:
-            return self._params()[name].data
+            return self._table[name].data
         buf = self._buffers.get(name)
         if buf is None:
-            meta = self._params()[name]  # on the meta device during a layerwise reload
+            meta = self._table[name]  # on the meta device during a layerwise reload
             buf = torch.empty(meta.shape, dtype=meta.dtype)
             self._buffers[name] = buf
             self._live += buf.nbytes
@@ -368,12 +382,10 @@ class VllmEngineTarget(ReshardTarget):
             self.engine.finish_weight_update()
         finally:
             self._restore_loaders()
-            self._table = None
         self._live = 0
 
     def abort(self, why: str) -> None:
         self._buffers.clear()
-        self._table = None
         self._restore_loaders()
         _mark_engine_failed(self.engine, why)
 

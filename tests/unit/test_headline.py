@@ -113,6 +113,18 @@ def test_actor_update_against_the_plain_loops_that_bracket_it(tmp_path):
     assert "4 experts top-2" in row["name"] and row["command"] == "torchrun t.py"
 
 
+def test_the_interleaved_update_against_the_plain_loop_comes_first(tmp_path):
+    target = {"name": "grpo actor update ÷ plain, interleaved", "ratio_median": 0.93,
+              "ratio_min": 0.91, "ratio_max": 0.95, "repeats": 8, "target": 0.9,
+              "worst_target": 0.9, "higher_is_better": True, "met": True}  # fmt: skip
+    data = {
+        "benchmark": "trainer_step",
+        "trainer": {"grpo": {"update_vs_plain_ab": {"target": target}}},
+    }
+    rows, note = headline.load_rows(write(tmp_path / "t.json", data))
+    assert note is None and rows == [target | {"json": str(tmp_path / "t.json")}]
+
+
 def test_the_step_after_an_evaluation_against_the_median_step(tmp_path):
     generate = [40.0, 1.0, 1.1, 1.3, 0.9, 1.0]  # step 1 captures; steps 4 and 6 follow evals
     lines = [{"step": i + 1, "timing_s/generate": t} for i, t in enumerate(generate)]

@@ -30,6 +30,7 @@ from rl_megatron.resharding.shards import ShardSpec, check_tensors, spec_shapes
 from rl_megatron.resharding.targets import TensorStoreTarget
 from rl_megatron.resharding.weight_sync import WeightSync
 from tests.reshard_refs import (
+    MODELS,
     MOE_MODELS,
     assert_bit_exact,
     megatron_reference,
@@ -66,6 +67,20 @@ def actor_holding(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
     root.decoder.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(layers))
     for i, layer in enumerate(root.decoder.layers):
         layer.layer_number = i + 1
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, torch.nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
+    return root
+
+
+def module_holding(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A module tree with `tensors` as parameters under their (dotted) names."""
+    root = torch.nn.Module()
     for name, t in tensors.items():
         *path, leaf = name.split(".")
         module = root
@@ -345,3 +360,63 @@ def test_a_buffering_target_hears_of_each_parameter_as_soon_as_it_is_complete(ca
         assert store.most_open == 1 and not store.incomplete_when_done
         assert store.done == set(store.tensors)
     assert weight_sync._views is None and weight_sync._program[1].per_param
+
+
+class StandInVllmEngine:
+    """What `VllmEngineTarget` reads of a `VllmEngine` on a GPU (direct writes into vLLM's
+    checkpoint-format parameters), around a module tree holding vLLM's tensors."""
+
+    def __init__(self, model: torch.nn.Module, hf_config: dict) -> None:
+        from types import SimpleNamespace
+
+        self.model = model
+        self.args = SimpleNamespace(tp=1, weight_reload="direct")
+        self.layout = SimpleNamespace(world_size=1)
+        config = SimpleNamespace(to_dict=lambda: dict(hf_config))
+        self.llm = SimpleNamespace(
+            collective_rpc=lambda fn: [model],
+            llm_engine=SimpleNamespace(
+                model_config=SimpleNamespace(hf_config=config),
+                vllm_config=SimpleNamespace(parallel_config=SimpleNamespace()),
+            ),
+        )
+        self._loaded: set[str] = set()
+        self.versions: list[int] = []
+
+    def begin_weight_update(self, version: int) -> None:
+        self.versions.append(version)
+
+    def finish_weight_update(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("model", ["llama_gqa", "qwen3_moe"])
+def test_vllm_target_keeps_its_parameter_table_until_vllm_replaces_a_parameter(model):
+    """The target reads vLLM's parameter table once, not at every sync; a parameter object
+    that vLLM replaced is written, not the one the kept table still holds."""
+    from rl_megatron.resharding.targets import VllmEngineTarget
+
+    case = Case(model)
+    hf = MOE_MODELS[model] if model in MOE_MODELS else MODELS[model]
+    nan = {n: torch.full_like(t, float("nan")) for n, t in case.want(0).items()}
+    engine = StandInVllmEngine(module_holding(nan), hf)
+    target = VllmEngineTarget(engine)
+    assert not target.layerwise
+    weight_sync = case.sync_into(target)
+    weight_sync.sync([case.chunk], 1)
+    got = {n: p.detach() for n, p in engine.model.named_parameters()}
+    assert_bit_exact(got, case.want(0), "first sync")
+    walks = []
+    named_parameters = engine.model.named_parameters
+    engine.model.named_parameters = lambda *a, **k: walks.append(1) or named_parameters(*a, **k)
+    weight_sync.sync([case.chunk], 2)
+    assert walks == [], "a repeated sync walked vLLM's module tree"
+    old = engine.model.get_parameter(QKV)
+    replace_param(engine.model, QKV, torch.full_like(old, float("nan")))
+    old.data.fill_(7.0)
+    weight_sync.sync([case.chunk], 3)
+    assert walks == [1]
+    replaced = {QKV: engine.model.get_parameter(QKV).detach()}
+    assert_bit_exact(replaced, {QKV: case.want(0)[QKV]}, "replaced")
+    assert old.eq(7.0).all()
+    assert engine.versions == [1, 2, 3]
