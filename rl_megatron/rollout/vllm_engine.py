@@ -32,7 +32,15 @@ Weight update (HF names, full shapes; vLLM shards and fuses them itself):
   same path as `Worker.reload_weights` (vllm/v1/worker/gpu_model_runner.py), split into
   begin / bucket / finish so that buckets can stream in.
 * Both: `LLM.reset_prefix_cache()` afterwards, or cached prompt blocks computed with the
-  old weights are reused (DESIGN §3 point 6).
+  old weights are reused (DESIGN §3 point 6); skipped when nothing was generated since
+  the cache was last dropped (the reset walks every KV block).
+
+Sleep (GPUs, `enable_sleep_mode`): levels 1 and 2 are vLLM's `LLM.sleep`, which unmaps
+every allocation of its allocator (`CuMemAllocator`) and drops the prefix cache. Level 0
+unmaps only the allocations tagged `kv_cache` (`_rpc_unmap_kv_cache`, the way vLLM's
+sleep unmaps each) and maps them back at the KV-cache wake; the weights stay mapped, so
+a weight update needs no wake. vLLM's scheduler is not paused then: `RolloutEngine`
+refuses to generate until the KV cache is back.
 
 From a Megatron actor (`sync_from`): the engine's `weight_sync` (a
 `resharding.weight_sync.WeightSync` into `resharding.targets.VllmEngineTarget`, made with

@@ -4,6 +4,7 @@
 train: the next sync rewrites every one of them, so a host copy (level 1) would be moved
 out and back for nothing. Between the rounds of dynamic sampling the engine keeps them
 (level 1): the next round generates with the same weights and no sync comes before it.
+Level 0 keeps the weights on the device at every sleep, between rounds too.
 The engine refuses to generate after a level-2 sleep until a full update
 (`RolloutEngine.generate`), so a trainer that slept deeply and skipped a sync fails here.
 
