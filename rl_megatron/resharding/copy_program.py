@@ -45,7 +45,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from rl_megatron.resharding.plan import Fill, Move, RankRound, ReshardPlan
-from rl_megatron.resharding.shards import rows_view
+from rl_megatron.resharding.shards import (
+    data_ptr_of,
+    device_index_of,
+    rows_view,
+    size_of,
+    stride_of,
+)
 
 SRC, DST, ARENA = "src", "dst", "arena"
 Ref = tuple[str, str]  # (SRC | DST | ARENA, parameter name; "" for the arena)
@@ -343,7 +349,7 @@ def run_ops(ops: list[Op], tensors: Tensors) -> None:
     issue(bind(ops, tensors))
 
 
-_SHAPE, _DTYPE = operator.attrgetter("shape"), operator.attrgetter("dtype")
+_DTYPE = operator.attrgetter("dtype")
 
 
 def _geometry(ts: list[torch.Tensor]) -> tuple:
@@ -354,10 +360,10 @@ def _geometry(ts: list[torch.Tensor]) -> tuple:
     to another device type also moves its address); dtypes are singletons.
     """
     return (
-        array("Q", map(torch.Tensor.data_ptr, ts)),
-        list(map(_SHAPE, ts)),
-        list(map(torch.Tensor.stride, ts)),
-        array("q", map(torch.Tensor.get_device, ts)),
+        array("Q", map(data_ptr_of, ts)),
+        list(map(size_of, ts)),
+        list(map(stride_of, ts)),
+        array("q", map(device_index_of, ts)),
         list(map(_DTYPE, ts)),
     )
 
