@@ -61,20 +61,13 @@ def one_rank(tmp_path_factory):
 def actor_holding(tensors: dict[str, torch.Tensor]) -> torch.nn.Module:
     """A module tree with `tensors` as parameters under their GPTModel names (stand-in for
     a Megatron chunk at PP 1: `decoder.layers[i].layer_number` is i + 1, as in megatron)."""
-    root = torch.nn.Module()
-    layers = 1 + max(int(n.split(".")[2]) for n in tensors if n.startswith("decoder.layers."))
-    root.decoder = torch.nn.Module()
-    root.decoder.layers = torch.nn.ModuleList(torch.nn.Module() for _ in range(layers))
+    root = module_holding(tensors)
+    layers = root.decoder.layers
+    root.decoder.layers = torch.nn.ModuleList(
+        getattr(layers, str(i)) for i in range(len(layers._modules))
+    )
     for i, layer in enumerate(root.decoder.layers):
         layer.layer_number = i + 1
-    for name, t in tensors.items():
-        *path, leaf = name.split(".")
-        module = root
-        for part in path:
-            if not hasattr(module, part):
-                module.add_module(part, torch.nn.Module())
-            module = getattr(module, part)
-        module.register_parameter(leaf, torch.nn.Parameter(t, requires_grad=False))
     return root
 
 
