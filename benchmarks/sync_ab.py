@@ -24,7 +24,8 @@ engine's greedy tokens for fixed prompts after all rounds (each a sleep, a wake 
 of the same weights) must equal those before them (`greedy_unchanged_after_rounds`; exit
 status 1 otherwise).
 
-Also per round: the sync's parts (`timing_parts_s/reshard/{wake_weights,sync}`) and its
+Also per round: the device memory in use (the driver's figure) with the engine awake and
+asleep (`device_used_gb_median`), and the sync's parts (`timing_parts_s/reshard/{wake_weights,sync}`) and its
 host pieces (`reshard/*_s`), so a miss says where the time went.
 
 GPU, one H200 (vLLM 0.26), 0.85B and the 7B shape (Llama-2-7B: 32 layers, h 4096):
@@ -150,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     from rl_megatron.rollout.sampling import SamplingParams
     from rl_megatron.trainer.ppo_trainer import build_trainer
     from rl_megatron.utils.logging import get_logger
+    from rl_megatron.utils.timers import device_used_gb
 
     config = bench_config(args)
     layout = ParallelLayout.from_config(config.parallel, launch_env().world_size)
@@ -171,6 +173,10 @@ def main(argv: list[str] | None = None) -> int:
         version = [0]
         parts: dict[str, list[float]] = {}
         kv_wake_s: list[float] = []
+        # The driver's in-use figure (GiB; None on CPU) with the engine awake and asleep,
+        # the actor on the device throughout: the difference is what the engine gives
+        # back to the roles at this sleep level.
+        used_gb: dict[str, list] = {"engine_awake": [], "engine_asleep": []}
 
         def to_step_start() -> None:
             """Where the trainer's step finds the engine: awake after generating, then put
@@ -180,7 +186,9 @@ def main(argv: list[str] | None = None) -> int:
             trainer._wake_kv_cache()  # the trainer's own phase after the sync
             sync()
             kv_wake_s.append(time.perf_counter() - start)
+            used_gb["engine_awake"].append(device_used_gb())
             engine.sleep(level=config.rollout.sleep_level)
+            used_gb["engine_asleep"].append(device_used_gb())
 
         def floor() -> None:
             dst.copy_(src)
@@ -240,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
             sync_pieces=parts,
             sync_pieces_median={k: statistics.median(v) for k, v in parts.items()},
             wake_kv_cache_s_median=statistics.median(kv_wake_s) if kv_wake_s else None,
+            device_used_gb_median={
+                k: statistics.median(v) if v and v[0] is not None else None
+                for k, v in used_gb.items()
+            },
             engine_weight_version=engine.weight_version,
         )
         shape = f"{args.layers}L h{args.hidden}"
@@ -265,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"({result['floor_GBps']:.0f} GB/s), sync {result['sync_s_median'] * 1e3:.2f} ms, "
                 f"ratio median {t['ratio_median']:.2f} [{t['ratio_min']:.2f}, "
                 f"{t['ratio_max']:.2f}], met={t['met']}; KV-cache wake "
-                f"{(result['wake_kv_cache_s_median'] or 0) * 1e3:.1f} ms",
+                f"{(result['wake_kv_cache_s_median'] or 0) * 1e3:.1f} ms; device in use "
+                f"awake / asleep {result['device_used_gb_median']} GiB",
                 flush=True,
             )
             print(json.dumps(result["sync_pieces_median"], indent=1), flush=True)

@@ -54,6 +54,11 @@ step sync_ab_7b_l0 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 --sleep-
 step e2e_1.5b 420 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_1.5b.yaml \
   --algorithms grpo --no-plain --warmup-steps 1 --steps 2 \
   --out-json "$RES/e2e_h200_1.5b_$TAG.json"
+# The same step with the engine's weights kept on the device while it sleeps: the reshard
+# phase without a wake, and what each phase holds then (memory_gb/*_device_used).
+step e2e_1.5b_l0 420 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_1.5b.yaml \
+  --algorithms grpo --no-plain --warmup-steps 1 --steps 2 \
+  --out-json "$RES/e2e_h200_1.5b_l0_$TAG.json" rollout.sleep_level=0
 
 # vLLM's recorded routing against transformers' router on the same tokens (issue 19).
 step moe_routing 180 $TR1 benchmarks/moe_routing_check.py --out-json "$RES/moe_routing_h200_$TAG.json"
