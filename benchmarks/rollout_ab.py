@@ -97,6 +97,7 @@ from the second round on both reuse the prompts' KV alike.
 
 from __future__ import annotations
 
+import contextlib
 import cProfile
 import dataclasses
 import json
@@ -299,6 +300,14 @@ def parse_args():
         ("--modes", {"default": ",".join(MODES), "help": f"subset of {MODES}"}),
         ("--profile", {"action": "store_true", "help": "cProfile the wrapper (CPU)"}),
         (
+            "--pin",
+            {
+                "action": "store_true",
+                "help": "this process on the first half of its cores, the standalone's "
+                "engine-core process on the second (every thread of each)",
+            },
+        ),
+        (
             "--pause-s",
             {
                 "type": float,
@@ -399,6 +408,8 @@ def main() -> None:
             "before_engine": affinity,
             "after": sorted(os.sched_getaffinity(0)),
         }
+        if args.pin:
+            result["pinned"] = pin_halves(standalone)
         engine.calculate_log_probs = False  # the trainer's default
         result["in_trainer"] = {
             "startup_s": startup,
@@ -455,6 +466,33 @@ def main() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def pin_halves(standalone) -> dict[str, Any]:
+    """`--pin`: both decode loops are host-bound (the in-process engine uses a CPU-second
+    per second of its call), and their rounds spread ±30 % on a 16-core host; whether
+    sharing cores, or moving between them, makes that spread is what pinning each
+    process's threads to its own half of the cores tells. Returns what went where."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise ValueError(f"--pin needs at least 2 cores, this process has {cores}")
+    mine, theirs = cores[: len(cores) // 2], cores[len(cores) // 2 :]
+    manager = standalone.llm_engine.engine_core.resources.engine_manager
+    pids = [proc.pid for proc in manager.processes]
+
+    def pin_process(pid: int, to: list[int]) -> int:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        for tid in tids:
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, to)
+        return len(tids)
+
+    return {
+        "this_process": {"cores": mine, "threads": pin_process(os.getpid(), mine)},
+        "standalone_engine_core": {
+            str(pid): {"cores": theirs, "threads": pin_process(pid, theirs)} for pid in pids
+        },
+    }
 
 
 def write_partial(result: dict[str, Any], args: Any, rank: int) -> None:

@@ -38,6 +38,13 @@ step rollout_ab_085b_greedy 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtyp
   --repeats 16 --gpu-memory-utilization 0.3 \
   --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
   --out-json "$RES/rollout_ab_h200_085b_greedy_$TAG.json"
+# The same with each process's threads pinned to its own half of the cores (--pin): does
+# the spread shrink?
+step rollout_ab_085b_pinned 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfloat16 \
+  --batches 64,256 --prompt-len 128 --max-new 256 --modes greedy,greedy_aa --pin \
+  --repeats 16 --gpu-memory-utilization 0.3 \
+  --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
+  --out-json "$RES/rollout_ab_h200_085b_pinned_$TAG.json"
 
 # The trainer's weight-sync phase vs a device copy of the same bytes (issue 21: <= 3x).
 step sync_ab_085b 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \
