@@ -367,6 +367,20 @@ MUTATIONS = [
         "test_vllm_target_keeps_its_parameter_table_until_vllm_replaces_a_parameter",
     ),
     (
+        "vLLM engine: a level-0 sleep unmaps the weights too",
+        "rl_megatron/rollout/vllm_engine.py",
+        '    return [d for d in allocations if d.tag == "kv_cache"]',
+        "    return allocations",
+        "tests/unit/test_vllm_sleep_levels.py",
+    ),
+    (
+        "vLLM engine: a deeper sleep after level 0 unmaps the KV cache twice",
+        "rl_megatron/rollout/vllm_engine.py",
+        "        if self._kv_cache_unmapped:  # vLLM's sleep unmaps every allocation: once each",
+        "        if False:",
+        "tests/unit/test_vllm_sleep_levels.py",
+    ),
+    (
         "vLLM engine: no prefix-cache reset after a generate",
         "rl_megatron/rollout/vllm_engine.py",
         "        self._prefix_cache_dirty = True\n        outputs",

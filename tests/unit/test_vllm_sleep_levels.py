@@ -1,0 +1,184 @@
+"""The vLLM engine's sleep levels against a stand-in of vLLM's allocator (GPU-only paths).
+
+vLLM's CPU build has no sleep mode, so the GPU paths of `VllmEngine._sleep` / `_wake` are
+driven here through stand-ins: `FakeLLM` behaves as vLLM 0.26's `LLM.sleep` / `wake_up` do
+on its allocator (every allocation unmapped; the tags asked for mapped back), and the
+allocator raises on what the real one cannot do (unmapping an unmapped allocation, mapping
+a mapped one). Level 0 (`rollout.sleep_level: 0`) drives the allocator itself: only the
+KV cache's allocations go. The H200 run checked the real thing (greedy tokens unchanged
+after level-0 sleeps and wakes: benchmarks/RESULTS.md, tenth run).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rl_megatron.rollout import vllm_engine
+from rl_megatron.rollout.engine import RolloutEngine
+from rl_megatron.rollout.vllm_engine import VllmEngine
+
+
+@dataclass
+class Allocation:
+    tag: str
+    handle: tuple[int, int]  # (pointer, bytes), as vLLM's
+    is_asleep: bool = False
+
+
+class FakeAllocator:
+    def __init__(self) -> None:
+        self.pointer_to_data = {
+            1: Allocation("weights", (1, 100)),
+            2: Allocation("kv_cache", (2, 1000)),
+            3: Allocation("kv_cache", (3, 1000)),
+        }
+
+    def mapped(self) -> dict[str, list[bool]]:
+        out: dict[str, list[bool]] = {}
+        for data in self.pointer_to_data.values():
+            out.setdefault(data.tag, []).append(not data.is_asleep)
+        return out
+
+    def by_handle(self, handle) -> Allocation:
+        return self.pointer_to_data[handle[0]]
+
+
+@pytest.fixture
+def allocator(monkeypatch) -> FakeAllocator:
+    from vllm.device_allocator import cumem
+
+    alloc = FakeAllocator()
+
+    def unmap_and_release(handle):
+        data = alloc.by_handle(handle)
+        assert not data.is_asleep, f"{data.tag} unmapped twice"
+
+    def create_and_map(handle):
+        data = alloc.by_handle(handle)
+        assert data.is_asleep, f"{data.tag} mapped twice"
+
+    monkeypatch.setattr(cumem.CuMemAllocator, "get_instance", staticmethod(lambda: alloc))
+    monkeypatch.setattr(cumem, "unmap_and_release", unmap_and_release)
+    monkeypatch.setattr(cumem, "create_and_map", create_and_map)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    return alloc
+
+
+class FakeLLM:
+    """`vllm.LLM`'s sleep API as vLLM 0.26 runs it on its allocator, and a recorder."""
+
+    def __init__(self, alloc: FakeAllocator) -> None:
+        self.alloc = alloc
+        self.calls: list[str] = []
+        self.worker = SimpleNamespace(
+            model_runner=SimpleNamespace(post_kv_cache_wake_up=lambda: self.calls.append("post"))
+        )
+
+    def collective_rpc(self, fn, args=()):
+        self.calls.append(fn.__name__)
+        return [fn(self.worker, *args)]
+
+    def sleep(self, level: int) -> None:
+        self.calls.append(f"sleep{level}")
+        for data in self.alloc.pointer_to_data.values():
+            assert not data.is_asleep, f"vLLM's sleep would unmap {data.tag} twice"
+            data.is_asleep = True
+
+    def wake_up(self, tags) -> None:
+        self.calls.append("wake_up:" + ",".join(tags))
+        for data in self.alloc.pointer_to_data.values():
+            if data.tag in tags:
+                assert data.is_asleep, f"vLLM's wake would map {data.tag} twice"
+                data.is_asleep = False
+
+    def reset_prefix_cache(self) -> bool:
+        self.calls.append("reset_prefix_cache")
+        return True
+
+
+def engine_on(alloc: FakeAllocator) -> VllmEngine:
+    """A `VllmEngine` on a GPU with sleep mode, around `FakeLLM` (nothing else built)."""
+    eng = VllmEngine.__new__(VllmEngine)
+    RolloutEngine.__init__(eng, weight_version=1)
+    eng._sleep_mode = True
+    eng._llm = FakeLLM(alloc)
+    eng._prefix_cache_dirty = True  # something was generated
+    eng._kv_cache_unmapped = False
+    return eng
+
+
+def test_level_0_unmaps_only_the_kv_cache_and_maps_it_back(allocator):
+    eng = engine_on(allocator)
+    eng.sleep(level=0)
+    assert allocator.mapped() == {"weights": [True], "kv_cache": [False, False]}
+    assert eng.awake_tags == {"weights"} and eng.weight_version == 1
+    eng.wake(["weights"])  # nothing asleep there
+    eng.wake(["kv_cache"])
+    assert allocator.mapped() == {"weights": [True], "kv_cache": [True, True]}
+    # The KV cache's contents went with it: its cached prefixes first. vLLM's own sleep
+    # (which would unmap the weights) never ran.
+    assert eng._llm.calls == [
+        "reset_prefix_cache",
+        "_rpc_unmap_kv_cache",
+        "_rpc_map_kv_cache",
+        "post",
+    ]
+
+
+def test_a_deeper_sleep_after_level_0_unmaps_each_allocation_once(allocator):
+    eng = engine_on(allocator)
+    eng.sleep(level=0)
+    eng.sleep(level=2)  # vLLM's sleep unmaps everything: the KV cache is mapped back first
+    assert allocator.mapped() == {"weights": [False], "kv_cache": [False, False]}
+    eng.wake()
+    assert allocator.mapped() == {"weights": [True], "kv_cache": [True, True]}
+    assert eng._llm.calls == [
+        "reset_prefix_cache",
+        "_rpc_unmap_kv_cache",
+        "_rpc_map_kv_cache",
+        "post",
+        "sleep2",
+        "wake_up:weights,kv_cache",
+    ]
+
+
+def test_level_0_while_vllm_still_sleeps_leaves_the_wake_to_vllm(allocator):
+    eng = engine_on(allocator)
+    eng.sleep(level=2)
+    eng.wake(["weights"])
+    eng.sleep(level=0)  # its KV cache is still vLLM's asleep one: vLLM's wake resumes it
+    eng.wake(["kv_cache"])
+    assert allocator.mapped() == {"weights": [True], "kv_cache": [True, True]}
+    assert eng._llm.calls == ["sleep2", "wake_up:weights", "wake_up:kv_cache"]
+
+
+def test_the_prefix_cache_is_reset_only_when_something_was_cached(allocator):
+    eng = engine_on(allocator)
+    eng._param_names, eng._layerwise = set(), False
+
+    def update(version: int) -> None:  # the weights written in place: no bucket
+        eng.begin_weight_update(version)
+        eng.finish_weight_update()
+
+    update(2)  # after a generate: reset
+    update(3)  # nothing generated since: no reset
+    assert eng._llm.calls.count("reset_prefix_cache") == 1
+    eng._prefix_cache_dirty = True
+    eng.sleep(level=2)  # vLLM drops the cache with the KV memory
+    eng.wake(["weights"])
+    update(4)
+    assert eng._llm.calls.count("reset_prefix_cache") == 1
+    assert eng.weight_version == 4
+
+
+def test_level_0_needs_vllms_allocator_bookkeeping(allocator):
+    allocator.pointer_to_data = {  # an older allocator: no is_asleep on its records
+        p: SimpleNamespace(tag=d.tag, handle=d.handle) for p, d in allocator.pointer_to_data.items()
+    }
+    with pytest.raises(RuntimeError, match="rollout.sleep_level=0"):
+        vllm_engine._kv_cache_allocations(allocator)
