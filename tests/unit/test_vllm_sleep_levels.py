@@ -112,6 +112,10 @@ def engine_on(alloc: FakeAllocator) -> VllmEngine:
     return eng
 
 
+# A level-0 sleep and its KV-cache wake, as the stand-in records them.
+LEVEL_0_ROUND = ["reset_prefix_cache", "_rpc_unmap_kv_cache", "_rpc_map_kv_cache", "post"]
+
+
 def test_level_0_unmaps_only_the_kv_cache_and_maps_it_back(allocator):
     eng = engine_on(allocator)
     eng.sleep(level=0)
@@ -122,12 +126,7 @@ def test_level_0_unmaps_only_the_kv_cache_and_maps_it_back(allocator):
     assert allocator.mapped() == {"weights": [True], "kv_cache": [True, True]}
     # The KV cache's contents went with it: its cached prefixes first. vLLM's own sleep
     # (which would unmap the weights) never ran.
-    assert eng._llm.calls == [
-        "reset_prefix_cache",
-        "_rpc_unmap_kv_cache",
-        "_rpc_map_kv_cache",
-        "post",
-    ]
+    assert eng._llm.calls == LEVEL_0_ROUND
 
 
 def test_a_deeper_sleep_after_level_0_unmaps_each_allocation_once(allocator):
@@ -137,14 +136,7 @@ def test_a_deeper_sleep_after_level_0_unmaps_each_allocation_once(allocator):
     assert allocator.mapped() == {"weights": [False], "kv_cache": [False, False]}
     eng.wake()
     assert allocator.mapped() == {"weights": [True], "kv_cache": [True, True]}
-    assert eng._llm.calls == [
-        "reset_prefix_cache",
-        "_rpc_unmap_kv_cache",
-        "_rpc_map_kv_cache",
-        "post",
-        "sleep2",
-        "wake_up:weights,kv_cache",
-    ]
+    assert eng._llm.calls == [*LEVEL_0_ROUND, "sleep2", "wake_up:weights,kv_cache"]
 
 
 def test_level_0_while_vllm_still_sleeps_leaves_the_wake_to_vllm(allocator):
