@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import torch
@@ -28,3 +29,18 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def trainer_gc_policy(manual_gc: bool):
+    """Garbage collection as the trainer has it (`trainer.manual_gc`): with it, one
+    collection first and none automatic inside; without it, as it was."""
+    enabled = gc.isenabled()
+    if manual_gc:
+        gc.collect()
+        gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

@@ -7,12 +7,16 @@ the top-k experts a token passes through (`utils.flops`), as the trainer's does.
 
 from __future__ import annotations
 
-import gc
 import time
 
 import torch
 import torch.distributed as dist
-from bench_utils import allocated_gb, gib, sync  # benchmarks/, on sys.path in the scripts
+from bench_utils import (
+    allocated_gb,
+    gib,
+    sync,
+    trainer_gc_policy,
+)  # benchmarks/, on sys.path in the scripts
 from phase_probes import GC_PAUSES
 from update_traces import device_idle_of, profiled, sync_sites_of
 
@@ -153,19 +157,14 @@ def plain_loop(config, info, args, masked: bool = False, profile: bool = True) -
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     # The trainer's garbage-collection policy (`trainer.manual_gc`) holds here too.
-    automatic_gc = gc.isenabled()
-    if config.trainer.manual_gc:
-        gc.collect()
-        gc.disable()
-    GC_PAUSES.reset()
-    start = time.perf_counter()
-    last_loss = 0.0
-    for _ in range(args.plain_iters):
-        last_loss = iteration()
-    sync()
-    gc_pauses = {"count": GC_PAUSES.count, "seconds": GC_PAUSES.seconds}
-    if automatic_gc:
-        gc.enable()
+    with trainer_gc_policy(config.trainer.manual_gc):
+        GC_PAUSES.reset()
+        start = time.perf_counter()
+        last_loss = 0.0
+        for _ in range(args.plain_iters):
+            last_loss = iteration()
+        sync()
+        gc_pauses = {"count": GC_PAUSES.count, "seconds": GC_PAUSES.seconds}
     seconds = time.perf_counter() - start
     peak_gb = gib(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else 0.0
     profile_path, device_idle, sync_sites = None, None, None

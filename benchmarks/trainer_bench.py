@@ -37,9 +37,9 @@ iterations run under torch's sync debug mode, which names every host-device sync
 site (`update_actor_sync_sites`, `plain_loop.sync_sites`). The profiling and tracing
 helpers are in `update_traces.py`; the sync and memory helpers in `bench_utils.py`.
 `--interleave-update N` measures the update against the plain loop as an interleaved A/B
-(`ab.py`), the issue-21 way, after the timed steps: the arguments of one more step's
-`actor.train_steps` (its whole update phase) are kept, a plain loop is built beside the
-trainer, and N rounds alternate A = that update again (new weights each time, the same
+(`ab.py`), the issue-21 way, after the timed steps: one more step's actor-update phase is
+kept (`update_traces.step_with_actor_update`), a plain loop is built beside the trainer,
+and N rounds alternate A = that update again (new weights each time, the same
 work) and B = as many plain iterations as it has optimizer steps, garbage collection off
 for both as `trainer.manual_gc` has it. Ratio of a round = B's time ÷ A's: the update's
 speed as a multiple of the plain loop's for the same optimizer steps (target ≥ 0.9×,
@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import gc
 import json
 import os
 import platform
@@ -94,13 +93,14 @@ import torch.distributed as dist
 
 # benchmarks/, this script's directory, is on sys.path: its siblings import as modules.
 from ab import interleave, target_record
-from bench_utils import allocated_gb, free_memory, gib, sync
+from bench_utils import allocated_gb, free_memory, gib, sync, trainer_gc_policy
 from phase_probes import GC_PAUSES, probed_phases
 from plain_loop import PlainLoop, plain_loop
 from update_traces import (
     actor_update_sync_sites,
     profile_next_call,
     profile_step,
+    step_with_actor_update,
     trace_actor_update,
 )
 
@@ -335,38 +335,26 @@ UPDATE_VS_PLAIN_TARGET = 0.9  # issues 8 and 19: the update ≥ 0.9× the plain 
 def update_vs_plain_ab(trainer, config, args, optimizer_steps: int) -> dict:
     """The actor update (A) against as many plain-loop iterations (B), interleaved rounds
     in this process (see the module docstring); the A/B record and its target."""
-    actor = trainer.roles.actor
     kept: list = []
-    train_steps = actor.train_steps
 
-    def keep(*a, **kw):
-        kept.append((a, kw))
-        return train_steps(*a, **kw)
+    def keep(update):
+        kept.append(update)
+        return update()
 
-    actor.train_steps = keep  # one more step: its update's arguments are kept
-    try:
-        trainer.train_step()
-    finally:
-        actor.train_steps = train_steps
-    trainer.step += 1
-    ((update_args, update_kwargs),) = kept
+    step_with_actor_update(trainer, keep)  # one more step: its actor-update phase is kept
+    (update,) = kept
     loop = PlainLoop(config, trainer.info, args)
     loop.iteration()  # its warm-up: kernel selection, optimizer state
-    automatic_gc = gc.isenabled()
-    if config.trainer.manual_gc:
-        gc.collect()
-        gc.disable()
     try:
-        r = interleave(
-            lambda: actor.train_steps(*update_args, **update_kwargs),
-            lambda: [loop.iteration() for _ in range(optimizer_steps)],
-            args.interleave_update,
-            warmup=1,
-            sync=sync,
-        )
+        with trainer_gc_policy(config.trainer.manual_gc):
+            r = interleave(
+                update,
+                lambda: [loop.iteration() for _ in range(optimizer_steps)],
+                args.interleave_update,
+                warmup=1,
+                sync=sync,
+            )
     finally:
-        if automatic_gc:
-            gc.enable()
         loop.close()
     m = config.model
     shape = f"{m.num_layers}L h{m.hidden_size}"

@@ -40,7 +40,7 @@ def profiled(fn, path: Path, write: bool):
     return out
 
 
-def _step_with_actor_update(trainer, around) -> None:
+def step_with_actor_update(trainer, around) -> None:
     """One more training step whose actor-update phase runs as `around(update)`, where
     `update()` is the phase itself (the critic's and the other phases run as usual)."""
     original = trainer._update
@@ -86,7 +86,7 @@ def trace_actor_update(trainer, stem: Path) -> dict:
             summary["trace"] = str(trace) + ".gz"
         return out
 
-    _step_with_actor_update(trainer, traced)
+    step_with_actor_update(trainer, traced)
     return summary
 
 
@@ -99,7 +99,7 @@ def actor_update_sync_sites(trainer) -> dict:
         sites.update(sync_sites_of(lambda: box.append(update())) or {})
         return box[0]
 
-    _step_with_actor_update(trainer, counted)
+    step_with_actor_update(trainer, counted)
     return sites
 
 

@@ -106,9 +106,9 @@ class PlanAgreement:
         # more all-reduce, never a wrong plan: guesses are checked against the agreed values.
         self.agreed = [0, 0, 0]
         self.plan: ReshardPlan | None = None  # the plan of the last key asked for
-        # (plan, local rank, name → shape of the rank's training shards): the trainer's
-        # side is checked against it every sync, built once per plan.
-        self._source_shapes: tuple[ReshardPlan, int, dict] | None = None
+        # (plan, local rank, name → shape of the rank's training shards, of its target
+        # shards): both sides are checked against them every sync, built once per plan.
+        self._shapes: tuple[ReshardPlan, int, dict, dict] | None = None
 
     def _key(self, values: list[int]) -> PlanKey:
         return PlanKey(
@@ -133,11 +133,12 @@ class PlanAgreement:
                 return None, [str(exc)]
         plan = self.plan
         local = plan.local_rank(rank)
-        kept = self._source_shapes
+        kept = self._shapes
         if kept is None or kept[0] is not plan or kept[1] != local:
-            kept = self._source_shapes = (plan, local, spec_shapes(plan.sources[local]))
+            sides = (spec_shapes(plan.sources[local]), spec_shapes(plan.targets[local]))
+            kept = self._shapes = (plan, local, *sides)
         problems = check_tensors(kept[2], sources, "trainer")
-        return plan, problems + self.target.check(plan.targets[local], self.info)
+        return plan, problems + self.target.check(kept[3], self.info)
 
     def agree(self, sources: Mapping[str, torch.Tensor]) -> ReshardPlan:
         """Agree on the plan's inputs, build it (or keep the last), check both sides against it.

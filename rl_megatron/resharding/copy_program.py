@@ -295,22 +295,14 @@ class Bound:
 
     dst: list[torch.Tensor]  # flat ranges and blocks: one multi-tensor copy
     src: list[torch.Tensor]
-    strided: list[tuple[torch.Tensor, torch.Tensor]]  # runs of several blocks: (dst, src)
+    strided_dst: list[torch.Tensor]  # runs of several blocks: one strided view a side
+    strided_src: list[torch.Tensor]
     zeros: list[torch.Tensor]
-    _strided_lists: tuple[list[torch.Tensor], list[torch.Tensor]] | None = dataclasses.field(
-        default=None, repr=False, compare=False
-    )
-
-    def strided_lists(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """`strided` as (destinations, sources), made once (kept bindings issue again)."""
-        if self._strided_lists is None:
-            self._strided_lists = ([d for d, _ in self.strided], [s for _, s in self.strided])
-        return self._strided_lists
 
 
 def bind(ops: list[Op], tensors: Tensors) -> Bound:
     """Views of `tensors` for `ops` (no copy is made)."""
-    bound = Bound([], [], [], [])
+    bound = Bound([], [], [], [], [])
     for op in ops:
         if isinstance(op, Run):
             d, s = tensors.flat(op.dst), tensors.flat(op.src)
@@ -321,7 +313,8 @@ def bind(ops: list[Op], tensors: Tensors) -> Bound:
             shape = (op.count, op.numel)
             dst = d.as_strided(shape, (op.dst_step, 1), d.storage_offset() + op.dst_start)
             src = s.as_strided(shape, (op.src_step, 1), s.storage_offset() + op.src_start)
-            bound.strided.append((dst, src))
+            bound.strided_dst.append(dst)
+            bound.strided_src.append(src)
         elif isinstance(op, Block):
             dst, src = _block_sides(op, tensors)
             bound.dst.append(dst)
@@ -338,8 +331,8 @@ def issue(bound: Bound) -> None:
     (their views are not contiguous), but one loop in C++ rather than one Python call each."""
     if bound.dst:
         torch._foreach_copy_(bound.dst, bound.src)
-    if bound.strided:
-        torch._foreach_copy_(*bound.strided_lists())
+    if bound.strided_dst:
+        torch._foreach_copy_(bound.strided_dst, bound.strided_src)
     if bound.zeros:
         torch._foreach_zero_(bound.zeros)
 

@@ -24,7 +24,7 @@ the weight version and refuses to generate on a partial update. A target is driv
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -32,7 +32,7 @@ import torch
 from rl_megatron.models.hf_config import HFModelInfo, parse_hf_config
 from rl_megatron.resharding import shards
 from rl_megatron.resharding.layouts import GenerationLayout, TrainingLayout
-from rl_megatron.resharding.shards import ShardSpec, check_tensors, spec_shapes
+from rl_megatron.resharding.shards import check_tensors
 from rl_megatron.resharding.sources import ParameterOwners, megatron_sources
 
 # Fields that must agree between the trainer's model and the engine's: a difference in
@@ -87,8 +87,11 @@ class ReshardTarget(abc.ABC):
         every sync asks (`PlanAgreement.agree`), before `check` and `begin`."""
 
     @abc.abstractmethod
-    def check(self, specs: Sequence[ShardSpec], info: HFModelInfo) -> list[str]:
-        """Problems (one line each) if the engine disagrees with the plan or the trainer."""
+    def check(self, shapes: Mapping[str, tuple[int, ...]], info: HFModelInfo) -> list[str]:
+        """Problems (one line each) if the engine disagrees with the plan or the trainer.
+
+        shapes: name → shape of this rank's target shards (`shards.spec_shapes` of the
+            plan's specs, which the agreement keeps per plan)."""
 
     @abc.abstractmethod
     def begin(self, version: int) -> None: ...
@@ -151,8 +154,8 @@ class TensorStoreTarget(ReshardTarget):
     def padded_vocab(self) -> int:
         return self._padded_vocab
 
-    def check(self, specs: Sequence[ShardSpec], info: HFModelInfo) -> list[str]:
-        return check_tensors(specs, self.tensors, "tensor store")
+    def check(self, shapes: Mapping[str, tuple[int, ...]], info: HFModelInfo) -> list[str]:
+        return check_tensors(shapes, self.tensors, "tensor store")
 
     def begin(self, version: int) -> None:
         self.done = set()
@@ -199,9 +202,9 @@ class MegatronEngineTarget(ReshardTarget):
     def padded_vocab(self) -> int:
         return self.params["embedding.word_embeddings.weight"].shape[0] * self.layout.tp
 
-    def check(self, specs: Sequence[ShardSpec], info: HFModelInfo) -> list[str]:
+    def check(self, shapes: Mapping[str, tuple[int, ...]], info: HFModelInfo) -> list[str]:
         problems = config_mismatch(info, self.engine.info, "megatron engine")
-        return problems + check_tensors(specs, self.params, "megatron engine")
+        return problems + check_tensors(shapes, self.params, "megatron engine")
 
     def begin(self, version: int) -> None:
         self.engine.begin_weight_update(version)
@@ -257,9 +260,8 @@ class VllmEngineTarget(ReshardTarget):
         self._table: dict[str, torch.nn.Parameter] = {}
         self._owners: ParameterOwners | None = None
         # The engine's model config and parallel settings never change for its life:
-        # checked once per trainer model info. The plan's shapes: once per plan.
+        # checked once per trainer model info.
         self._config_checked: tuple[HFModelInfo, list[str]] | None = None
-        self._want: tuple[Sequence[ShardSpec], dict[str, tuple[int, ...]]] | None = None
 
     # ---- shapes ----------------------------------------------------------------
 
@@ -292,15 +294,13 @@ class VllmEngineTarget(ReshardTarget):
             return self._table[name].shape[0] * self.layout.tp
         return self._shapes()[name][0][0] * self.layout.tp
 
-    def check(self, specs: Sequence[ShardSpec], info: HFModelInfo) -> list[str]:
+    def check(self, shapes: Mapping[str, tuple[int, ...]], info: HFModelInfo) -> list[str]:
         problems = self._config_problems(info)
-        if self._want is None or self._want[0] is not specs:  # per plan
-            self._want = (specs, spec_shapes(specs))
         if self.layerwise:
             tensors: dict[str, Any] = {name: shape for name, (shape, _) in self._shapes().items()}
         else:
             tensors = self._table
-        return problems + check_tensors(self._want[1], tensors, "vLLM")
+        return problems + check_tensors(shapes, tensors, "vLLM")
 
     def _config_problems(self, info: HFModelInfo) -> list[str]:
         """The engine's config against the trainer's (both fixed: compared once per info)."""

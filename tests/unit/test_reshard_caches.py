@@ -243,7 +243,7 @@ def written_counts(weight_sync: WeightSync) -> dict[str, torch.Tensor]:
     counts = {name: torch.zeros(t.numel(), dtype=torch.int64) for name, t in target.items()}
     for steps in weight_sync._views.bound:
         for bound in steps:
-            for view in [*bound.dst, *(dst for dst, _ in bound.strided), *bound.zeros]:
+            for view in [*bound.dst, *bound.strided_dst, *bound.zeros]:
                 name = by_address[view.untyped_storage().data_ptr()]
                 base = target[name]
                 offset = view.storage_offset() - base.storage_offset()
@@ -275,7 +275,7 @@ def test_moe_experts_join_the_multi_tensor_copy():
         return sum(v.untyped_storage().data_ptr() in stacked for v in views)
 
     assert into_experts(bound.dst) == 2 * case.info.num_layers * case.info.num_experts
-    assert into_experts(dst for dst, _ in bound.strided) == 0
+    assert into_experts(bound.strided_dst) == 0
 
 
 def test_check_tensors_fast_path_and_messages():
