@@ -367,6 +367,13 @@ MUTATIONS = [
         "test_vllm_target_keeps_its_parameter_table_until_vllm_replaces_a_parameter",
     ),
     (
+        "resharding: a run bound block by block steps its source by the destination's step",
+        "rl_megatron/resharding/copy_program.py",
+        "d0, s0 = op.dst_start + i * op.dst_step, op.src_start + i * op.src_step",
+        "d0, s0 = op.dst_start + i * op.dst_step, op.src_start + i * op.dst_step",
+        "tests/unit/test_reshard_caches.py::test_runs_bound_block_by_block_write_the_same_elements",
+    ),
+    (
         "vLLM engine: a level-0 sleep unmaps the weights too",
         "rl_megatron/rollout/vllm_engine.py",
         '    return [d for d in allocations if d.tag == "kv_cache"]',

@@ -11,7 +11,8 @@ once per plan and rank, into a `CopyProgram`:
   (the arena is allocated per sync; the engine may reallocate its parameters);
 * blocks along dim 0 of contiguous tensors are flat element ranges; those between the
   same two tensors, of one size, whose offsets step evenly on both sides (every group's
-  q rows of a layer, say) become one strided copy (`Run`);
+  q rows of a layer, say) become one strided copy (`Run`), or on CUDA, once bound and
+  kept, one contiguous view per block in the multi-tensor copy (`KeptViews`);
 * blocks along another dim (row-parallel weights split by columns) stay single
   narrow-to-narrow copies (`Block`), a few per layer; into a parameter stacking experts
   (vLLM's `w2_weight`) a block first selects its slot (`shards.rows_view`). Along dim 0 a
@@ -300,15 +301,21 @@ class Bound:
     zeros: list[torch.Tensor]
 
 
-def bind(ops: list[Op], tensors: Tensors) -> Bound:
-    """Views of `tensors` for `ops` (no copy is made)."""
+def bind(ops: list[Op], tensors: Tensors, *, runs_as_blocks: bool = False) -> Bound:
+    """Views of `tensors` for `ops` (no copy is made).
+
+    runs_as_blocks: bind a run of several blocks as one contiguous view per block, all in
+        the multi-tensor copy, rather than as one strided view a side (see `KeptViews`).
+    """
     bound = Bound([], [], [], [], [])
     for op in ops:
         if isinstance(op, Run):
             d, s = tensors.flat(op.dst), tensors.flat(op.src)
-            if op.count == 1:
-                bound.dst.append(d[op.dst_start : op.dst_start + op.numel])
-                bound.src.append(s[op.src_start : op.src_start + op.numel])
+            if op.count == 1 or runs_as_blocks:
+                for i in range(op.count):
+                    d0, s0 = op.dst_start + i * op.dst_step, op.src_start + i * op.src_step
+                    bound.dst.append(d[d0 : d0 + op.numel])
+                    bound.src.append(s[s0 : s0 + op.numel])
                 continue
             shape = (op.count, op.numel)
             dst = d.as_strided(shape, (op.dst_step, 1), d.storage_offset() + op.dst_start)
@@ -327,8 +334,9 @@ def bind(ops: list[Op], tensors: Tensors) -> Bound:
 def issue(bound: Bound) -> None:
     """Launch `bound`'s copies: the multi-tensor copy first, as it holds the whole tensors
     (embeddings, MLP weights), so the device is busy while the host issues the rest. The
-    strided runs (three per layer's QKV) go in one call too: not the multi-tensor kernel
-    (their views are not contiguous), but one loop in C++ rather than one Python call each."""
+    strided runs (three per layer's QKV, unless bound block by block) go in one call too:
+    not the multi-tensor kernel (their views are not contiguous), but one loop in C++
+    rather than one Python call each."""
     if bound.dst:
         torch._foreach_copy_(bound.dst, bound.src)
     if bound.strided_dst:
@@ -369,9 +377,17 @@ class KeptViews:
     ones elsewhere): checking that costs a few attribute reads per tensor, binding afresh
     a Python loop over every op. Held by one weight sync, so the views (which keep their
     tensors' storage alive) go with it.
+
+    On CUDA the runs are bound block by block (`bind`'s `runs_as_blocks`): binding is paid
+    once, and each block joins the one multi-tensor copy, whose launches are set by the
+    bytes (a launch per ~40 MB), not by the number of tensors. A strided run is a copy
+    kernel of its own: the 0.85B shape's 48 QKV runs were ~48 launches of a host that
+    took ~1.9 ms to issue a sync's copies of 1 ms (RESULTS.md, eleventh run). On the CPU
+    `_foreach_copy_` has no multi-tensor kernel (one copy per pair), so runs stay strided.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, runs_as_blocks: bool | None = None) -> None:
+        self.runs_as_blocks = runs_as_blocks  # None: on CUDA tensors only
         self.program: CopyProgram | None = None
         self.geometry: tuple = ()  # `_geometry` of the tensors `bound` views
         self.bound: list[list[Bound]] = []  # per round, per `local` step
@@ -389,7 +405,13 @@ class KeptViews:
         bases = list(map(tensors.sources.__getitem__, src)) + list(map(tensors.writable, dst))
         geometry = _geometry(bases)
         if program is not self.program or geometry != self.geometry:
-            self.bound = [[bind(step.ops, tensors) for step in r.local] for r in program.rounds]
+            blocks = self.runs_as_blocks
+            if blocks is None:
+                blocks = bool(bases) and bases[0].is_cuda
+            self.bound = [
+                [bind(step.ops, tensors, runs_as_blocks=blocks) for step in r.local]
+                for r in program.rounds
+            ]
             self.program, self.geometry = program, geometry
         return self.bound
 

@@ -259,6 +259,33 @@ def test_every_target_element_is_written_exactly_once(case):
         assert not missed and not twice, f"{name}: {missed} missed, {twice} written twice"
 
 
+def views_into(case: Case, name: str, views: list[torch.Tensor]) -> int:
+    address = case.store.tensors[name].untyped_storage().data_ptr()
+    return sum(v.untyped_storage().data_ptr() == address for v in views)
+
+
+@pytest.mark.parametrize("runs_as_blocks", [None, True])
+def test_runs_bound_block_by_block_write_the_same_elements(case, runs_as_blocks):
+    """Kept runs as one view per block (CUDA's default, forced here) or strided (the CPU's
+    default): bit-exact either way, every element written once, and QKV's blocks all in
+    the multi-tensor copy when bound block by block."""
+    case.weight_sync._views.runs_as_blocks = runs_as_blocks
+    assert_bit_exact(case.sync().tensors, case.want(0), "first sync")
+    for name, count in written_counts(case.weight_sync).items():
+        assert count.eq(1).all(), name
+    bound = [b for steps in case.kept_views() for b in steps]
+    strided = sum(len(b.strided_dst) for b in bound)
+    flat_qkv = sum(views_into(case, QKV, b.dst) for b in bound)
+    strided_qkv = sum(views_into(case, QKV, b.strided_dst) for b in bound)
+    if runs_as_blocks:
+        assert strided == 0
+        assert flat_qkv == 3 * case.info.num_key_value_heads  # q, k, v of each group
+    else:
+        assert (flat_qkv, strided_qkv) == (0, 3)  # on the CPU: one strided run each
+    case.chunk.get_parameter(SRC_QKV).data.add_(1.0)  # the kept views see new values
+    assert torch.equal(case.sync().tensors[QKV], case.want(0)[QKV] + 1.0)
+
+
 def test_moe_experts_join_the_multi_tensor_copy():
     """One copy per expert tensor (Megatron's fc1 into its `w13_weight` slot, fc2 into its
     `w2_weight` slot), all in the one multi-tensor copy, none issued alone."""
