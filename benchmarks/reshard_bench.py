@@ -100,6 +100,10 @@ CPU (gloo; 4 layers, 4 experts; at 2 ranks "all" includes EP2 over DP and TP2·E
     .venv/bin/torchrun --standalone --nproc_per_node 2 benchmarks/reshard_bench.py \
         --model qwen3-moe-tiny --out-json /tmp/reshard_moe_tiny2.json
 
+`--profile-dir DIR`: three more reshard calls per row, each under torch.profiler (the top
+ops by host time, the last one's Chrome trace as `trace_*.json.gz`): where the host time of
+a sync goes on the machine that measured it.
+
 Prints one JSON object (rank 0, stdout) and then a table (stderr).
 """
 
@@ -118,6 +122,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_utils import profile_calls  # noqa: E402
 
 # Qwen3-MoE fields shared by the MoE entries of MODELS (every layer sparse, QK-norm).
 _QWEN3_MOE = dict(model_type="qwen3_moe", norm_topk_prob=True, intermediate_size=128)
@@ -377,6 +385,18 @@ def run_layout(t: int, p: int, d: int, ep: int, etp: int, args, info, rank: int)
         weight_sync = WeightSync(store, info=info, training=training, bucket_mb=args.bucket_mb)
         # The tensor store and the loader ignore versions: every call is version 0.
         ours = timed(partial(weight_sync.sync, chunks, version=0), device, *_rw(args))
+        profile = {}
+        if args.profile_dir is not None:
+            stem = f"reshard_{args.model}_{'_'.join(map(str, (t, p, d, ep, etp)))}_tg{t_g}"
+            with (
+                torch.overrides._pop_mode_temporarily()
+                if args.without_cpu_shim
+                else (contextlib.nullcontext())
+            ):
+                profile = profile_calls(
+                    partial(weight_sync.sync, chunks, version=0), 3, args.profile_dir, stem,
+                    write=rank == 0,
+                )  # fmt: skip
         baseline_store = TensorStoreTarget("vllm", info, gen, rank, padded, dtype, device)
         theirs = timed(
             partial(
@@ -421,6 +441,7 @@ def run_layout(t: int, p: int, d: int, ep: int, etp: int, args, info, rank: int)
             "hybridflow_formula_bytes": plan.hybridflow_bytes(),
             "hybridflow_layout_bytes_received": strided.traffic[local].received * elem,
             "target_bytes": sum(x.nbytes for x in store.tensors.values()),
+            "reshard_profile": profile,
         }
 
         # Floors. The target's own tensors serve as the per-tensor copy's source and
@@ -516,6 +537,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed calls (median reported)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls before them")
     parser.add_argument("--out-json", default=None)
+    parser.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=None,
+        help="profile three more reshard calls per row (top ops, a Chrome trace) into it",
+    )
     parser.add_argument(
         "--without-cpu-shim",
         action="store_true",

@@ -26,7 +26,9 @@ status 1 otherwise).
 
 Also per round: the device memory in use (the driver's figure) with the engine awake and
 asleep (`device_used_gb_median`), and the sync's parts (`timing_parts_s/reshard/{wake_weights,sync}`) and its
-host pieces (`reshard/*_s`), so a miss says where the time went.
+host pieces (`reshard/*_s`), so a miss says where the time went. `--profile-dir DIR`: three
+more syncs after the rounds, each under torch.profiler (`bench_utils.profile_calls`: the top
+ops by host time, and the last one's Chrome trace as `trace_*.json.gz`).
 
 GPU, one H200 (vLLM 0.26), 0.85B and the 7B shape (Llama-2-7B: 32 layers, h 4096):
 
@@ -63,6 +65,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ab import interleave, target_record  # noqa: E402
+from bench_utils import profile_calls  # noqa: E402
 from trainer_bench import environment  # noqa: E402
 
 TARGET, WORST_TARGET = 3.0, 3.0  # issue 21: ≤ 3× the copy floor
@@ -98,6 +101,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="CPU smoke: tiny fp32 shape")
     p.add_argument("--run-dir", default="runs/sync_ab")
     p.add_argument("--out-json", type=Path, default=None)
+    p.add_argument(
+        "--profile-dir",
+        type=Path,
+        default=None,
+        help="after the rounds, profile three more syncs (top ops, a Chrome trace) into it",
+    )
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--tiny" in argv:
@@ -232,6 +241,15 @@ def main(argv: list[str] | None = None) -> int:
                 sync=sync,
                 pause=pause,
             )
+            if args.profile_dir is not None:
+                result["profile"] = profile_calls(
+                    synced_trainer_sync,
+                    3,
+                    args.profile_dir,
+                    f"sync_ab_{args.layers}L_h{args.hidden}_level{args.sleep_level}",
+                    before=pause,  # the engine where a step's sync finds it
+                    write=run.env.rank == 0,
+                )
             # The engine slept and woke at the configured level, and was synced the same
             # weights again at every round: it must still generate what it did before.
             greedy_after = greedy_tokens()

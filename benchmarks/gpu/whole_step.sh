@@ -20,8 +20,11 @@ step moe_trainer 400 $TR1 benchmarks/trainer_bench.py --config yaml_configs/benc
   --algorithms grpo --warmup-steps 1 --steps 2 --no-plain-masked --interleave-update 8 \
   --out-json "$RES/trainer_h200_moe_$TAG.json" \
   rollout.max_response_length=64 model.max_position_embeddings=128
-step moe_reshard 120 $TR1 benchmarks/reshard_bench.py --model qwen3-moe-2b --dtype bfloat16 \
-  --bucket-mb 512 --repeats 10 --out-json "$RES/reshard_h200_qwen3-moe-2b_$TAG.json"
+# Three more calls profiled (--profile-dir): the eleventh run's ~7 ms of host time around
+# 2 048 expert copies, op by op.
+step moe_reshard 150 $TR1 benchmarks/reshard_bench.py --model qwen3-moe-2b --dtype bfloat16 \
+  --bucket-mb 512 --repeats 10 --profile-dir "$RES" \
+  --out-json "$RES/reshard_h200_qwen3-moe-2b_$TAG.json"
 
 # In-trainer vLLM vs standalone vLLM, 0.85B (issue 21: >= 0.98x median, >= 0.95x worst).
 # Eight rounds: four spread by up to 26 % (ninth run). Start-up is most of the time; the
@@ -51,11 +54,12 @@ step sync_ab_085b 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \
   --out-json "$RES/sync_ab_h200_085b_$TAG.json"
 step sync_ab_7b 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 \
   --out-json "$RES/sync_ab_h200_7b_$TAG.json" actor.offload.optimizer=true
-# rollout.sleep_level=0: the engine keeps its weights on the device while it sleeps.
-step sync_ab_085b_l0 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 --sleep-level 0 \
-  --out-json "$RES/sync_ab_h200_085b_l0_$TAG.json"
+# rollout.sleep_level=0: the engine keeps its weights on the device while it sleeps. Fifteen
+# rounds (the eleventh run's spread was 3.05-5.67x) and three syncs profiled after them.
+step sync_ab_085b_l0 180 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 15 --sleep-level 0 \
+  --profile-dir "$RES" --out-json "$RES/sync_ab_h200_085b_l0_$TAG.json"
 step sync_ab_7b_l0 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 --sleep-level 0 \
-  --out-json "$RES/sync_ab_h200_7b_l0_$TAG.json" actor.offload.optimizer=true
+  --profile-dir "$RES" --out-json "$RES/sync_ab_h200_7b_l0_$TAG.json" actor.offload.optimizer=true
 
 # The end-to-end headline (issue 21): a whole GRPO step of a 1.5B shape, vLLM rollout.
 step e2e_1.5b 420 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_1.5b.yaml \
