@@ -50,7 +50,6 @@ from rl_megatron.resharding.shards import (
     data_ptr_of,
     device_index_of,
     rows_view,
-    size_of,
     stride_of,
 )
 
@@ -354,15 +353,18 @@ _DTYPE = operator.attrgetter("dtype")
 
 
 def _geometry(ts: list[torch.Tensor]) -> tuple:
-    """Address, shape, strides, device and dtype of each of `ts`, for equality only.
+    """Address, strides, device and dtype of each of `ts`, for equality only.
 
     An MoE actor with one tensor per expert has 2k of them, checked on every sync, so this
     is one C-level pass per field. A device is its index (-1: CPU or meta; a tensor moved
-    to another device type also moves its address); dtypes are singletons.
+    to another device type also moves its address); dtypes are singletons. Shapes are not
+    read here: the agreement checks every source's and target's shape against the plan
+    before each sync (`PlanAgreement.agree`), and a shape read costs 5× the other reads
+    (`shards.size_of`). With the shape fixed, equal address and strides mean the same
+    elements.
     """
     return (
         array("Q", map(data_ptr_of, ts)),
-        list(map(size_of, ts)),
         list(map(stride_of, ts)),
         array("q", map(device_index_of, ts)),
         list(map(_DTYPE, ts)),
@@ -372,8 +374,9 @@ def _geometry(ts: list[torch.Tensor]) -> tuple:
 class KeptViews:
     """A program's `local` steps bound to one sync's tensors, kept for the next sync.
 
-    The views are reused while every tensor they view keeps its address, shape, strides,
-    dtype and device (engines may reallocate weights on wake, trainers reload offloaded
+    The views are reused while every tensor they view keeps its address, strides, dtype
+    and device, its shape being the plan's (checked before every sync by
+    the agreement; engines may reallocate weights on wake, trainers reload offloaded
     ones elsewhere): checking that costs a few attribute reads per tensor, binding afresh
     a Python loop over every op. Held by one weight sync, so the views (which keep their
     tensors' storage alive) go with it.

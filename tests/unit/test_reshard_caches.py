@@ -200,10 +200,17 @@ def test_offloaded_and_reloaded_sources(case):
     assert_bit_exact(case.sync().tensors, case.want(2), "after offload and reload")
 
 
-def test_a_non_contiguous_replacement_is_refused_not_written_through_old_views(case):
+@pytest.mark.parametrize("storage", ["new", "the same"])
+def test_a_non_contiguous_replacement_is_refused_not_written_through_old_views(case, storage):
+    """Same shape, other strides: in new memory, or over the old tensor's own elements at
+    its very address (only the strides tell the kept views are wrong)."""
     case.sync()
-    shape = case.store.tensors[QKV].shape
-    case.store.tensors[QKV] = torch.empty(shape[::-1]).t()  # same shape, other strides
+    old = case.store.tensors[QKV]
+    rows, cols = old.shape
+    if storage == "new":
+        case.store.tensors[QKV] = torch.empty(cols, rows).t()
+    else:
+        case.store.tensors[QKV] = old.as_strided((rows, cols), (1, rows))
     with pytest.raises(ValueError, match=f"dst tensor '{QKV}' is not contiguous"):
         case.sync()
     assert case.weight_sync.version is None  # the target was told the transfer failed
