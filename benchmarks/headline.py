@@ -9,7 +9,9 @@ the target AND the worst round on the right side of the worst-round bound; a num
 a spread (one timed run, not an A/B) is never met.
 
 Where rows come from: a JSON that lists `"targets"` (records made by `ab.target_record`, as
-`rollout_ab.py` writes) needs nothing more. A benchmark whose JSON says its targets some
+`rollout_ab.py` writes) needs nothing more. Control rows (no target, verdict "control")
+give the spread of the same work in both slots: `rollout_ab.py`'s `*_aa` modes, and
+`trainer_bench.py --interleave-update`'s plain loop against itself. A benchmark whose JSON says its targets some
 other way gets a function in `EXTRACTORS` under its `"benchmark"` name (`trainer_step`:
 the actor update against the plain loops that bracket it). A run's `metrics.jsonl` gives
 the row of the step after an evaluation.
@@ -30,8 +32,31 @@ Row = dict[str, Any]
 
 
 def rows_from_targets(data: dict, path: Path) -> list[Row]:
-    """The JSON's own "targets" list; its "json" field defaults to the file read."""
-    return [{k: v for k, v in t.items() if v != ""} | {"json": str(path)} for t in data["targets"]]
+    """The JSON's own "targets" list; its "json" field defaults to the file read. A
+    rollout A/B's control modes (`*_aa`: the standalone engine in both slots) follow as
+    control rows."""
+    rows = [{k: v for k, v in t.items() if v != ""} | {"json": str(path)} for t in data["targets"]]
+    for batch, modes in (data.get("batches") or {}).items():
+        for mode, ab in modes.items():
+            if mode.endswith("_aa") and ab.get("ratios"):
+                name = f"control, the standalone engine in both slots: {mode}, batch {batch}"
+                rows.append(control_row(name, ab["ratios"], json=str(path)))
+    return rows
+
+
+def control_row(name: str, ratios: list[float], **extra) -> Row:
+    """A row without a target: the same work in both slots of an A/B, whose spread is the
+    host's alone (the floor under the spread of the rows with targets)."""
+    return {
+        "name": name,
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "repeats": len(ratios),
+        "target": None,
+        "control": True,
+        **extra,
+    }
 
 
 def _row(name: str, ratios: list[float], target: float, higher_is_better: bool, **extra) -> Row:
@@ -65,7 +90,16 @@ def rows_from_trainer_step(data: dict, path: Path) -> list[Row]:
     rows = []
     for res in data.get("trainer", {}).values():  # `--interleave-update`: an A/B of its own
         if "update_vs_plain_ab" in res:
-            rows.append(res["update_vs_plain_ab"]["target"] | {"json": str(path)})
+            ab = res["update_vs_plain_ab"]
+            rows.append(ab["target"] | {"json": str(path)})
+            if "control_plain_vs_plain" in ab:
+                rows.append(
+                    control_row(
+                        "control, the plain loop in both slots (same rounds)",
+                        ab["control_plain_vs_plain"]["ratios"],
+                        json=str(path),
+                    )
+                )
     for algorithm, res in data.get("trainer", {}).items():
         steps = [s for s in res.get("timed_steps") or [] if s.get("timing_s/update_actor")]
         if not steps or not plain:
@@ -139,6 +173,8 @@ def fmt(x: float | None) -> str:
 
 
 def verdict(row: Row) -> str:
+    if row.get("control"):
+        return "— (control)"
     lo, hi = row.get("ratio_min"), row.get("ratio_max")
     if lo is None or hi is None:
         return "no (no spread: not an A/B)"
@@ -160,7 +196,11 @@ def table(rows: list[Row]) -> str:
             if r.get("ratio_min") is None
             else f"{fmt(r['ratio_min'])}–{fmt(r['ratio_max'])} ({r.get('repeats', '?')} rounds)"
         )
-        target = f"{sign} {r['target']}× (worst round {sign} {r['worst_target']}×)"
+        target = (
+            "—"
+            if r.get("control")
+            else f"{sign} {r['target']}× (worst round {sign} {r['worst_target']}×)"
+        )
         command = f"`{r['command']}`" if r.get("command") else "—"
         lines.append(
             f"| {r['name']} | {fmt(r['ratio_median'])}× | {spread} | {target} | {verdict(r)} "

@@ -45,7 +45,10 @@ for both as `trainer.manual_gc` has it. Ratio of a round = B's time ÷ A's: the 
 speed as a multiple of the plain loop's for the same optimizer steps (target ≥ 0.9×,
 worst round too; `headline.py` reads it). B's rows are the configured prompt + response
 length, A's as the rollout made them (no longer), so in a compute-bound update the ratio
-leans towards A; in a launch-bound one (an MoE without grouped GEMM) it does not.
+leans towards A; in a launch-bound one (an MoE without grouped GEMM) it does not. Then
+N more rounds of the plain loop against itself (`control_plain_vs_plain`): the same work in
+both slots, whose spread is the host's alone (the eleventh H200 run's update A/B spread
+0.77–1.17 with its median at 0.94).
 The first H200 run (RESULTS.md, 2026-11-29) patched two device-placement bugs of the
 trainer in-process; they are fixed in the trainer since, and the bench patches nothing.
 
@@ -345,15 +348,16 @@ def update_vs_plain_ab(trainer, config, args, optimizer_steps: int) -> dict:
     (update,) = kept
     loop = PlainLoop(config, trainer.info, args)
     loop.iteration()  # its warm-up: kernel selection, optimizer state
+
+    def plain():
+        return [loop.iteration() for _ in range(optimizer_steps)]
+
     try:
         with trainer_gc_policy(config.trainer.manual_gc):
-            r = interleave(
-                update,
-                lambda: [loop.iteration() for _ in range(optimizer_steps)],
-                args.interleave_update,
-                warmup=1,
-                sync=sync,
-            )
+            r = interleave(update, plain, args.interleave_update, warmup=1, sync=sync)
+            # The control: the plain loop against itself, as many rounds. The same work in
+            # both slots, so its spread is the host's, the floor under the A/B's.
+            control = interleave(plain, plain, args.interleave_update, warmup=0, sync=sync)
     finally:
         loop.close()
     m = config.model
@@ -372,10 +376,17 @@ def update_vs_plain_ab(trainer, config, args, optimizer_steps: int) -> dict:
     if dist.get_rank() == 0:
         print(
             f"update ÷ plain (interleaved, {args.interleave_update} rounds): median "
-            f"{r.ratio_median:.3f} [{r.ratio_min:.3f}, {r.ratio_max:.3f}]",
+            f"{r.ratio_median:.3f} [{r.ratio_min:.3f}, {r.ratio_max:.3f}]; control, plain ÷ "
+            f"plain: median {control.ratio_median:.3f} [{control.ratio_min:.3f}, "
+            f"{control.ratio_max:.3f}]",
             flush=True,
         )
-    return {"ab": r.as_dict(), "optimizer_steps": optimizer_steps, "target": record}
+    return {
+        "ab": r.as_dict(),
+        "control_plain_vs_plain": control.as_dict(),
+        "optimizer_steps": optimizer_steps,
+        "target": record,
+    }
 
 
 def _try_save(trainer, run) -> dict:

@@ -125,6 +125,37 @@ def test_the_interleaved_update_against_the_plain_loop_comes_first(tmp_path):
     assert note is None and rows == [target | {"json": str(tmp_path / "t.json")}]
 
 
+def test_controls_follow_their_ab_without_a_target(tmp_path):
+    """The same work in both slots: a row with its median and spread, never a verdict."""
+    target = {"name": "update ÷ plain", "ratio_median": 0.93, "ratio_min": 0.77,
+              "ratio_max": 1.17, "repeats": 3, "target": 0.9, "worst_target": 0.9,
+              "higher_is_better": True}  # fmt: skip
+    update = {"target": target, "control_plain_vs_plain": {"ratios": [1.0, 0.8, 1.3]}}
+    trainer = {"benchmark": "trainer_step", "trainer": {"grpo": {"update_vs_plain_ab": update}}}
+    rollout = json.loads(rollout_json(tmp_path).read_text())
+    rollout["batches"] = {
+        "64": {"greedy": {"ratios": [0.5]}, "greedy_aa": {"ratios": [0.9, 1.5, 1.0, 0.8]}}
+    }
+    rows = headline.load_rows(write(tmp_path / "t.json", trainer))[0]
+    rows += headline.load_rows(write(tmp_path / "r.json", rollout))[0]
+    controls = [r for r in rows if r.get("control")]
+    assert [r["name"] for r in rows if not r.get("control")] == [
+        "update ÷ plain", "greedy, batch 64", "sampled, batch 64"
+    ]  # fmt: skip
+    assert [
+        (r["ratio_median"], r["ratio_min"], r["ratio_max"], r["repeats"]) for r in controls
+    ] == [
+        (1.0, 0.8, 1.3, 3),
+        (0.95, 0.8, 1.5, 4),
+    ]
+    assert "greedy_aa, batch 64" in controls[1]["name"]
+    lines = headline.table(rows).splitlines()[2:]
+    assert [line.split(" | ")[4] for line in lines] == [
+        "**no**", "— (control)", "**yes**", "**no**", "— (control)"
+    ]  # fmt: skip
+    assert lines[1].split(" | ")[3] == "—"  # no target
+
+
 def test_the_step_after_an_evaluation_against_the_median_step(tmp_path):
     generate = [40.0, 1.0, 1.1, 1.3, 0.9, 1.0]  # step 1 captures; steps 4 and 6 follow evals
     lines = [{"step": i + 1, "timing_s/generate": t} for i, t in enumerate(generate)]
