@@ -44,29 +44,26 @@ def rows_from_targets(data: dict, path: Path) -> list[Row]:
     return rows
 
 
-def control_row(name: str, ratios: list[float], **extra) -> Row:
-    """A row without a target: the same work in both slots of an A/B, whose spread is the
-    host's alone (the floor under the spread of the rows with targets)."""
+def _spread(name: str, ratios: list[float]) -> Row:
+    """A row's name and its per-round ratios' median, min, max and count."""
     return {
         "name": name,
         "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
         "repeats": len(ratios),
-        "target": None,
-        "control": True,
-        **extra,
     }
+
+
+def control_row(name: str, ratios: list[float], **extra) -> Row:
+    """A row without a target: the same work in both slots of an A/B, whose spread is the
+    host's alone (the floor under the spread of the rows with targets)."""
+    return _spread(name, ratios) | {"target": None, "control": True, **extra}
 
 
 def _row(name: str, ratios: list[float], target: float, higher_is_better: bool, **extra) -> Row:
     """A target row from per-round ratios (worst round bound = the target)."""
-    return {
-        "name": name,
-        "ratio_median": statistics.median(ratios),
-        "ratio_min": min(ratios),
-        "ratio_max": max(ratios),
-        "repeats": len(ratios),
+    return _spread(name, ratios) | {
         "target": target,
         "worst_target": target,
         "higher_is_better": higher_is_better,
