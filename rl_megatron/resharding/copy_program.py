@@ -375,17 +375,17 @@ class KeptViews:
     """A program's `local` steps bound to one sync's tensors, kept for the next sync.
 
     The views are reused while every tensor they view keeps its address, strides, dtype
-    and device, its shape being the plan's (checked before every sync by
-    the agreement; engines may reallocate weights on wake, trainers reload offloaded
-    ones elsewhere): checking that costs a few attribute reads per tensor, binding afresh
+    and device, its shape being the plan's (the agreement checks it before every sync;
+    engines may reallocate weights on wake, trainers reload offloaded ones elsewhere):
+    checking that costs a few attribute reads per tensor, binding afresh
     a Python loop over every op. Held by one weight sync, so the views (which keep their
     tensors' storage alive) go with it.
 
     On CUDA the runs are bound block by block (`bind`'s `runs_as_blocks`): binding is paid
     once, and each block joins the one multi-tensor copy, whose launches are set by the
-    bytes (a launch per ~40 MB), not by the number of tensors. A strided run is a copy
-    kernel of its own: the 0.85B shape's 48 QKV runs were ~48 launches of a host that
-    took ~1.9 ms to issue a sync's copies of 1 ms (RESULTS.md, eleventh run). On the CPU
+    bytes (a launch per ~40 MB), not by the number of tensors, while a strided run is a
+    copy kernel of its own. The eleventh H200 run's 0.85B sync took 1.9 ms of host time to
+    issue 1 ms of copies, 48 of them strided QKV runs (RESULTS.md). On the CPU
     `_foreach_copy_` has no multi-tensor kernel (one copy per pair), so runs stay strided.
     """
 
