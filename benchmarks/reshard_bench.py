@@ -125,7 +125,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_utils import profile_calls  # noqa: E402
+from update_traces import profile_calls  # noqa: E402
 
 # Qwen3-MoE fields shared by the MoE entries of MODELS (every layer sparse, QK-norm).
 _QWEN3_MOE = dict(model_type="qwen3_moe", norm_topk_prob=True, intermediate_size=128)

@@ -27,7 +27,7 @@ status 1 otherwise).
 Also per round: the device memory in use (the driver's figure) with the engine awake and
 asleep (`device_used_gb_median`), and the sync's parts (`timing_parts_s/reshard/{wake_weights,sync}`) and its
 host pieces (`reshard/*_s`), so a miss says where the time went. `--profile-dir DIR`: three
-more syncs after the rounds, each under torch.profiler (`bench_utils.profile_calls`: the top
+more syncs after the rounds, each under torch.profiler (`update_traces.profile_calls`: the top
 ops by host time, and the last one's Chrome trace as `trace_*.json.gz`).
 
 GPU, one H200 (vLLM 0.26), 0.85B and the 7B shape (Llama-2-7B: 32 layers, h 4096):
@@ -65,8 +65,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ab import interleave, target_record  # noqa: E402
-from bench_utils import profile_calls  # noqa: E402
 from trainer_bench import environment  # noqa: E402
+from update_traces import profile_calls  # noqa: E402
 
 TARGET, WORST_TARGET = 3.0, 3.0  # issue 21: ≤ 3× the copy floor
 TINY = [

@@ -2,13 +2,15 @@
 device's idle gaps, and the call sites of its host-device syncs (torch's sync debug mode).
 
 Used by `trainer_bench.py` for one trainer step's actor-update phase and by `plain_loop.py`
-for the plain loop's iterations, so that the two compare op by op.
+for the plain loop's iterations, so that the two compare op by op; `profile_calls` by
+`sync_ab.py` and `reshard_bench.py` for a few weight syncs.
 """
 
 from __future__ import annotations
 
+import gzip
 import os
-import subprocess
+import shutil
 import traceback
 from pathlib import Path
 
@@ -17,15 +19,31 @@ import torch.distributed as dist
 from bench_utils import sync  # benchmarks/, on sys.path in the scripts
 
 
-def profiled(fn, path: Path, write: bool):
-    """`fn()` under torch.profiler; the top ops by device and by host time go to `path`."""
-    from torch.profiler import ProfilerActivity, profile
+def _activities() -> list:
+    """The host's ops, and the device's kernels where there is a GPU."""
+    from torch.profiler import ProfilerActivity
 
     activities = [ProfilerActivity.CPU]
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
+    return activities
+
+
+def _export_trace(prof, path: Path) -> str:
+    """`prof`'s Chrome trace as `path`.gz (the JSON itself is not kept)."""
+    prof.export_chrome_trace(str(path))
+    with open(path, "rb") as src, gzip.open(f"{path}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    path.unlink()
+    return f"{path}.gz"
+
+
+def profiled(fn, path: Path, write: bool):
+    """`fn()` under torch.profiler; the top ops by device and by host time go to `path`."""
+    from torch.profiler import profile
+
     sync()
-    with profile(activities=activities) as prof:
+    with profile(activities=_activities()) as prof:
         out = fn()
         sync()
     if write:
@@ -38,6 +56,36 @@ def profiled(fn, path: Path, write: bool):
             f"{events.table(sort_by='self_cpu_time_total', row_limit=40)}\n"
         )
     return out
+
+
+def profile_calls(call, count: int, out_dir: Path, stem: str, before=None, write: bool = True):
+    """`count` more calls of `call`, each under torch.profiler (`before()` runs first, outside
+    it): the top ops of each by host time, to `out_dir/<stem>.txt`, and the last call's
+    Chrome trace, to `out_dir/trace_<stem>.json.gz`. For the few-millisecond phases (a
+    weight sync) whose host time a GPU run has to explain: which ops, how many launches,
+    where the device waited. Returns the paths written (`write`: this rank writes)."""
+    from torch.profiler import profile
+
+    tables, last = [], None
+    for i in range(count):
+        if before is not None:
+            before()
+        sync()
+        with profile(activities=_activities()) as prof:
+            call()
+            sync()
+        last = prof
+        tables.append(
+            f"call {i + 1} of {count}, by self_cpu_time_total:\n"
+            + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        )
+    if not write or last is None:
+        return {}
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    text = out_dir / f"{stem}.txt"
+    text.write_text("\n\n".join(tables) + "\n")
+    return {"table": str(text), "trace": _export_trace(last, out_dir / f"trace_{stem}.json")}
 
 
 def step_with_actor_update(trainer, around) -> None:
@@ -80,10 +128,7 @@ def trace_actor_update(trainer, stem: Path) -> dict:
             sync()
         summary.update(_device_idle(prof.events()))
         if dist.get_rank() == 0:
-            trace = stem.with_suffix(".json")
-            prof.export_chrome_trace(str(trace))
-            subprocess.run(["gzip", "-f", str(trace)], check=False)
-            summary["trace"] = str(trace) + ".gz"
+            summary["trace"] = _export_trace(prof, stem.with_suffix(".json"))
         return out
 
     step_with_actor_update(trainer, traced)
