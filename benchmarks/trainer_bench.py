@@ -97,6 +97,7 @@ import torch.distributed as dist
 # benchmarks/, this script's directory, is on sys.path: its siblings import as modules.
 from ab import interleave, target_record
 from bench_utils import allocated_gb, free_memory, gib, sync, trainer_gc_policy
+from headline import UPDATE_VS_PLAIN_TARGET  # issues 8 and 19: one home for the target
 from phase_probes import GC_PAUSES, probed_phases
 from plain_loop import PlainLoop, plain_loop
 from update_traces import (
@@ -330,9 +331,6 @@ def run_trainer(
     finally:
         trainer.metrics.close()
     return result  # the trainer goes with this frame (the caller measures that)
-
-
-UPDATE_VS_PLAIN_TARGET = 0.9  # issues 8 and 19: the update ≥ 0.9× the plain loop
 
 
 def update_vs_plain_ab(trainer, config, args, optimizer_steps: int) -> dict:
