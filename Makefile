@@ -54,4 +54,4 @@ test-gpu:
 	RL_MEGATRON_TEST_DEVICE=cuda $(PYTHON) -m pytest -q -rs -p no:cacheprovider \
 		tests/multirank/test_vocab_parallel.py tests/multirank/test_cpu_compat.py \
 		tests/multirank/test_hf_parity.py tests/multirank/test_megatron_engine.py \
-		tests/multirank/test_resharding.py
+		tests/multirank/test_resharding.py tests/unit/test_reshard_caches.py

@@ -21,7 +21,10 @@ synchronize after it; the ratios use it. `wall_s` is the path's own host timer (
 RESULTS.md; on GPUs it does not wait for the last kernels). For the reshard path,
 `prepare_s`, `begin_s`, `wall_s` and `finish_s` (medians) are `WeightSync.sync`'s host time
 per phase (sources, agreement and checks; the engine's begin and its agreement; the
-transfer; the engine's finish), printed in a second table.
+transfer; the engine's finish), printed in a second table. On GPUs `graphs_vs_direct` is
+the same sync against one whose kept copies are issued directly rather than replayed as
+CUDA graphs (`WeightSync(copy_graphs=False)`), as interleaved rounds (`ab.py`; ratio of a
+round: direct ÷ graphs), in a third table.
 
 Peak extra memory (GPU). The target tensors and the actor exist before each call and are
 not counted. `device_peak_extra_bytes` is the path's own figure (CUDA allocator peak above
@@ -125,6 +128,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ab import interleave  # noqa: E402
 from update_traces import profile_calls  # noqa: E402
 
 # Qwen3-MoE fields shared by the MoE entries of MODELS (every layer sparse, QK-norm).
@@ -385,6 +389,21 @@ def run_layout(t: int, p: int, d: int, ep: int, etp: int, args, info, rank: int)
         weight_sync = WeightSync(store, info=info, training=training, bucket_mb=args.bucket_mb)
         # The tensor store and the loader ignore versions: every call is version 0.
         ours = timed(partial(weight_sync.sync, chunks, version=0), device, *_rw(args))
+        graphs_ab = None
+        if cuda:
+            # The same sync with its kept copies issued directly, not replayed as CUDA
+            # graphs, interleaved with it (ratio of a round: direct ÷ graphs).
+            direct = WeightSync(
+                store, info=info, training=training, bucket_mb=args.bucket_mb, copy_graphs=False
+            )
+            graphs_ab = interleave(
+                partial(weight_sync.sync, chunks, version=0),
+                partial(direct.sync, chunks, version=0),
+                args.repeats,
+                warmup=2,
+                sync=partial(_synchronize, device),
+            ).as_dict()
+            del direct
         profile = {}
         if args.profile_dir is not None:
             stem = f"reshard_{args.model}_{'_'.join(map(str, (t, p, d, ep, etp)))}_tg{t_g}"
@@ -440,6 +459,7 @@ def run_layout(t: int, p: int, d: int, ep: int, etp: int, args, info, rank: int)
             "hybridflow_layout_bytes_received": strided.traffic[local].received * elem,
             "target_bytes": sum(x.nbytes for x in store.tensors.values()),
             "reshard_profile": profile,
+            "graphs_vs_direct": graphs_ab,
         }
 
         # Floors. The target's own tensors serve as the per-tensor copy's source and
@@ -520,6 +540,17 @@ def table(rows: list[dict]) -> str:
         phases = "  ".join(f"{top(rs, 'reshard', k) * 1e3:7.3f}" for k in HOST_PHASES)
         e2e = top(rs, "reshard", "e2e_wall_s") * 1e3
         lines.append(f"{layout:<13}  {t_g:>3} |               {phases} | {e2e:7.3f}")
+    graphs = [(key, r["graphs_vs_direct"]) for key, rs in groups.items() for r in rs[:1]]
+    graphs = [(key, ab) for key, ab in graphs if ab]
+    if graphs:
+        head = "t,p,d[,ep,etp]  t_g | ms graphs / direct (medians, interleaved) | direct ÷ graphs"
+        lines += ["", head, "-" * len(head)]
+        for (layout, t_g), ab in graphs:
+            a, b = statistics.median(ab["a_s"]) * 1e3, statistics.median(ab["b_s"]) * 1e3
+            lines.append(
+                f"{layout:<13}  {t_g:>3} | {a:7.3f} / {b:7.3f}{'':26}| "
+                f"{ab['ratio_median']:.2f} ({ab['ratio_min']:.2f}–{ab['ratio_max']:.2f})"
+            )
     return "\n".join(lines)
 
 

@@ -32,13 +32,15 @@ Running is two steps: `bind` resolves ops to views of one sync's tensors (a `Bou
 the lists for one multi-tensor copy, the strided copies, the zero fills), `issue` launches
 them. `KeptViews` keeps the bound `local` steps across syncs while the tensors they view
 are unchanged (`CopyProgram.bases`), so a repeated sync issues its copies with almost no
-Python; `pack` and `unpack` view the arena, which is allocated per sync, and are bound on
-every sync (as are the steps of a per-parameter program, whose buffers are new each sync).
+Python, and on CUDA replays them as one captured graph a step (`graph_of`); `pack` and
+`unpack` view the arena, which is allocated per sync, and are bound on every sync (as are
+the steps of a per-parameter program, whose buffers are new each sync).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from array import array
 from collections.abc import Callable, Iterator
@@ -371,6 +373,36 @@ def _geometry(ts: list[torch.Tensor]) -> tuple:
     )
 
 
+Launch = Callable[[], None]  # issues one bound step's copies
+
+
+def graph_of(bound: Bound) -> Launch:
+    """`issue(bound)` recorded once into a CUDA graph; the result replays it.
+
+    Captured on a side stream that waits for the current one (as `torch.cuda.graph` does,
+    without its synchronize and cache flush); a replay runs on the caller's current stream,
+    after whatever it queued before. The copies allocate nothing, so the graph's memory
+    pool stays empty.
+    """
+    if not (bound.dst or bound.strided_dst or bound.zeros):
+        return _nothing  # an empty graph cannot be replayed
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            issue(bound)
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph.replay
+
+
+def _nothing() -> None:
+    pass
+
+
 class KeptViews:
     """A program's `local` steps bound to one sync's tensors, kept for the next sync.
 
@@ -384,20 +416,43 @@ class KeptViews:
     On CUDA the runs are bound block by block (`bind`'s `runs_as_blocks`): binding is paid
     once, and each block joins the one multi-tensor copy, whose launches are set by the
     bytes (a launch per ~40 MB), not by the number of tensors, while a strided run is a
-    copy kernel of its own. The eleventh H200 run's 0.85B sync took 1.9 ms of host time to
-    issue 1 ms of copies, 48 of them strided QKV runs (RESULTS.md). On the CPU
-    `_foreach_copy_` has no multi-tensor kernel (one copy per pair), so runs stay strided.
+    copy kernel of its own. On the CPU `_foreach_copy_` has no multi-tensor kernel (one
+    copy per pair), so runs stay strided.
+
+    On CUDA, too, the kept steps are issued as CUDA graphs (`graphs`): a graph fixes the
+    addresses its kernels touch, exactly what kept views already rely on, so it is valid
+    for as long as they are and is dropped with them. Launching the multi-tensor copy
+    still costs host time per tensor (its arguments are built and checked per pair):
+    the eleventh H200 run's 0.85B sync took 1.9 ms of host time to issue 1 ms of copies,
+    the 2B MoE's ~6 ms for its 2 195 tensors (RESULTS.md); a replay is one launch. A step
+    is captured on the first sync that reuses its views, so the sync that binds them (the
+    first, or one after an engine reallocated) issues them directly, which also loads the
+    kernels before any capture; views that change on every sync are never captured.
+
+    Args:
+        runs_as_blocks: bind kept runs block by block (None: on CUDA tensors only).
+        graphs: issue reused steps as CUDA graphs (None: on CUDA tensors only).
+        capture: a bound step → its launch (`graph_of`; tests stand in for it on the CPU).
     """
 
-    def __init__(self, runs_as_blocks: bool | None = None) -> None:
-        self.runs_as_blocks = runs_as_blocks  # None: on CUDA tensors only
+    def __init__(
+        self,
+        runs_as_blocks: bool | None = None,
+        graphs: bool | None = None,
+        capture: Callable[[Bound], Launch] = graph_of,
+    ) -> None:
+        self.runs_as_blocks, self.graphs, self.capture = runs_as_blocks, graphs, capture
         self.program: CopyProgram | None = None
         self.geometry: tuple = ()  # `_geometry` of the tensors `bound` views
         self.bound: list[list[Bound]] = []  # per round, per `local` step
+        self.launches: list[list[Launch]] = []  # the same, as issued: direct or replayed
+        self.captured = False  # `launches` replay captured graphs
+        self._cuda = False  # the bases are CUDA tensors
         self._names: tuple[list[str], list[str]] = ([], [])  # the program's bases: src, dst
 
-    def local(self, program: CopyProgram, tensors: Tensors) -> list[list[Bound]]:
-        """Each round's bound `local` steps: the kept ones if nothing they view moved."""
+    def local(self, program: CopyProgram, tensors: Tensors) -> list[list[Launch]]:
+        """Each round's `local` steps, ready to launch: bound afresh if anything they view
+        moved, else the kept views, replayed as graphs from their second sync on."""
         if program is not self.program:
             self._names = (
                 [name for kind, name in program.bases if kind == SRC],
@@ -408,15 +463,19 @@ class KeptViews:
         bases = list(map(tensors.sources.__getitem__, src)) + list(map(tensors.writable, dst))
         geometry = _geometry(bases)
         if program is not self.program or geometry != self.geometry:
-            blocks = self.runs_as_blocks
-            if blocks is None:
-                blocks = bool(bases) and bases[0].is_cuda
+            self._cuda = bool(bases) and bases[0].is_cuda
+            blocks = self._cuda if self.runs_as_blocks is None else self.runs_as_blocks
             self.bound = [
                 [bind(step.ops, tensors, runs_as_blocks=blocks) for step in r.local]
                 for r in program.rounds
             ]
+            self.launches = [[functools.partial(issue, b) for b in steps] for steps in self.bound]
+            self.captured = False
             self.program, self.geometry = program, geometry
-        return self.bound
+        elif not self.captured and (self._cuda if self.graphs is None else self.graphs):
+            self.launches = [list(map(self.capture, steps)) for steps in self.bound]
+            self.captured = True
+        return self.launches
 
 
 def _block_sides(op: Block, tensors: Tensors) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,6 +78,7 @@ class SyncStats:
     prepare_s: float = 0.0  # the sync's host time before: sources, agreement and checks
     begin_s: float = 0.0  # the target's begin and the ranks' agreement on it
     finish_s: float = 0.0  # the target's finish
+    copies_replayed: bool = False  # the local copies were one CUDA graph replay a step
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -123,12 +124,16 @@ def execute(
     arena = tracker.alloc(numel, dtype, device) if numel else None
     tensors = Tensors(sources, target.writable, arena)
     kept = views.local(program, tensors) if views is not None else None
+    stats.copies_replayed = views is not None and views.captured
     for i, prog in enumerate(program.rounds):
         stats.rounds += 1
         stats.bytes_local += prog.local_numel * elem
         stats.bytes_filled += prog.filled_numel * elem
         for k, step in enumerate(prog.local):
-            issue(kept[i][k] if kept is not None else bind(step.ops, tensors))
+            if kept is not None:
+                kept[i][k]()
+            else:
+                issue(bind(step.ops, tensors))
             for name in step.completed:
                 target.param_done(name)
         issue(bind(prog.pack, tensors))  # send buffers are packed before they are posted

@@ -22,9 +22,9 @@ per tensor, only that it did not — all of it state of this object, none of it 
   and check, the engine's acceptance one more, none on one rank);
 * the rank's compiled copy program, while the plan is the same;
 * the copies from the rank's own shards, bound to views of their tensors while those keep
-  their address, shape, strides, dtype and device (`copy_program.KeptViews`), with the
-  multi-tensor copy of whole tensors issued before the strided ones, so the device has
-  work while the host issues the rest.
+  their address, shape, strides, dtype and device (`copy_program.KeptViews`), and on a GPU
+  captured into a CUDA graph on the first sync that reuses them: later syncs replay it,
+  one launch instead of a multi-tensor copy's per-tensor host work.
 
 Drop the object and all of it goes with it.
 """
@@ -57,6 +57,8 @@ class WeightSync:
         bucket_mb: `rollout.weight_sync_bucket_mb`, the per-rank cap on transfer buffers.
         group: the whole world's process group (None: the default group); transfers
             name global ranks.
+        copy_graphs: issue the kept copies from the rank's own shards as CUDA graphs
+            (`copy_program.KeptViews`; None: when the tensors are on a GPU).
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class WeightSync:
         training: TrainingLayout,
         bucket_mb: float,
         group: dist.ProcessGroup | None = None,
+        copy_graphs: bool | None = None,
     ) -> None:
         self.target, self.info, self.training, self.group = target, info, training, group
         self.version: int | None = None  # training step of the last complete sync
@@ -76,7 +79,7 @@ class WeightSync:
         )
         self._program: tuple[ReshardPlan, CopyProgram] | None = None
         # Buffering targets get new buffers every sync: nothing to keep bound.
-        self._views = None if target.buffers_params else KeptViews()
+        self._views = None if target.buffers_params else KeptViews(graphs=copy_graphs)
 
     @property
     def plan(self) -> ReshardPlan | None:

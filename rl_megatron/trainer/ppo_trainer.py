@@ -357,6 +357,8 @@ class PPOTrainer:
             "reshard/begin_s": stats.begin_s,
             "reshard/issue_copies_s": stats.wall_s,
             "reshard/finish_s": stats.finish_s,
+            # 1: the copies from the rank's own shards were CUDA graph replays (copy_program)
+            "reshard/copy_graphs": float(stats.copies_replayed),
         }
 
     def _wake_kv_cache(self) -> None:

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from rl_megatron.models.conversions import padded_vocab_size
 from rl_megatron.models.hf_config import parse_hf_config
 from rl_megatron.resharding import shards
+from rl_megatron.resharding.copy_program import Bound, graph_of, issue
 from rl_megatron.resharding.layouts import TrainingLayout, generation_layout_for
 from rl_megatron.resharding.shards import ShardSpec, check_tensors, spec_shapes
 from rl_megatron.resharding.targets import TensorStoreTarget
@@ -94,10 +95,33 @@ def replace_param(chunk: torch.nn.Module, name: str, value: torch.Tensor) -> Non
     setattr(chunk.get_submodule(module_name), leaf, torch.nn.Parameter(value, requires_grad=False))
 
 
-class Case:
-    """One model's actor (training shards of HF state A), a store, its sync, references."""
+class GraphStandIn:
+    """`copy_program.graph_of` on the CPU: what a CUDA graph is to the kept views. It fixes
+    the views of the step it is given when captured (a graph, its kernels' addresses) and
+    replays exactly those, whatever the tensors are now; counts captures and replays."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self) -> None:
+        self.captures = 0
+        self.replays = 0
+
+    def __call__(self, bound: Bound):
+        self.captures += 1
+
+        def replay() -> None:
+            self.replays += 1
+            issue(bound)
+
+        return replay
+
+
+class Case:
+    """One model's actor (training shards of HF state A), a store, its sync, references.
+
+    graphs: the kept steps are issued as (stand-in) graphs from their second sync on, as on
+    CUDA; otherwise directly, as on the CPU.
+    """
+
+    def __init__(self, model: str, graphs: bool = False) -> None:
         self.info = info = (
             parse_hf_config(MOE_MODELS[model]) if model in MOE_MODELS else model_info(model)
         )
@@ -107,6 +131,7 @@ class Case:
         self.gen_vocab = shards.vllm_padded_vocab(info.vocab_size, 1)
         self.chunk = actor_holding(self.training_shards(seed=0))
         self.store = self.new_store()
+        self.graphs = GraphStandIn() if graphs else None
         self.weight_sync = self.sync_into(self.store)
 
     def training_shards(self, seed: int) -> dict[str, torch.Tensor]:
@@ -122,7 +147,10 @@ class Case:
         return cls("vllm", self.info, self.gen, 0, self.gen_vocab)
 
     def sync_into(self, store: TensorStoreTarget) -> WeightSync:
-        return WeightSync(store, info=self.info, training=self.training, bucket_mb=BUCKET_MB)
+        weight_sync = WeightSync(store, info=self.info, training=self.training, bucket_mb=BUCKET_MB)
+        if self.graphs is not None and weight_sync._views is not None:
+            weight_sync._views.graphs, weight_sync._views.capture = True, self.graphs
+        return weight_sync
 
     def sync(self, weight_sync: WeightSync | None = None, version: int = 0) -> TensorStoreTarget:
         weight_sync = weight_sync or self.weight_sync
@@ -133,9 +161,15 @@ class Case:
         return (weight_sync or self.weight_sync)._views.bound
 
 
-@pytest.fixture(params=["llama_gqa", "qwen3_padded_vocab", "qwen3_moe"])
+MODEL_NAMES = ("llama_gqa", "qwen3_padded_vocab", "qwen3_moe")
+
+
+@pytest.fixture(
+    params=[(model, graphs) for model in MODEL_NAMES for graphs in (False, True)],
+    ids=lambda p: f"{p[0]}-{'graphs' if p[1] else 'direct'}",
+)
 def case(request) -> Case:
-    return Case(request.param)
+    return Case(*request.param)
 
 
 def test_repeated_syncs_reuse_plan_program_and_views_and_see_new_values(case):
@@ -240,6 +274,90 @@ def test_a_source_of_another_shape_is_refused_on_a_repeated_sync(case):
     p.data = torch.zeros(p.shape[0] + 1, p.shape[1])
     with pytest.raises(ValueError, match=f"trainer '{SRC_QKV}' has shape"):
         case.sync()
+
+
+@pytest.mark.parametrize("model", MODEL_NAMES)
+def test_kept_steps_are_captured_on_their_second_sync_and_replayed_until_they_move(model):
+    """Bound and issued directly, then captured once and replayed; a moved target tensor is
+    bound afresh and issued directly (its old graph would write the old tensor), then
+    captured again. Every sync sees the actor's values of its time."""
+    case = Case(model, graphs=True)
+    graphs = case.graphs
+    case.sync()
+    steps = sum(len(r.local) for r in case.weight_sync._program[1].rounds)
+    assert (graphs.captures, graphs.replays) == (0, 0)
+    for seed, version in ((1, 1), (2, 2)):
+        for name, t in case.training_shards(seed=seed).items():
+            param(case.chunk, name).data.copy_(t)
+        assert_bit_exact(case.sync(version=version).tensors, case.want(seed), f"sync {version}")
+    assert (graphs.captures, graphs.replays) == (steps, 2 * steps)
+    case.store.tensors[QKV] = torch.full_like(case.store.tensors[QKV], float("nan"))
+    assert_bit_exact(case.sync().tensors, case.want(2), "after a target moved")
+    assert (graphs.captures, graphs.replays) == (steps, 2 * steps)
+    assert_bit_exact(case.sync().tensors, case.want(2), "captured again")
+    assert (graphs.captures, graphs.replays) == (2 * steps, 3 * steps)
+
+
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+
+
+@cuda_only
+def test_a_captured_graph_copies_what_its_sources_hold_when_it_is_replayed():
+    """`graph_of` for real: capturing runs nothing; each replay, queued right behind writes
+    to the sources on the current stream (no synchronisation between), copies those
+    values: the multi-tensor copy, a strided run and a zero fill alike."""
+    device = torch.device("cuda")
+    src = [torch.empty(n, device=device) for n in (1, 1000, 4096, 70_000) for _ in range(60)]
+    dst = [torch.full_like(t, float("nan")) for t in src]
+    base_src = torch.empty(8, 64, device=device)
+    base_dst = torch.full((8, 96), float("nan"), device=device)
+    run_src = base_src.as_strided((8, 32), (64, 1), 16)
+    run_dst = base_dst.as_strided((8, 32), (96, 1), 40)
+    zeros = torch.full((100,), 3.0, device=device)
+    launch = graph_of(Bound(dst, src, [run_dst], [run_src], [zeros]))
+    torch.cuda.synchronize()
+    assert all(t.isnan().all() for t in dst) and zeros.eq(3.0).all(), "capturing ran copies"
+    for value in (1.0, 2.0):
+        for t in src:
+            t.fill_(value)
+        base_src.copy_(torch.arange(base_src.numel(), device=device).view(8, 64) * value)
+        zeros.fill_(value)
+        launch()
+        torch.cuda.synchronize()
+        assert all(t.eq(value).all() for t in dst), value
+        assert torch.equal(run_dst, run_src)
+        assert base_dst[:, :40].isnan().all() and base_dst[:, 72:].isnan().all()
+        assert zeros.eq(0).all()
+
+
+@cuda_only
+@pytest.mark.parametrize("model", MODEL_NAMES)
+def test_a_sync_on_cuda_replays_graphs_and_sees_new_values(model):
+    """A weight sync between CUDA tensors: graphs from the second sync on (the default on
+    CUDA), bit-exact after each training step, and a moved target bound afresh, its old
+    tensor left alone."""
+    case = Case(model)
+    case.chunk.cuda()  # the same parameter objects, their data on the GPU
+    store = TensorStoreTarget("vllm", case.info, case.gen, 0, case.gen_vocab, device="cuda")
+    weight_sync = case.sync_into(store)
+
+    def synced(seed: int) -> dict[str, torch.Tensor]:
+        for name, t in case.training_shards(seed=seed).items():
+            param(case.chunk, name).data.copy_(t)
+        weight_sync.sync([case.chunk], seed)
+        return {name: t.cpu() for name, t in store.tensors.items()}
+
+    assert_bit_exact(synced(0), case.want(0), "first sync (direct)")
+    assert not weight_sync._views.captured
+    for seed in (1, 2):
+        assert_bit_exact(synced(seed), case.want(seed), f"sync {seed} (replayed)")
+        assert weight_sync._views.captured
+    old = store.tensors[QKV]
+    store.tensors[QKV] = torch.full_like(old, float("nan"))
+    old.fill_(7.0)
+    assert_bit_exact(synced(3), case.want(3), "after a target moved")
+    assert not weight_sync._views.captured and old.eq(7.0).all()
+    assert_bit_exact(synced(4), case.want(4), "captured again")
 
 
 def written_counts(weight_sync: WeightSync) -> dict[str, torch.Tensor]:
