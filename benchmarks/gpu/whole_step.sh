@@ -10,6 +10,10 @@ SUITE=whole_step
 source "$(dirname "$0")/common.sh"
 SHAPE_7B="--layers 32 --hidden 4096 --heads 32 --kv-heads 32 --ffn 11008 --vocab 32000"
 
+# The weight sync's CUDA graphs for real (CPU CI runs them with a stand-in): a captured
+# copy replayed behind writes to its sources, and whole syncs between CUDA tensors.
+step reshard_tests 240 python3 -m pytest -q -rs -p no:cacheprovider tests/unit/test_reshard_caches.py
+
 # MoE (issue 19): the actor update against a plain megatron-core MoE loop, and resharding
 # the experts against a device copy of the same bytes.
 # Responses of 64 (the config's 128 took ~70 s of eager MoE decode per step; the update's
@@ -20,8 +24,9 @@ step moe_trainer 400 $TR1 benchmarks/trainer_bench.py --config yaml_configs/benc
   --algorithms grpo --warmup-steps 1 --steps 2 --no-plain-masked --interleave-update 8 \
   --out-json "$RES/trainer_h200_moe_$TAG.json" \
   rollout.max_response_length=64 model.max_position_embeddings=128
-# Three more calls profiled (--profile-dir): the eleventh run's ~7 ms of host time around
-# 2 048 expert copies, op by op.
+# Three more calls profiled (--profile-dir): where the host time around 2 048 expert
+# copies goes, op by op; and the sync with its copies replayed as CUDA graphs against the
+# same sync issuing them directly, interleaved (graphs_vs_direct).
 step moe_reshard 150 $TR1 benchmarks/reshard_bench.py --model qwen3-moe-2b --dtype bfloat16 \
   --bucket-mb 512 --repeats 10 --profile-dir "$RES" \
   --out-json "$RES/reshard_h200_qwen3-moe-2b_$TAG.json"
