@@ -382,6 +382,30 @@ MUTATIONS = [
         "tests/unit/test_reshard_caches.py::test_runs_bound_block_by_block_write_the_same_elements",
     ),
     (
+        "resharding: a stacked tensor's experts concatenated in the plan's order, not slot order",
+        "rl_megatron/resharding/copy_program.py",
+        "        chain.sort(key=_DST_START)\n",
+        "\n",
+        "tests/unit/test_reshard_plan.py::"
+        "test_blocks_end_to_end_in_one_destination_become_one_concatenation",
+    ),
+    (
+        "resharding: a stacked destination's dims counted from the stack, not within a slot",
+        "rl_megatron/resharding/copy_program.py",
+        "        self.dst = {s.name: s.shape[1:] if s.stack else s.shape for s in targets}",
+        "        self.dst = {s.name: s.shape for s in targets}",
+        "tests/unit/test_reshard_caches.py::"
+        "test_moe_experts_fill_each_stacked_tensor_in_one_concatenation",
+    ),
+    (
+        "resharding: kept steps bound afresh once are never captured again",
+        "rl_megatron/resharding/copy_program.py",
+        "            self.captured = False\n",
+        "\n",
+        "tests/unit/test_reshard_caches.py::"
+        "test_kept_steps_are_captured_on_their_second_sync_and_replayed_until_they_move",
+    ),
+    (
         "vLLM engine: a level-0 sleep unmaps the weights too",
         "rl_megatron/rollout/vllm_engine.py",
         '    return [d for d in allocations if d.tag == "kv_cache"]',

@@ -9,14 +9,18 @@ once per plan and rank, into a `CopyProgram`:
 * tensors are named by role, not held: a training shard (`src`), a generation parameter
   (`dst`) or the sync's transfer arena, so the program outlives the tensors of one sync
   (the arena is allocated per sync; the engine may reallocate its parameters);
-* blocks along dim 0 of contiguous tensors are flat element ranges; those between the
-  same two tensors, of one size, whose offsets step evenly on both sides (every group's
-  q rows of a layer, say) become one strided copy (`Run`), or on CUDA, once bound and
-  kept, one contiguous view per block in the multi-tensor copy (`KeptViews`);
-* blocks along another dim (row-parallel weights split by columns) stay single
-  narrow-to-narrow copies (`Block`), a few per layer; into a parameter stacking experts
-  (vLLM's `w2_weight`) a block first selects its slot (`shards.rows_view`). Along dim 0 a
-  stacked parameter is a plain contiguous run of rows, so its blocks are flat ranges too.
+* blocks along dim 0 of contiguous tensors are flat element ranges, and so are blocks
+  along another dim that span their tensor (or a stacked tensor's slot) whole, as
+  row-parallel weights and vLLM's `w2_weight` experts do at t = t_g. Flat blocks between
+  the same two tensors, of one size, whose offsets step evenly on both sides (every
+  group's q rows of a layer, say) become one strided copy (`Run`), or on CUDA, once bound
+  and kept, one contiguous view per block in the multi-tensor copy (`KeptViews`); single
+  blocks from any tensors that fill one destination range end to end (a stacked
+  tensor's experts) become one concatenation (`Concat`, one `torch.cat`);
+* blocks along another dim that split it (row-parallel weights split by columns) stay
+  single narrow-to-narrow copies (`Block`), a few per layer; into a parameter stacking
+  experts a block first selects its slot (`shards.rows_view`). Along dim 0 a stacked
+  parameter is a plain contiguous run of rows, so its blocks are flat ranges too.
 
 A round's ops come in three parts: `local` (zero fills and copies from training shards
 into generation parameters), `pack` (send rows into the arena) and `unpack` (received rows
@@ -43,12 +47,13 @@ import dataclasses
 import functools
 import operator
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from rl_megatron.resharding.plan import Fill, Move, RankRound, ReshardPlan
 from rl_megatron.resharding.shards import (
+    ShardSpec,
     data_ptr_of,
     device_index_of,
     rows_view,
@@ -74,6 +79,16 @@ class Run:
 
 
 @dataclasses.dataclass(frozen=True)
+class Concat:
+    """Flat dst[d0 : d0 + numel] ← `pieces` end to end, each `(src, start, numel)`."""
+
+    dst: Ref
+    dst_start: int
+    pieces: tuple[tuple[Ref, int, int], ...]
+    numel: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Block:
     """Rows `[offset, +rows)` along `dim`; an arena side is a flat range of the same size."""
 
@@ -94,7 +109,7 @@ class Zero:
     rows: int
 
 
-Op = Run | Block | Zero
+Op = Run | Concat | Block | Zero
 FlatBlock = tuple[Ref, int, Ref, int, int]  # (dst, d_start, src, s_start, numel)
 
 
@@ -109,7 +124,7 @@ class Step:
 @dataclasses.dataclass
 class RoundProgram:
     local: list[Step]  # zero fills and copies from the rank's training shards
-    pack: list[Run | Block]  # send rows into the arena
+    pack: list[Run | Concat | Block]  # send rows into the arena
     unpack: list[Step]  # received rows into the generation parameters
     sends: list[tuple[int, int, int]]  # (peer, arena start, numel)
     recvs: list[tuple[int, int, int]]
@@ -135,9 +150,10 @@ def compile_program(plan: ReshardPlan, local: int, *, per_param: bool = False) -
         parameters); otherwise each round's `local` and `unpack` are one step each.
     """
     remaining = dict(plan.writes[local])
+    whole = _Whole(plan.sources[local], plan.targets[local])
     rounds = []
     for rnd in plan.rounds[local]:
-        rounds.append(_compile_round(rnd, remaining, per_param))
+        rounds.append(_compile_round(rnd, remaining, per_param, whole))
     if any(remaining.values()):
         raise AssertionError(f"local rank {local}: plan leaves parameters unfinished")
     arena_numel = max((r.staging_numel() for r in plan.rounds[local]), default=0)
@@ -146,7 +162,11 @@ def compile_program(plan: ReshardPlan, local: int, *, per_param: bool = False) -
 
 
 def _refs(op: Op) -> tuple[Ref, ...]:
-    return (op.dst,) if isinstance(op, Zero) else (op.dst, op.src)
+    if isinstance(op, Zero):
+        return (op.dst,)
+    if isinstance(op, Concat):
+        return (op.dst, *(src for src, _, _ in op.pieces))
+    return (op.dst, op.src)
 
 
 class _Steps:
@@ -177,12 +197,32 @@ class _Steps:
         return self.steps
 
 
-def _compile_round(rnd: RankRound, remaining: dict[str, int], per_param: bool) -> RoundProgram:
+class _Whole:
+    """Whether a move along a dim > 0 spans a side whole: its source tensor, or its
+    destination tensor (one slot of a stacked one). Then that side's rows are one flat
+    range, as along dim 0: at t = t_g the row-parallel weights (and vLLM's `w2_weight`
+    experts) move whole, and join the flat copies and concatenations."""
+
+    def __init__(self, sources: Sequence[ShardSpec], targets: Sequence[ShardSpec]) -> None:
+        # A stacked tensor's moves count `dim` within one slot (`shards.rows_view`).
+        self.src = {s.name: s.shape[1:] if s.stack else s.shape for s in sources}
+        self.dst = {s.name: s.shape[1:] if s.stack else s.shape for s in targets}
+
+    def src_side(self, m: Move) -> bool:
+        return m.dim == 0 or m.rows == self.src[m.src_param][m.dim]
+
+    def dst_side(self, m: Move) -> bool:
+        return m.dim == 0 or m.rows == self.dst[m.dst_param][m.dim]
+
+
+def _compile_round(
+    rnd: RankRound, remaining: dict[str, int], per_param: bool, whole: _Whole
+) -> RoundProgram:
     local = _Steps(remaining, per_param)
     for w in rnd.writes:
         if isinstance(w, Fill):
             local.ops.append(Zero((DST, w.dst_param), w.dim, w.dst_offset, w.rows))
-        elif w.dim == 0:
+        elif whole.src_side(w) and whole.dst_side(w):
             local.flat.append(((DST, w.dst_param), w.dst_offset * w.row_numel,
                                (SRC, w.src_param), w.src_offset * w.row_numel, w.numel))  # fmt: skip
         else:
@@ -190,12 +230,12 @@ def _compile_round(rnd: RankRound, remaining: dict[str, int], per_param: bool) -
                                    w.src_offset, w.dim, w.rows, w.dst_slot_rows))  # fmt: skip
         local.wrote(w.dst_param)
     flat: list[FlatBlock] = []
-    pack: list[Run | Block] = []
+    pack: list[Run | Concat | Block] = []
     used, sends, recvs = 0, [], []
     for peer, moves in rnd.sends.items():
         sends.append((peer, used, sum(m.numel for m in moves)))
         for m, pos in _positions(moves, used):
-            if m.dim == 0:
+            if whole.src_side(m):
                 flat.append(((ARENA, ""), pos, (SRC, m.src_param), m.src_offset * m.row_numel,
                              m.numel))  # fmt: skip
             else:
@@ -207,7 +247,7 @@ def _compile_round(rnd: RankRound, remaining: dict[str, int], per_param: bool) -
     for peer, moves in rnd.recvs.items():
         recvs.append((peer, used, sum(m.numel for m in moves)))
         for m, pos in _positions(moves, used):
-            if m.dim == 0:
+            if whole.dst_side(m):
                 unpack.flat.append(((DST, m.dst_param), m.dst_offset * m.row_numel,
                                     (ARENA, ""), pos, m.numel))  # fmt: skip
             else:
@@ -228,8 +268,9 @@ def _positions(moves: list[Move], start: int) -> Iterator[tuple[Move, int]]:
         pos += m.numel
 
 
-def coalesce(blocks: list[tuple[Ref, int, Ref, int, int]]) -> list[Run]:
-    """Flat blocks → runs: same tensors and size, offsets stepping evenly on both sides."""
+def coalesce(blocks: list[tuple[Ref, int, Ref, int, int]]) -> list[Run | Concat]:
+    """Flat blocks → runs (same tensors and size, offsets stepping evenly on both sides);
+    the blocks left alone that meet end to end in one destination → one `Concat`."""
     groups: dict[tuple[Ref, Ref, int], list[tuple[int, int]]] = {}
     for dst, d_start, src, s_start, numel in blocks:
         groups.setdefault((dst, src, numel), []).append((d_start, s_start))
@@ -237,7 +278,44 @@ def coalesce(blocks: list[tuple[Ref, int, Ref, int, int]]) -> list[Run]:
     for (dst, src, numel), starts in groups.items():
         for (d0, s0), count, d_step, s_step in even_runs(sorted(starts), numel):
             runs.append(Run(dst, d0, d_step, src, s0, s_step, count, numel))
-    return runs
+    return concatenated(runs)
+
+
+def concatenated(runs: list[Run]) -> list[Run | Concat]:
+    """Single-block runs that fill one destination's range end to end, from any sources,
+    joined into one `Concat` (one `torch.cat` into the range); other runs unchanged.
+
+    An MoE actor without grouped GEMM holds one tensor per expert, and vLLM stacks a
+    layer's experts in one tensor: 64 blocks end to end, each from a tensor of its own. As
+    one multi-tensor copy they ran at 1.5 TB/s on an H200 (launches of at most 320 blocks
+    of 64k elements); a concatenation per stacked tensor runs at a flat copy's 2 TB/s
+    (twelfth run, RESULTS.md), and is one call where the copies were 64.
+    """
+    out: list[Run | Concat] = []
+    singles: dict[Ref, list[Run]] = {}
+    for run in runs:
+        if run.count == 1:
+            singles.setdefault(run.dst, []).append(run)
+        else:
+            out.append(run)
+    for chain in singles.values():
+        chain.sort(key=_DST_START)
+        start = 0
+        for i in range(1, len(chain) + 1):
+            if i == len(chain) or chain[i - 1].dst_start + chain[i - 1].numel != chain[i].dst_start:
+                out.append(_joined(chain[start:i]))
+                start = i
+    return out
+
+
+_DST_START = operator.attrgetter("dst_start")
+
+
+def _joined(chain: list[Run]) -> Run | Concat:
+    if len(chain) == 1:
+        return chain[0]
+    pieces = tuple((r.src, r.src_start, r.numel) for r in chain)
+    return Concat(chain[0].dst, chain[0].dst_start, pieces, sum(r.numel for r in chain))
 
 
 def even_runs(starts: list[tuple[int, int]], numel: int):
@@ -300,6 +378,13 @@ class Bound:
     strided_dst: list[torch.Tensor]  # runs of several blocks: one strided view a side
     strided_src: list[torch.Tensor]
     zeros: list[torch.Tensor]
+    concats: list[tuple[torch.Tensor, list[torch.Tensor]]] = dataclasses.field(
+        default_factory=list
+    )  # (a destination range, the pieces that fill it end to end): one `torch.cat` each
+
+    def outs(self) -> list[torch.Tensor]:
+        """The concatenations' destination ranges."""
+        return [out for out, _ in self.concats]
 
 
 def bind(ops: list[Op], tensors: Tensors, *, runs_as_blocks: bool = False) -> Bound:
@@ -310,7 +395,11 @@ def bind(ops: list[Op], tensors: Tensors, *, runs_as_blocks: bool = False) -> Bo
     """
     bound = Bound([], [], [], [], [])
     for op in ops:
-        if isinstance(op, Run):
+        if isinstance(op, Concat):
+            d = tensors.flat(op.dst)
+            pieces = [tensors.flat(src)[s0 : s0 + n] for src, s0, n in op.pieces]
+            bound.concats.append((d[op.dst_start : op.dst_start + op.numel], pieces))
+        elif isinstance(op, Run):
             d, s = tensors.flat(op.dst), tensors.flat(op.src)
             if op.count == 1 or runs_as_blocks:
                 for i in range(op.count):
@@ -334,12 +423,15 @@ def bind(ops: list[Op], tensors: Tensors, *, runs_as_blocks: bool = False) -> Bo
 
 def issue(bound: Bound) -> None:
     """Launch `bound`'s copies: the multi-tensor copy first, as it holds the whole tensors
-    (embeddings, MLP weights), so the device is busy while the host issues the rest. The
-    strided runs (three per layer's QKV, unless bound block by block) go in one call too:
-    not the multi-tensor kernel (their views are not contiguous), but one loop in C++
-    rather than one Python call each."""
+    (embeddings, MLP weights), so the device is busy while the host issues the rest; then
+    the concatenations (a stacked tensor's experts, one call each). The strided runs
+    (three per layer's QKV, unless bound block by block) go in one call too: not the
+    multi-tensor kernel (their views are not contiguous), but one loop in C++ rather than
+    one Python call each."""
     if bound.dst:
         torch._foreach_copy_(bound.dst, bound.src)
+    for out, pieces in bound.concats:
+        torch.cat(pieces, out=out)
     if bound.strided_dst:
         torch._foreach_copy_(bound.strided_dst, bound.strided_src)
     if bound.zeros:
@@ -384,7 +476,7 @@ def graph_of(bound: Bound) -> Launch:
     after whatever it queued before. The copies allocate nothing, so the graph's memory
     pool stays empty.
     """
-    if not (bound.dst or bound.strided_dst or bound.zeros):
+    if not (bound.dst or bound.concats or bound.strided_dst or bound.zeros):
         return _nothing  # an empty graph cannot be replayed
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()

@@ -121,9 +121,11 @@ class Case:
     CUDA; otherwise directly, as on the CPU.
     """
 
-    def __init__(self, model: str, graphs: bool = False) -> None:
+    def __init__(self, model: str, graphs: bool = False, **moe_overrides) -> None:
         self.info = info = (
-            parse_hf_config(MOE_MODELS[model]) if model in MOE_MODELS else model_info(model)
+            parse_hf_config({**MOE_MODELS[model], **moe_overrides})
+            if model in MOE_MODELS
+            else model_info(model)
         )
         self.training = TrainingLayout(1, 1, 1)
         self.gen = generation_layout_for(self.training, 1)
@@ -368,7 +370,7 @@ def written_counts(weight_sync: WeightSync) -> dict[str, torch.Tensor]:
     counts = {name: torch.zeros(t.numel(), dtype=torch.int64) for name, t in target.items()}
     for steps in weight_sync._views.bound:
         for bound in steps:
-            for view in [*bound.dst, *bound.strided_dst, *bound.zeros]:
+            for view in [*bound.dst, *bound.strided_dst, *bound.zeros, *bound.outs()]:
                 name = by_address[view.untyped_storage().data_ptr()]
                 base = target[name]
                 offset = view.storage_offset() - base.storage_offset()
@@ -411,14 +413,16 @@ def test_runs_bound_block_by_block_write_the_same_elements(case, runs_as_blocks)
     assert torch.equal(case.sync().tensors[QKV], case.want(0)[QKV] + 1.0)
 
 
-def test_moe_experts_join_the_multi_tensor_copy():
-    """One copy per expert tensor (Megatron's fc1 into its `w13_weight` slot, fc2 into its
-    `w2_weight` slot), all in the one multi-tensor copy, none issued alone."""
-    case = Case("qwen3_moe")
+@pytest.mark.parametrize("expert_width", [64, 48])  # 48: not the hidden size (64)
+def test_moe_experts_fill_each_stacked_tensor_in_one_concatenation(expert_width):
+    """Megatron's fc1 of every expert into its layer's `w13_weight`, fc2 into `w2_weight`
+    (a move along dim 1 of each slot, whole at t = t_g): one `torch.cat` of the layer's
+    experts, in slot order, into the whole stacked tensor; no expert copied alone."""
+    case = Case("qwen3_moe", moe_intermediate_size=expert_width)
     assert_bit_exact(case.sync().tensors, case.want(0), "qwen3_moe")
     ((bound,),) = case.kept_views()  # one round, one step
     stacked = {
-        t.untyped_storage().data_ptr()
+        t.untyped_storage().data_ptr(): t
         for name, t in case.store.tensors.items()
         if name.endswith(("w13_weight", "w2_weight"))
     }
@@ -426,8 +430,14 @@ def test_moe_experts_join_the_multi_tensor_copy():
     def into_experts(views):
         return sum(v.untyped_storage().data_ptr() in stacked for v in views)
 
-    assert into_experts(bound.dst) == 2 * case.info.num_layers * case.info.num_experts
-    assert into_experts(bound.strided_dst) == 0
+    assert into_experts(bound.dst) == into_experts(bound.strided_dst) == 0
+    assert len(bound.concats) == len(stacked) == 2 * case.info.num_layers
+    experts = case.info.num_experts
+    for out, pieces in bound.concats:
+        whole = stacked[out.untyped_storage().data_ptr()]
+        assert out.data_ptr() == whole.data_ptr() and out.numel() == whole.numel()
+        assert len(pieces) == experts
+        assert all(p.numel() == whole.numel() // experts for p in pieces)
 
 
 def test_check_tensors_fast_path_and_messages():

@@ -384,3 +384,39 @@ def test_coalesced_copies_equal_one_copy_per_block():
     assert torch.equal(arena[7:12], src.view(-1)[11:16]) and arena[:7].eq(0).all()
     assert col[:, 1:3].eq(1).all() and col[:, [0, 3]].eq(0).all()
     assert w2[1:3].eq(0).all() and w2[[0, 3]].eq(1).all()
+
+
+def test_blocks_end_to_end_in_one_destination_become_one_concatenation():
+    """Single blocks from different tensors that meet end to end in one destination (a
+    stacked tensor's experts) are one `Concat`, in destination order whatever order the
+    plan lists them in; a block after a gap stays a copy of its own. Either way the
+    elements land where block-by-block copies would put them."""
+    from rl_megatron.resharding.copy_program import (
+        DST,
+        SRC,
+        Concat,
+        Run,
+        Tensors,
+        coalesce,
+        run_ops,
+    )
+
+    gen = torch.Generator().manual_seed(1)
+    srcs = {f"e{i}": torch.randn(8, generator=gen) for i in range(4)}
+    # (dst start, source, source start, numel): [0, 6) ← e0[0:6], [6, 10) ← e1[2:6],
+    # [10, 16) ← e2[1:7], a gap, [18, 24) ← e3[0:6]; listed out of order.
+    pieces = [(10, "e2", 1, 6), (18, "e3", 0, 6), (0, "e0", 0, 6), (6, "e1", 2, 4)]
+    ops = coalesce([((DST, "w"), d0, (SRC, name), s0, n) for d0, name, s0, n in pieces])
+    (concat,) = [op for op in ops if isinstance(op, Concat)]
+    assert concat.dst_start == 0 and concat.numel == 16
+    assert concat.pieces == (((SRC, "e0"), 0, 6), ((SRC, "e1"), 2, 4), ((SRC, "e2"), 1, 6))
+    assert [op for op in ops if not isinstance(op, Concat)] == [
+        Run((DST, "w"), 18, 6, (SRC, "e3"), 0, 6, 1, 6)
+    ]
+    got = torch.full((24,), float("nan"))
+    run_ops(ops, Tensors(srcs, {"w": got}.__getitem__, None))
+    expected = torch.full((24,), float("nan"))
+    for d0, name, s0, n in pieces:
+        expected[d0 : d0 + n] = srcs[name][s0 : s0 + n]
+    assert torch.equal(got[:16], expected[:16]) and torch.equal(got[18:], expected[18:])
+    assert got[16:18].isnan().all()
