@@ -368,7 +368,7 @@ MUTATIONS = [
     ),
     (
         "resharding: the kept views' check ignores strides (a same-address view rebound)",
-        "rl_megatron/resharding/copy_program.py",
+        "rl_megatron/resharding/tensor_facts.py",
         "        list(map(stride_of, ts)),",
         "        [],",
         "tests/unit/test_reshard_caches.py::"
@@ -380,6 +380,13 @@ MUTATIONS = [
         "d0, s0 = op.dst_start + i * op.dst_step, op.src_start + i * op.src_step",
         "d0, s0 = op.dst_start + i * op.dst_step, op.src_start + i * op.dst_step",
         "tests/unit/test_reshard_caches.py::test_runs_bound_block_by_block_write_the_same_elements",
+    ),
+    (
+        "resharding: a source gone from the actor passes the one-list shape check",
+        "rl_megatron/resharding/tensor_facts.py",
+        "            same_set = len(shapes) == len(self.want) and None not in shapes",
+        "            same_set = None not in shapes",
+        "tests/unit/test_reshard_caches.py::test_a_source_gone_is_refused_on_a_repeated_sync",
     ),
     (
         "resharding: a stacked tensor's experts concatenated in the plan's order, not slot order",

@@ -18,8 +18,9 @@ to agree on and no collective. The checks themselves run on every sync, not only
 something looks changed: for 99 tensors they cost ~0.1 ms of host time, about what a
 fingerprint of their inputs would, and they stay right whatever changed (an engine's
 weights reloaded, a trainer's parameters replaced). For the 2k parameters of an MoE actor
-holding one tensor per expert they are kept to C-level passes over the tensors, against
-the shapes of the plan's specs computed once per plan.
+holding one tensor per expert they are one list comparison: the shapes read once per
+sync (`tensor_facts.TensorFacts`, shared with the copy views' check) against the plan's,
+listed in the same order once per plan and source table (`ShapesInOrder`).
 
 A `PlanAgreement` belongs to one weight sync (`weight_sync.py`): it keeps the last agreed
 values (what each rank guesses) and the plan built for them, which later syncs reuse as
@@ -28,7 +29,6 @@ long as the agreed inputs do not change.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping
 
 import torch
@@ -39,9 +39,9 @@ from rl_megatron.resharding.layouts import TrainingLayout
 from rl_megatron.resharding.plan import PlanKey, ReshardPlan, build_plan
 from rl_megatron.resharding.shards import check_tensors, spec_shapes
 from rl_megatron.resharding.targets import ReshardTarget
+from rl_megatron.resharding.tensor_facts import ShapesInOrder, TensorFacts
 
 MIB = 1 << 20  # the unit of `rollout.weight_sync_bucket_mb`
-_DTYPE = operator.attrgetter("dtype")
 
 
 def all_max(values: list[int], group: dist.ProcessGroup | None) -> list[int]:
@@ -107,8 +107,9 @@ class PlanAgreement:
         self.agreed = [0, 0, 0]
         self.plan: ReshardPlan | None = None  # the plan of the last key asked for
         # (plan, local rank, name → shape of the rank's training shards, of its target
-        # shards): both sides are checked against them every sync, built once per plan.
-        self._shapes: tuple[ReshardPlan, int, dict, dict] | None = None
+        # shards, the former in the sources' order): both sides are checked against them
+        # every sync, built once per plan.
+        self._shapes: tuple[ReshardPlan, int, dict, dict, ShapesInOrder] | None = None
 
     def _key(self, values: list[int]) -> PlanKey:
         return PlanKey(
@@ -123,7 +124,7 @@ class PlanAgreement:
         )
 
     def _checked(
-        self, key: PlanKey, rank: int, sources: Mapping[str, torch.Tensor]
+        self, key: PlanKey, rank: int, sources: Mapping[str, torch.Tensor], facts: TensorFacts
     ) -> tuple[ReshardPlan | None, list[str]]:
         """The plan of `key` and this rank's problems with it (trainer's side, then target's)."""
         if self.plan is None or self.plan.key != key:
@@ -136,20 +137,26 @@ class PlanAgreement:
         kept = self._shapes
         if kept is None or kept[0] is not plan or kept[1] != local:
             sides = (spec_shapes(plan.sources[local]), spec_shapes(plan.targets[local]))
-            kept = self._shapes = (plan, local, *sides)
-        problems = check_tensors(kept[2], sources, "trainer")
+            kept = self._shapes = (plan, local, *sides, ShapesInOrder(sides[0]))
+        # The common case, every shape the plan's, is one list comparison; otherwise the
+        # full check says what differs.
+        problems = [] if kept[4].match(facts) else check_tensors(kept[2], sources, "trainer")
         return plan, problems + self.target.check(kept[3], self.info)
 
-    def agree(self, sources: Mapping[str, torch.Tensor]) -> ReshardPlan:
+    def agree(
+        self, sources: Mapping[str, torch.Tensor], facts: TensorFacts | None = None
+    ) -> ReshardPlan:
         """Agree on the plan's inputs, build it (or keep the last), check both sides against it.
 
         sources: this rank's training parameters by name (`sources.py`).
+        facts: `TensorFacts.of(sources)`, if the caller has read them (None: read here).
         Collective over `group` (one all-reduce when the guesses hold, two otherwise, none
         for one rank); raises on every rank, before anything is written, when the
         trainer's parameters, the target's parameters or the configs disagree with the plan.
         """
         rank = dist.get_rank()
-        dtypes = set(map(_DTYPE, sources.values()))
+        facts = facts if facts is not None else TensorFacts.of(sources)
+        dtypes = set(facts.dtypes)
         own = []  # problems found before any plan
         if len(dtypes) > 1:
             own.append(f"training parameters mix dtypes {sorted(map(str, dtypes))}")
@@ -158,7 +165,7 @@ class PlanAgreement:
         # The engine's vocabulary is never guessed: every rank must report one, and equal.
         guess = [mine[0] or self.agreed[0], mine[1], mine[2] or self.agreed[2]]
 
-        plan, checked = (None, []) if own else self._checked(self._key(guess), rank, sources)
+        plan, checked = (None, []) if own else self._checked(self._key(guess), rank, sources, facts)
         reduced = all_max(
             [*mine, -mine[1], *guess, *(-g for g in guess), 1 if own or checked else 0],
             self.group,
@@ -183,7 +190,7 @@ class PlanAgreement:
         if elem and elem != high[2]:
             problems.append(f"training dtype has {elem}-byte elements, another rank {high[2]}")
         if not problems and guess != high:
-            plan, checked = self._checked(self._key(high), rank, sources)
+            plan, checked = self._checked(self._key(high), rank, sources, facts)
         raise_together(problems or checked, rank, self.group)
         assert plan is not None
         return plan

@@ -46,19 +46,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import operator
-from array import array
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
 from rl_megatron.resharding.plan import Fill, Move, RankRound, ReshardPlan
-from rl_megatron.resharding.shards import (
-    ShardSpec,
-    data_ptr_of,
-    device_index_of,
-    rows_view,
-    stride_of,
-)
+from rl_megatron.resharding.shards import ShardSpec, rows_view
+from rl_megatron.resharding.tensor_facts import TensorFacts, placement_of
 
 SRC, DST, ARENA = "src", "dst", "arena"
 Ref = tuple[str, str]  # (SRC | DST | ARENA, parameter name; "" for the arena)
@@ -443,28 +437,6 @@ def run_ops(ops: list[Op], tensors: Tensors) -> None:
     issue(bind(ops, tensors))
 
 
-_DTYPE = operator.attrgetter("dtype")
-
-
-def _geometry(ts: list[torch.Tensor]) -> tuple:
-    """Address, strides, device and dtype of each of `ts`, for equality only.
-
-    An MoE actor with one tensor per expert has 2k of them, checked on every sync, so this
-    is one C-level pass per field. A device is its index (-1: CPU or meta; a tensor moved
-    to another device type also moves its address); dtypes are singletons. Shapes are not
-    read here: the agreement checks every source's and target's shape against the plan
-    before each sync (`PlanAgreement.agree`), and a shape read costs 5× the other reads
-    (`shards.size_of`). With the shape fixed, equal address and strides mean the same
-    elements.
-    """
-    return (
-        array("Q", map(data_ptr_of, ts)),
-        list(map(stride_of, ts)),
-        array("q", map(device_index_of, ts)),
-        list(map(_DTYPE, ts)),
-    )
-
-
 Launch = Callable[[], None]  # issues one bound step's copies
 
 
@@ -535,27 +507,30 @@ class KeptViews:
     ) -> None:
         self.runs_as_blocks, self.graphs, self.capture = runs_as_blocks, graphs, capture
         self.program: CopyProgram | None = None
-        self.geometry: tuple = ()  # `_geometry` of the tensors `bound` views
+        self.geometry: tuple = ()  # the placement of the tensors `bound` views
         self.bound: list[list[Bound]] = []  # per round, per `local` step
         self.launches: list[list[Launch]] = []  # the same, as issued: direct or replayed
         self.captured = False  # `launches` replay captured graphs
         self._cuda = False  # the bases are CUDA tensors
-        self._names: tuple[list[str], list[str]] = ([], [])  # the program's bases: src, dst
+        self._targets: list[str] = []  # the generation parameters the program's steps view
 
-    def local(self, program: CopyProgram, tensors: Tensors) -> list[list[Launch]]:
+    def local(
+        self, program: CopyProgram, tensors: Tensors, source_facts: TensorFacts
+    ) -> list[list[Launch]]:
         """Each round's `local` steps, ready to launch: bound afresh if anything they view
-        moved, else the kept views, replayed as graphs from their second sync on."""
+        moved, else the kept views, replayed as graphs from their second sync on.
+
+        source_facts: `TensorFacts.of(tensors.sources)`, read once for the sync (every
+            source counts, not only those the steps view: one changed elsewhere rebinds).
+        """
         if program is not self.program:
-            self._names = (
-                [name for kind, name in program.bases if kind == SRC],
-                [name for kind, name in program.bases if kind == DST],
-            )
-        src, dst = self._names
+            self._targets = [name for kind, name in program.bases if kind == DST]
         # Every destination is asked for on every sync (targets record what they hand out).
-        bases = list(map(tensors.sources.__getitem__, src)) + list(map(tensors.writable, dst))
-        geometry = _geometry(bases)
+        targets = list(map(tensors.writable, self._targets))
+        geometry = (source_facts.names, source_facts.placement, placement_of(targets))
         if program is not self.program or geometry != self.geometry:
-            self._cuda = bool(bases) and bases[0].is_cuda
+            first = targets[0] if targets else next(iter(tensors.sources.values()), None)
+            self._cuda = first is not None and first.is_cuda
             blocks = self._cuda if self.runs_as_blocks is None else self.runs_as_blocks
             self.bound = [
                 [bind(step.ops, tensors, runs_as_blocks=blocks) for step in r.local]

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from rl_megatron.resharding.copy_program import CopyProgram, KeptViews, Tensors, bind, issue
 from rl_megatron.resharding.plan import ReshardPlan
 from rl_megatron.resharding.targets import ReshardTarget
+from rl_megatron.resharding.tensor_facts import TensorFacts
 
 
 class StagingTracker:
@@ -93,6 +94,7 @@ def execute(
     target: ReshardTarget,
     *,
     views: KeptViews | None = None,
+    source_facts: TensorFacts | None = None,
     group: dist.ProcessGroup | None = None,
     tracker: StagingTracker | None = None,
 ) -> SyncStats:
@@ -104,6 +106,7 @@ def execute(
         target: where this rank's generation shards go.
         views: the `local` steps kept bound between syncs (None: bind them now, as for a
             per-parameter program, whose targets hand out new buffers every sync).
+        source_facts: `TensorFacts.of(sources)` if already read this sync (None: read here).
         group: process group for the point-to-point transfers (ranks are global ranks).
         tracker: counts live transfer buffers (a fresh one by default).
     """
@@ -123,7 +126,10 @@ def execute(
     numel = program.arena_numel
     arena = tracker.alloc(numel, dtype, device) if numel else None
     tensors = Tensors(sources, target.writable, arena)
-    kept = views.local(program, tensors) if views is not None else None
+    kept = None
+    if views is not None:
+        facts = source_facts if source_facts is not None else TensorFacts.of(sources)
+        kept = views.local(program, tensors, facts)
     stats.copies_replayed = views is not None and views.captured
     for i, prog in enumerate(program.rounds):
         stats.rounds += 1

@@ -14,7 +14,9 @@ finishes the update and records `version`.
 
 Fixed cost. Until the first copy is issued the device idles, so host work per sync adds
 to every sync whatever its size. A repeated sync keeps what did not change and checks,
-per tensor, only that it did not — all of it state of this object, none of it global:
+per tensor, only that it did not, reading each parameter's shape and placement once
+(`tensor_facts.TensorFacts`) for every check — all of it state of this object, none of it
+global:
 
 * the actor's name → parameter table, while each parameter is the same object
   (`sources.SourceTable`);
@@ -45,6 +47,7 @@ from rl_megatron.resharding.layouts import TrainingLayout
 from rl_megatron.resharding.plan import ReshardPlan
 from rl_megatron.resharding.sources import SourceTable
 from rl_megatron.resharding.targets import ReshardTarget
+from rl_megatron.resharding.tensor_facts import TensorFacts
 
 
 class WeightSync:
@@ -99,7 +102,8 @@ class WeightSync:
         rank = dist.get_rank()
         t0 = time.perf_counter()
         sources = self._sources(model_chunks)
-        plan = self._agreement.agree(sources)
+        facts = TensorFacts.of(sources)  # read once, checked by the agreement and the views
+        plan = self._agreement.agree(sources, facts)
         program = self._program_of(plan, rank)
         t1 = time.perf_counter()
         self._begin(version, rank)
@@ -107,7 +111,14 @@ class WeightSync:
         t2 = time.perf_counter()
         try:
             stats = execute(
-                plan, program, rank, sources, self.target, views=self._views, group=self.group
+                plan,
+                program,
+                rank,
+                sources,
+                self.target,
+                views=self._views,
+                source_facts=facts,
+                group=self.group,
             )
         except BaseException as exc:
             self.target.abort(f"transfer failed: {exc}")

@@ -29,6 +29,7 @@ from rl_megatron.resharding.copy_program import Bound, graph_of, issue
 from rl_megatron.resharding.layouts import TrainingLayout, generation_layout_for
 from rl_megatron.resharding.shards import ShardSpec, check_tensors, spec_shapes
 from rl_megatron.resharding.targets import TensorStoreTarget
+from rl_megatron.resharding.tensor_facts import ShapesInOrder, TensorFacts
 from rl_megatron.resharding.weight_sync import WeightSync
 from tests.reshard_refs import (
     MODELS,
@@ -360,6 +361,35 @@ def test_a_sync_on_cuda_replays_graphs_and_sees_new_values(model):
     assert_bit_exact(synced(3), case.want(3), "after a target moved")
     assert not weight_sync._views.captured and old.eq(7.0).all()
     assert_bit_exact(synced(4), case.want(4), "captured again")
+
+
+def test_a_source_gone_is_refused_on_a_repeated_sync(case):
+    """A parameter dropped from the actor after a sync: the one-list shape check sees a
+    name short and the full check names it, before anything is written."""
+    case.sync()
+    module_name, _, leaf = SRC_QKV.rpartition(".")
+    del case.chunk.get_submodule(module_name)._parameters[leaf]
+    with pytest.raises(ValueError, match=f"trainer lacks parameter '{SRC_QKV}'"):
+        case.sync()
+
+
+def test_shapes_in_order_match_any_order_and_nothing_else():
+    """`ShapesInOrder`: the plan's names in any order with its shapes match; a shape off,
+    a name missing, a name added, or the same count with one name swapped do not; the
+    order it keeps follows the names it is shown."""
+    want = {"a": (2, 3), "b": (4,), "c": (1, 5)}
+    shapes = ShapesInOrder(want)
+
+    def facts(**tensors: tuple[int, ...]) -> TensorFacts:
+        return TensorFacts.of({name: torch.empty(shape) for name, shape in tensors.items()})
+
+    assert shapes.match(facts(a=(2, 3), b=(4,), c=(1, 5)))
+    assert shapes.match(facts(c=(1, 5), a=(2, 3), b=(4,)))  # another order
+    assert not shapes.match(facts(c=(1, 5), a=(3, 2), b=(4,)))  # a shape off
+    assert not shapes.match(facts(a=(2, 3), b=(4,)))  # c missing
+    assert not shapes.match(facts(a=(2, 3), b=(4,), c=(1, 5), d=(1,)))  # d added
+    assert not shapes.match(facts(a=(2, 3), b=(4,), d=(1, 5)))  # c swapped for d
+    assert shapes.match(facts(a=(2, 3), b=(4,), c=(1, 5)))
 
 
 def written_counts(weight_sync: WeightSync) -> dict[str, torch.Tensor]:

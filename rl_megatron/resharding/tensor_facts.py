@@ -1,0 +1,84 @@
+"""What a weight sync reads of each tensor: read once per sync, compared whole.
+
+    facts = TensorFacts.of(sources)          # the trainer's parameters, once per sync
+    facts.shapes == plan_shapes_in_order     # the agreement's check (`agreement.py`)
+    facts.placement == kept.placement        # the kept copy views' (`copy_program.KeptViews`)
+
+A repeated sync checks every training parameter twice: its shape against the plan, and its
+address, strides, dtype and device against what the kept copy views were bound to. For the
+2 163 parameters of an MoE actor holding one tensor per expert, each read is a pass over
+the tensors that cost 0.2–0.5 ms on an H200 host (twelfth GPU run, where a sync's host
+checks took longer than its copies), and the two checks used to make their own passes
+and dictionary lookups. Here each field is read once, in one C-level pass (`map`), in the
+mapping's order; the checks compare lists whole against lists they keep in that order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from array import array
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from rl_megatron.resharding.shards import data_ptr_of, device_index_of, size_of, stride_of
+
+_DTYPE = operator.attrgetter("dtype")
+
+
+def placement_of(ts: Sequence[torch.Tensor]) -> tuple:
+    """Address, strides, device and dtype of each of `ts`, for equality only.
+
+    A device is its index (-1: CPU or meta; a tensor moved to another device type also
+    moves its address); dtypes are singletons. With the shape fixed (the agreement checks
+    it against the plan on every sync), equal address and strides mean the same elements.
+    """
+    return (
+        array("Q", map(data_ptr_of, ts)),
+        list(map(stride_of, ts)),
+        array("q", map(device_index_of, ts)),
+        list(map(_DTYPE, ts)),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorFacts:
+    """Names, shapes and placement of a mapping's tensors, in its order."""
+
+    names: tuple[str, ...]
+    shapes: list[torch.Size]
+    placement: tuple  # `placement_of` the tensors
+
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> TensorFacts:
+        values = list(tensors.values())
+        return cls(tuple(tensors), list(map(size_of, values)), placement_of(values))
+
+    @property
+    def dtypes(self) -> list[torch.dtype]:
+        return self.placement[3]
+
+
+class ShapesInOrder:
+    """The plan's shapes listed in the order of the last names asked for, kept while the
+    plan's shapes and the names are the same (a kept source table's are, sync after sync).
+
+    Args:
+        want: name → shape, the plan's shard specs of one side (`shards.spec_shapes`).
+    """
+
+    def __init__(self, want: Mapping[str, tuple[int, ...]]) -> None:
+        self.want = want
+        self._names: tuple[str, ...] | None = None
+        self._shapes: list[tuple[int, ...]] | None = None
+
+    def match(self, facts: TensorFacts) -> bool:
+        """Whether `facts` hold exactly the plan's names, each with the plan's shape."""
+        if facts.names != self._names:
+            self._names = facts.names
+            shapes = list(map(self.want.get, facts.names))
+            # Names are a mapping's keys, so distinct: as many, all known, is the same set.
+            same_set = len(shapes) == len(self.want) and None not in shapes
+            self._shapes = shapes if same_set else None
+        return self._shapes is not None and facts.shapes == self._shapes  # Size == tuple
