@@ -382,6 +382,13 @@ MUTATIONS = [
         "tests/unit/test_reshard_caches.py::test_runs_bound_block_by_block_write_the_same_elements",
     ),
     (
+        "resharding: the last sync's facts reused without the C++ check (a reshaped source)",
+        "rl_megatron/resharding/tensor_facts.py",
+        "            and previous.unchanged.check(*values)\n",
+        "\n",
+        "tests/unit/test_reshard_caches.py::test_a_source_viewed_anew_at_its_address_is_refused",
+    ),
+    (
         "resharding: a source gone from the actor passes the one-list shape check",
         "rl_megatron/resharding/tensor_facts.py",
         "            same_set = len(shapes) == len(self.want) and None not in shapes",

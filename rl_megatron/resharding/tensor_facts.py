@@ -11,6 +11,13 @@ the tensors that cost 0.2–0.5 ms on an H200 host (twelfth GPU run, where a syn
 checks took longer than its copies), and the two checks used to make their own passes
 and dictionary lookups. Here each field is read once, in one C-level pass (`map`), in the
 mapping's order; the checks compare lists whole against lists they keep in that order.
+
+A sync after one whose facts are known reads only the addresses, then asks a C++ check
+whether every tensor kept its shape, strides, dtype, device (and Python type and
+`requires_grad`): torch's own `TensorGuards`, the check TorchDynamo built for its guards.
+When nothing changed the last facts are reused as they are; otherwise (or where torch
+has no such check) every field is read again. Dev CPU, 2 163 tensors: 0.13 ms against
+0.74 ms for reading them all.
 """
 
 from __future__ import annotations
@@ -19,12 +26,29 @@ import dataclasses
 import operator
 from array import array
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
 from rl_megatron.resharding.shards import data_ptr_of, device_index_of, size_of, stride_of
 
+try:  # private to torch: without it every sync reads every field
+    from torch._C._dynamo.guards import TensorGuards as _TensorGuards
+except ImportError:  # pragma: no cover - torch builds without dynamo
+    _TensorGuards = None
+
 _DTYPE = operator.attrgetter("dtype")
+
+
+def unchanged_check(ts: Sequence[torch.Tensor]) -> Any | None:
+    """A C++ check that `ts` keep their shapes, strides, dtypes, devices, Python types and
+    `requires_grad` (`check(*ts)` → bool), or None where torch has none to offer."""
+    if _TensorGuards is None:
+        return None
+    try:
+        return _TensorGuards(*ts, dynamic_dims_sizes=None, dynamic_dims_strides=None)
+    except (TypeError, RuntimeError):  # another torch's signature
+        return None
 
 
 def placement_of(ts: Sequence[torch.Tensor]) -> tuple:
@@ -49,11 +73,26 @@ class TensorFacts:
     names: tuple[str, ...]
     shapes: list[torch.Size]
     placement: tuple  # `placement_of` the tensors
+    unchanged: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @classmethod
-    def of(cls, tensors: Mapping[str, torch.Tensor]) -> TensorFacts:
-        values = list(tensors.values())
-        return cls(tuple(tensors), list(map(size_of, values)), placement_of(values))
+    def of(
+        cls, tensors: Mapping[str, torch.Tensor], previous: TensorFacts | None = None
+    ) -> TensorFacts:
+        """The facts of `tensors`: `previous` itself if they still hold (same names and
+        addresses, and its C++ check passes), else read afresh."""
+        names, values = tuple(tensors), tuple(tensors.values())
+        addresses = array("Q", map(data_ptr_of, values))
+        if (
+            previous is not None
+            and previous.unchanged is not None
+            and previous.names == names
+            and previous.placement[0] == addresses
+            and previous.unchanged.check(*values)
+        ):
+            return previous
+        placement = (addresses, *placement_of(values)[1:])
+        return cls(names, list(map(size_of, values)), placement, unchanged_check(values))
 
     @property
     def dtypes(self) -> list[torch.dtype]:
@@ -72,13 +111,19 @@ class ShapesInOrder:
         self.want = want
         self._names: tuple[str, ...] | None = None
         self._shapes: list[tuple[int, ...]] | None = None
+        self._matched: TensorFacts | None = None  # facts reused unchanged match again
 
     def match(self, facts: TensorFacts) -> bool:
         """Whether `facts` hold exactly the plan's names, each with the plan's shape."""
+        if facts is self._matched:
+            return True
         if facts.names != self._names:
             self._names = facts.names
             shapes = list(map(self.want.get, facts.names))
             # Names are a mapping's keys, so distinct: as many, all known, is the same set.
             same_set = len(shapes) == len(self.want) and None not in shapes
             self._shapes = shapes if same_set else None
-        return self._shapes is not None and facts.shapes == self._shapes  # Size == tuple
+        if self._shapes is not None and facts.shapes == self._shapes:  # Size == tuple
+            self._matched = facts
+            return True
+        return False

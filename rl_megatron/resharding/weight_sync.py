@@ -81,6 +81,7 @@ class WeightSync:
             target, info=info, training=training, bucket_mb=bucket_mb, group=group
         )
         self._program: tuple[ReshardPlan, CopyProgram] | None = None
+        self._facts: TensorFacts | None = None  # of the actor's parameters, last sync
         # Buffering targets get new buffers every sync: nothing to keep bound.
         self._views = None if target.buffers_params else KeptViews(graphs=copy_graphs)
 
@@ -102,7 +103,9 @@ class WeightSync:
         rank = dist.get_rank()
         t0 = time.perf_counter()
         sources = self._sources(model_chunks)
-        facts = TensorFacts.of(sources)  # read once, checked by the agreement and the views
+        # Read once (or the last sync's, if a C++ check says they hold), for the agreement
+        # and the kept views alike.
+        facts = self._facts = TensorFacts.of(sources, self._facts)
         plan = self._agreement.agree(sources, facts)
         program = self._program_of(plan, rank)
         t1 = time.perf_counter()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from rl_megatron.models.conversions import padded_vocab_size
 from rl_megatron.models.hf_config import parse_hf_config
-from rl_megatron.resharding import shards
+from rl_megatron.resharding import shards, tensor_facts
 from rl_megatron.resharding.copy_program import Bound, graph_of, issue
 from rl_megatron.resharding.layouts import TrainingLayout, generation_layout_for
 from rl_megatron.resharding.shards import ShardSpec, check_tensors, spec_shapes
@@ -371,6 +371,47 @@ def test_a_source_gone_is_refused_on_a_repeated_sync(case):
     del case.chunk.get_submodule(module_name)._parameters[leaf]
     with pytest.raises(ValueError, match=f"trainer lacks parameter '{SRC_QKV}'"):
         case.sync()
+
+
+@pytest.mark.parametrize("cpp_check", [True, False], ids=["cpp-check", "read-all"])
+def test_a_source_viewed_anew_at_its_address_is_refused(case, cpp_check, monkeypatch):
+    """`param.data` replaced by a view of its own elements with the rows and columns
+    swapped: same address, so only the shape tells. The C++ check sees it (the facts are
+    read afresh), and so does reading every field where torch offers no such check."""
+    if not cpp_check:
+        monkeypatch.setattr(tensor_facts, "_TensorGuards", None)
+    case.sync()
+    case.sync()  # the facts of the first sync reused
+    p = param(case.chunk, SRC_QKV)
+    rows, cols = p.shape
+    p.data = p.data.view(cols, rows)
+    with pytest.raises(ValueError, match=f"trainer '{SRC_QKV}' has shape"):
+        case.sync()
+
+
+def test_tensor_facts_are_reused_while_nothing_changed():
+    """`TensorFacts.of(tensors, previous)` is `previous` while names, addresses, shapes,
+    strides, dtypes, devices and `requires_grad` hold; read afresh when one changes."""
+    tensors = {"a": torch.zeros(2, 3), "b": torch.zeros(4)}
+    first = TensorFacts.of(tensors)
+    assert first.unchanged is not None  # this torch offers the C++ check
+    assert TensorFacts.of(tensors, first) is first
+    changes = {
+        "shape at the same address": lambda t: {**t, "a": t["a"].view(3, 2)},
+        "strides at the same address": lambda t: {**t, "a": t["a"].as_strided((2, 3), (1, 2))},
+        "address": lambda t: {**t, "b": torch.zeros(4)},
+        "dtype": lambda t: {**t, "b": t["b"].view(torch.int32)},
+        "requires_grad": lambda t: {**t, "b": t["b"].requires_grad_()},
+        "order": lambda t: {"b": t["b"], "a": t["a"]},
+        "a name, the tensors the same": lambda t: {"a": t["a"], "c": t["b"]},
+    }
+    for what, change in changes.items():
+        tensors = {"a": torch.zeros(2, 3), "b": torch.zeros(4)}
+        first = TensorFacts.of(tensors)
+        changed = change(tensors)
+        after = TensorFacts.of(changed, first)
+        assert after is not first, what
+        assert after == TensorFacts.of(changed), what
 
 
 def test_shapes_in_order_match_any_order_and_nothing_else():
