@@ -3,7 +3,7 @@
 # interleaved A/B (benchmarks/ab.py). Needs megatron-core, and vLLM for every step but the
 # moe_* ones without it. Run a subset with STEPS="glob ..." (common.sh); results in
 # $OUT/whole_step.tgz.
-#   STEPS="moe_*" bash benchmarks/gpu/whole_step.sh            # no vLLM needed
+#   STEPS="moe_* reshard_*" bash benchmarks/gpu/whole_step.sh  # no vLLM needed
 #   STEPS="rollout_ab_085b" bash benchmarks/gpu/whole_step.sh
 #   STEPS="sync_ab_* e2e_*" bash benchmarks/gpu/whole_step.sh
 SUITE=whole_step
@@ -30,6 +30,11 @@ step moe_trainer 400 $TR1 benchmarks/trainer_bench.py --config yaml_configs/benc
 step moe_reshard 150 $TR1 benchmarks/reshard_bench.py --model qwen3-moe-2b --dtype bfloat16 \
   --bucket-mb 512 --repeats 10 --profile-dir "$RES" \
   --out-json "$RES/reshard_h200_qwen3-moe-2b_$TAG.json"
+
+# The same for a dense shape (Llama-3.2-1B's, into a plain tensor store: no vLLM needed):
+# what the CUDA graphs do where the copies are few and large.
+step reshard_1b 120 $TR1 benchmarks/reshard_bench.py --model llama-1b --dtype bfloat16 \
+  --bucket-mb 512 --repeats 10 --rollout-tp 1 --out-json "$RES/reshard_h200_llama-1b_$TAG.json"
 
 # In-trainer vLLM vs standalone vLLM, 0.85B (issue 21: >= 0.98x median, >= 0.95x worst).
 # Eight rounds: four spread by up to 26 % (ninth run). Start-up is most of the time; the
