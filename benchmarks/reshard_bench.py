@@ -45,7 +45,9 @@ max over ranks, times this rank's median):
   the same for the bytes the full gather receives.
 
 The row's floor `floor.s` is the all-gather of the reshard bytes when any rank receives
-data, else the flat copy (one GPU; or t_g = t, p = 1). Each path reports `ratio_to_floor`
+data, else the flat copy (one GPU; or t_g = t, p = 1). On one rank the reshard call and
+the flat copy are also timed as interleaved rounds (`ab.py`: copy, sync / sync, copy, …;
+`floor.sync_vs_copy`, a round's ratio sync ÷ copy), the form issue 19's ≤ 3× is judged in. Each path reports `ratio_to_floor`
 (its e2e time over that floor: the same floor for both paths) and `ratio_to_own_floor` (over
 the floor of the bytes that path itself moves), and GB/s (`recv_GBps`: bytes received,
 `write_GBps`: generation bytes written, per second).
@@ -277,11 +279,15 @@ def _rate(nbytes: int, seconds: float) -> float | None:
 # ---------------------------------------------------------------------- floors
 
 
-def copy_floors(tensors: dict, target_bytes: int, dtype, device, args) -> dict:
+def copy_floors(
+    tensors: dict, target_bytes: int, dtype, device, args, sync: Callable[[], object] | None = None
+) -> dict:
     """Device copies of the generation bytes: one flat copy, per tensor, one foreach.
 
     `tensors`: name → (src, dst) pairs of this rank's target shapes (written over).
     `target_bytes`: the flat copy's size (the max over ranks, so every rank copies alike).
+    `sync`: the reshard call, timed in interleaved rounds against the flat copy
+        (`sync_vs_copy`; where the row's floor is the copy: one rank).
     """
     elem = torch.tensor([], dtype=dtype).element_size()
     src, dst = zip(*tensors.values(), strict=True) if tensors else ((), ())
@@ -296,8 +302,15 @@ def copy_floors(tensors: dict, target_bytes: int, dtype, device, args) -> dict:
     }
     flat_src = torch.empty(target_bytes // elem, dtype=dtype, device=device)
     flat_dst = torch.empty_like(flat_src)
-    out["copy_s"] = _median(timed(partial(flat_dst.copy_, flat_src), device, *_rw(args)))
+    copy = partial(flat_dst.copy_, flat_src)
+    out["copy_s"] = _median(timed(copy, device, *_rw(args)))
     out["copy_GBps"] = _rate(target_bytes, out["copy_s"])
+    if sync is not None:
+        # The ratio as issue 19 states it, as interleaved rounds (ab.py): A the copy, B the
+        # sync, so a round's ratio is sync ÷ copy.
+        out["sync_vs_copy"] = interleave(
+            copy, sync, args.repeats, warmup=args.warmup, sync=partial(_synchronize, device)
+        ).as_dict()
     del flat_src, flat_dst
     return out
 
@@ -472,7 +485,9 @@ def run_layout(t: int, p: int, d: int, ep: int, etp: int, args, info, rank: int)
         )  # fmt: skip
         pairs = {n: (store.tensors[n], baseline_store.tensors[n]) for n in store.tensors}
         del baseline_store
-        floor = {"target_bytes": target_max, **copy_floors(pairs, target_max, dtype, device, args)}
+        against = partial(weight_sync.sync, chunks, version=0) if world == 1 else None
+        floors = copy_floors(pairs, target_max, dtype, device, args, sync=against)
+        floor = {"target_bytes": target_max, **floors}
         del pairs
         for key, nbytes in (("allgather", ours_recv), ("allgather_full_gather", theirs_recv)):
             measured = allgather_floor(nbytes, dtype, device, args) if world > 1 and nbytes else {}
@@ -540,6 +555,16 @@ def table(rows: list[dict]) -> str:
         phases = "  ".join(f"{top(rs, 'reshard', k) * 1e3:7.3f}" for k in HOST_PHASES)
         e2e = top(rs, "reshard", "e2e_wall_s") * 1e3
         lines.append(f"{layout:<13}  {t_g:>3} |               {phases} | {e2e:7.3f}")
+    paired = [(key, r["floor"].get("sync_vs_copy")) for key, rs in groups.items() for r in rs[:1]]
+    paired = [(key, ab) for key, ab in paired if ab]
+    if paired:
+        head = "t,p,d[,ep,etp]  t_g | reshard ÷ flat copy, interleaved rounds: median (min–max)"
+        lines += ["", head, "-" * len(head)]
+        for (layout, t_g), ab in paired:
+            lines.append(
+                f"{layout:<13}  {t_g:>3} | {ab['ratio_median']:.2f} "
+                f"({ab['ratio_min']:.2f}–{ab['ratio_max']:.2f}), {ab['repeats']} rounds"
+            )
     graphs = [(key, r["graphs_vs_direct"]) for key, rs in groups.items() for r in rs[:1]]
     graphs = [(key, ab) for key, ab in graphs if ab]
     if graphs:
