@@ -1,0 +1,99 @@
+"""Ways to copy an MoE actor's per-expert tensors into vLLM's stacked ones, on one GPU.
+
+Megatron without grouped GEMM holds one tensor per expert (fc1 [2·Fe, h], fc2 [h, Fe]);
+vLLM stacks a layer's experts (`w13_weight [E, 2·Fe, h]`, `w2_weight [E, h, Fe]`). This
+times, for bench_h200_moe.yaml's shape (16 layers, 64 experts, h 1024, Fe 512, bf16), the
+same bytes copied:
+
+* `flat`: one copy of a flat buffer of that size (the floor `reshard_bench.py` uses);
+* `foreach`: one `torch._foreach_copy_` of the 2 048 expert pairs (multi-tensor launches
+  of at most 320 blocks of 64k elements);
+* `cat`: one `torch.cat(experts, out=stacked)` per stacked tensor (32 calls);
+* `per_tensor`: 2 048 `copy_` calls;
+
+each issued directly and replayed from a CUDA graph (`*_graph`), in rounds (every way once
+a round), the median of the rounds after three warm-ups. What `copy_program.Concat` is
+built on (RESULTS.md, twelfth GPU run).
+
+    python3 benchmarks/stacked_copy_bench.py [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+
+def graphed(fn):
+    """`fn` captured into a CUDA graph (after one direct call); the result replays it."""
+    fn()
+    torch.cuda.synchronize()
+    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        fn()
+        graph.capture_end()
+    torch.cuda.current_stream().wait_stream(side)
+    return graph.replay
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int, default=15)
+    args = parser.parse_args()
+    layers, experts, hidden, ffn = 16, 64, 1024, 512
+    dev, bf16 = "cuda", torch.bfloat16
+    fc1 = [[torch.randn(2 * ffn, hidden, device=dev, dtype=bf16) for _ in range(experts)]
+           for _ in range(layers)]  # fmt: skip
+    fc2 = [[torch.randn(hidden, ffn, device=dev, dtype=bf16) for _ in range(experts)]
+           for _ in range(layers)]  # fmt: skip
+    w13 = [torch.empty(experts, 2 * ffn, hidden, device=dev, dtype=bf16) for _ in range(layers)]
+    w2 = [torch.empty(experts, hidden, ffn, device=dev, dtype=bf16) for _ in range(layers)]
+    nbytes = sum(t.nbytes for t in w13 + w2)
+    flat_src = torch.empty(nbytes // 2, device=dev, dtype=bf16)
+    flat_dst = torch.empty_like(flat_src)
+    dst = [w[e] for i in range(layers) for w in (w13[i], w2[i]) for e in range(experts)]
+    src = [t for i in range(layers) for t in fc1[i] + fc2[i]]
+    outs = [w.view(-1) for w in w13 + w2]
+    pieces = [[t.view(-1) for t in group] for group in fc1 + fc2]
+
+    def cat() -> None:
+        for out, ins in zip(outs, pieces, strict=True):
+            torch.cat(ins, out=out)
+
+    def per_tensor() -> None:
+        for d, s in zip(dst, src, strict=True):
+            d.copy_(s)
+
+    ways = {
+        "flat": lambda: flat_dst.copy_(flat_src),
+        "foreach": lambda: torch._foreach_copy_(dst, src),
+        "cat": cat,
+        "per_tensor": per_tensor,
+    }
+    ways |= {f"{name}_graph": graphed(fn) for name, fn in list(ways.items())}
+    times: dict[str, list[float]] = {name: [] for name in ways}
+    for _ in range(args.rounds):
+        for name, fn in ways.items():
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    exact = all(
+        torch.equal(w13[i][e], fc1[i][e]) and torch.equal(w2[i][e], fc2[i][e])
+        for i in range(layers)
+        for e in range(experts)
+    )
+    print(f"{nbytes / 1e9:.2f} GB, experts equal after the copies: {exact}")
+    for name, ts in times.items():
+        median = statistics.median(ts[3:])
+        print(f"{name:18s} {median * 1e3:7.3f} ms  {nbytes / median / 1e12:5.2f} TB/s")
+
+
+if __name__ == "__main__":
+    main()
