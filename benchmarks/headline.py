@@ -13,7 +13,8 @@ Where rows come from: a JSON that lists `"targets"` (records made by `ab.target_
 give the spread of the same work in both slots: `rollout_ab.py`'s `*_aa` modes, and
 `trainer_bench.py --interleave-update`'s plain loop against itself. A benchmark whose JSON says its targets some
 other way gets a function in `EXTRACTORS` under its `"benchmark"` name (`trainer_step`:
-the actor update against the plain loops that bracket it). A run's `metrics.jsonl` gives
+the actor update against the plain loops that bracket it; `reshard`: the sync against the
+flat copy). A run's `metrics.jsonl` gives
 the row of the step after an evaluation.
 """
 
@@ -145,9 +146,37 @@ def rows_from_metrics(lines: list[dict], path: Path) -> list[Row]:
     ]
 
 
+# Issues 19 and 21: a weight sync within 3× of a device copy of the same bytes.
+SYNC_VS_COPY_TARGET = 3.0
+
+
+def rows_from_reshard(data: dict, path: Path) -> list[Row]:
+    """reshard_bench.py: per (layout, t_g) row timed against the flat copy as interleaved
+    rounds (`floor.sync_vs_copy`, one rank), the sync ÷ the copy of each round."""
+    rows = []
+    for r in data.get("rows", []):
+        ab = r.get("floor", {}).get("sync_vs_copy")
+        if not ab:
+            continue
+        gb = r["target_bytes"] / 1e9
+        layout = ",".join(str(r[k]) for k in ("t", "p", "d", "ep", "etp"))
+        rows.append(
+            _row(
+                f"weight sync ÷ device copy, {data.get('model')} ({gb:.2f} GB), "
+                f"layout {layout} → t_g {r['t_g']}",
+                ab["ratios"],
+                SYNC_VS_COPY_TARGET,
+                False,
+                json=str(path),
+            )
+        )
+    return rows
+
+
 # benchmark name → rows; benchmarks that write "targets" need no entry.
 EXTRACTORS: dict[str, Callable[[dict, Path], list[Row]]] = {
     "trainer_step": rows_from_trainer_step,
+    "reshard": rows_from_reshard,
 }
 
 
@@ -159,7 +188,8 @@ def load_rows(path: Path) -> tuple[list[Row], str | None]:
     data = json.loads(path.read_text())
     name = data.get("benchmark", "?")
     if name in EXTRACTORS:
-        return EXTRACTORS[name](data, path), None
+        rows = EXTRACTORS[name](data, path)
+        return rows, None if rows else f"{path}: no row of {name!r} has a target"
     if "targets" in data:
         return rows_from_targets(data, path), None
     return [], f"{path}: benchmark {name!r} lists no targets (see EXTRACTORS in headline.py)"

@@ -81,12 +81,14 @@ def test_at_most_targets_and_rows_without_spread():
 
 
 def test_files_without_targets_are_noted_and_extractors_are_used(tmp_path, monkeypatch, capsys):
-    plain = write(tmp_path / "reshard.json", {"benchmark": "reshard", "rows": []})
+    plain = write(tmp_path / "convert.json", {"benchmark": "convert", "rows": []})
     assert headline.load_rows(plain)[0] == []
     assert "lists no targets" in headline.load_rows(plain)[1]
+    empty = write(tmp_path / "reshard.json", {"benchmark": "reshard", "rows": [{"floor": {}}]})
+    assert headline.load_rows(empty) == ([], f"{empty}: no row of 'reshard' has a target")
     row = {"name": "from hook", "ratio_median": 1.0, "ratio_min": 1.0, "ratio_max": 1.0,
            "target": 0.98, "worst_target": 0.95, "json": "x"}  # fmt: skip
-    monkeypatch.setitem(headline.EXTRACTORS, "reshard", lambda data, path: [row])
+    monkeypatch.setitem(headline.EXTRACTORS, "convert", lambda data, path: [row])
     assert headline.main([str(plain), str(rollout_json(tmp_path))]) == 0
     out = capsys.readouterr().out
     assert len(out.splitlines()) == 5  # header, rule, the hook's row, two rollout rows
@@ -167,3 +169,25 @@ def test_the_step_after_an_evaluation_against_the_median_step(tmp_path):
     assert (row["ratio_min"], row["ratio_max"]) == (1.0, 1.3)
     assert row["target"] == 1.1 and not row["higher_is_better"]
     assert "**no**" in headline.table([row])
+
+
+def test_the_sync_against_the_copy_from_reshard_bench(tmp_path):
+    """reshard_bench.py's interleaved rounds (copy in A, sync in B): a round's ratio is
+    sync ÷ copy, lower is better, met when the median and the worst round are ≤ 3×; a row
+    without the rounds (several ranks: the floor is an all-gather) gives none."""
+    ab = ABResult(a_s=[1.0, 2.0, 1.0], b_s=[2.0, 5.0, 3.5], a_first=[True, False, True])
+    row = {"t": 1, "p": 1, "d": 1, "ep": 1, "etp": 1, "t_g": 1, "target_bytes": 3.9e9}
+    data = {
+        "benchmark": "reshard",
+        "model": "qwen3-moe-2b",
+        "rows": [row | {"floor": {"sync_vs_copy": ab.as_dict()}}, row | {"floor": {}}],
+    }
+    (got,), note = headline.load_rows(write(tmp_path / "r.json", data))
+    assert note is None and "qwen3-moe-2b (3.90 GB), layout 1,1,1,1,1 → t_g 1" in got["name"]
+    assert (got["ratio_median"], got["ratio_min"], got["ratio_max"]) == (2.5, 2.0, 3.5)
+    assert got["target"] == 3.0 and not got["higher_is_better"]
+    assert headline.verdict(got) == "**no**"  # the worst round, 3.5×, is over 3×
+    ab.b_s[2] = 2.9
+    (got,), _ = headline.load_rows(write(tmp_path / "r.json", data | {"rows": [
+        row | {"floor": {"sync_vs_copy": ab.as_dict()}}]}))  # fmt: skip
+    assert headline.verdict(got) == "**yes**"
