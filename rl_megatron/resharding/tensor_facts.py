@@ -16,8 +16,9 @@ A sync after one whose facts are known reads only the addresses, then asks a C++
 whether every tensor kept its shape, strides, dtype, device (and Python type and
 `requires_grad`): torch's own `TensorGuards`, the check TorchDynamo built for its guards.
 When nothing changed the last facts are reused as they are; otherwise (or where torch
-has no such check) every field is read again. Dev CPU, 2 163 tensors: 0.13 ms against
-0.74 ms for reading them all.
+has no such check, or the mapping holds one tensor twice) every field is read again. Dev
+CPU, 2 163 tensors: 0.13 ms against 0.74 ms for reading them all; on the H200 host the MoE
+sync's checks before its first copy went from 3.6 to 1.1–1.8 ms (twelfth run).
 """
 
 from __future__ import annotations
