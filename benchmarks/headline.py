@@ -11,11 +11,11 @@ a spread (one timed run, not an A/B) is never met.
 Where rows come from: a JSON that lists `"targets"` (records made by `ab.target_record`, as
 `rollout_ab.py` writes) needs nothing more. Control rows (no target, verdict "control")
 give the spread of the same work in both slots: `rollout_ab.py`'s `*_aa` modes, and
-`trainer_bench.py --interleave-update`'s plain loop against itself. A benchmark whose JSON says its targets some
-other way gets a function in `EXTRACTORS` under its `"benchmark"` name (`trainer_step`:
-the actor update against the plain loops that bracket it; `reshard`: the sync against the
-flat copy). A run's `metrics.jsonl` gives
-the row of the step after an evaluation.
+`trainer_bench.py --interleave-update`'s plain loop against itself. A benchmark whose JSON
+says its targets some other way gets a function in `EXTRACTORS` under its `"benchmark"`
+name (`trainer_step`: the actor update against the plain loops that bracket it;
+`reshard`: the sync against the flat copy). A run's `metrics.jsonl` gives the row of the
+step after an evaluation.
 """
 
 from __future__ import annotations

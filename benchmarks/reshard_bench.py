@@ -47,10 +47,11 @@ max over ranks, times this rank's median):
 The row's floor `floor.s` is the all-gather of the reshard bytes when any rank receives
 data, else the flat copy (one GPU; or t_g = t, p = 1). On one rank the reshard call and
 the flat copy are also timed as interleaved rounds (`ab.py`: copy, sync / sync, copy, …;
-`floor.sync_vs_copy`, a round's ratio sync ÷ copy), the form issue 19's ≤ 3× is judged in. Each path reports `ratio_to_floor`
-(its e2e time over that floor: the same floor for both paths) and `ratio_to_own_floor` (over
-the floor of the bytes that path itself moves), and GB/s (`recv_GBps`: bytes received,
-`write_GBps`: generation bytes written, per second).
+`floor.sync_vs_copy`, a round's ratio sync ÷ copy), the form issue 19's ≤ 3× is judged
+in. Each path reports `ratio_to_floor` (its e2e time over that floor: the same floor for
+both paths) and `ratio_to_own_floor` (over the floor of the bytes that path itself
+moves), and GB/s (`recv_GBps`: bytes received, `write_GBps`: generation bytes written, per
+second).
 
 Host overhead per sync, on a CPU: `--model llama-1b-tiny` has Llama-3.2-1B's tensors
 (99 in vLLM's layout: 16 layers, 8 query groups of 4 heads) at tiny sizes, so the copies

@@ -26,19 +26,15 @@ import time
 
 import torch
 
+from rl_megatron.resharding.copy_program import captured
+
 
 def graphed(fn):
-    """`fn` captured into a CUDA graph (after one direct call); the result replays it."""
+    """`fn` captured into a CUDA graph after one direct call (loading its kernels), as the
+    weight sync's kept copies are (`copy_program.captured`); the result replays it."""
     fn()
     torch.cuda.synchronize()
-    graph, side = torch.cuda.CUDAGraph(), torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        graph.capture_begin(capture_error_mode="thread_local")
-        fn()
-        graph.capture_end()
-    torch.cuda.current_stream().wait_stream(side)
-    return graph.replay
+    return captured(fn)
 
 
 def main() -> None:

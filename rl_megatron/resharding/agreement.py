@@ -156,7 +156,7 @@ class PlanAgreement:
         """
         rank = dist.get_rank()
         facts = facts if facts is not None else TensorFacts.of(sources)
-        dtypes = set(facts.dtypes)
+        dtypes = facts.dtypes
         own = []  # problems found before any plan
         if len(dtypes) > 1:
             own.append(f"training parameters mix dtypes {sorted(map(str, dtypes))}")

@@ -440,27 +440,33 @@ def run_ops(ops: list[Op], tensors: Tensors) -> None:
 Launch = Callable[[], None]  # issues one bound step's copies
 
 
-def graph_of(bound: Bound) -> Launch:
-    """`issue(bound)` recorded once into a CUDA graph; the result replays it.
+def captured(fn: Callable[[], object]) -> Launch:
+    """`fn()`'s kernels recorded once into a CUDA graph (nothing runs); the result replays
+    them.
 
     Captured on a side stream that waits for the current one (as `torch.cuda.graph` does,
     without its synchronize and cache flush); a replay runs on the caller's current stream,
-    after whatever it queued before. The copies allocate nothing, so the graph's memory
-    pool stays empty.
+    after whatever it queued before. Kernels not yet loaded must have run once before.
     """
-    if not (bound.dst or bound.concats or bound.strided_dst or bound.zeros):
-        return _nothing  # an empty graph cannot be replayed
     graph = torch.cuda.CUDAGraph()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         graph.capture_begin(capture_error_mode="thread_local")
         try:
-            issue(bound)
+            fn()
         finally:
             graph.capture_end()
     torch.cuda.current_stream().wait_stream(side)
     return graph.replay
+
+
+def graph_of(bound: Bound) -> Launch:
+    """`issue(bound)` as a captured CUDA graph (`captured`). The copies allocate nothing,
+    so the graph's memory pool stays empty."""
+    if not (bound.dst or bound.concats or bound.strided_dst or bound.zeros):
+        return _nothing  # an empty graph cannot be replayed
+    return captured(functools.partial(issue, bound))
 
 
 def _nothing() -> None:

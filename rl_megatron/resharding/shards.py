@@ -439,7 +439,7 @@ def vllm_padded_vocab(vocab_size: int, tp: int) -> int:
 # `torch.Tensor`, a `Parameter`'s size costs ~0.8 µs (the subclass's Python-level
 # dispatch), through its C base less; the values are the same. A size is still the dearest
 # read (~0.3 µs: it builds a `torch.Size`; a stride tuple or an address ~0.04–0.07 µs,
-# development CPU), so it is read once per tensor and sync, by the shape check.
+# development CPU), so it is read once per tensor and sync at most (`tensor_facts`).
 _BASE = torch._C.TensorBase
 size_of, data_ptr_of, stride_of, device_index_of = (
     _BASE.size,

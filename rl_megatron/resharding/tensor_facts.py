@@ -24,6 +24,7 @@ sync's checks before its first copy went from 3.6 to 1.1–1.8 ms (twelfth run).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from array import array
 from collections.abc import Mapping, Sequence
@@ -52,15 +53,16 @@ def unchanged_check(ts: Sequence[torch.Tensor]) -> Any | None:
         return None
 
 
-def placement_of(ts: Sequence[torch.Tensor]) -> tuple:
-    """Address, strides, device and dtype of each of `ts`, for equality only.
+def placement_of(ts: Sequence[torch.Tensor], addresses: array | None = None) -> tuple:
+    """Address, strides, device and dtype of each of `ts`, for equality only
+    (`addresses`: theirs, if already read).
 
     A device is its index (-1: CPU or meta; a tensor moved to another device type also
     moves its address); dtypes are singletons. With the shape fixed (the agreement checks
     it against the plan on every sync), equal address and strides mean the same elements.
     """
     return (
-        array("Q", map(data_ptr_of, ts)),
+        array("Q", map(data_ptr_of, ts)) if addresses is None else addresses,
         list(map(stride_of, ts)),
         array("q", map(device_index_of, ts)),
         list(map(_DTYPE, ts)),
@@ -92,12 +94,13 @@ class TensorFacts:
             and previous.unchanged.check(*values)
         ):
             return previous
-        placement = (addresses, *placement_of(values)[1:])
+        placement = placement_of(values, addresses)
         return cls(names, list(map(size_of, values)), placement, unchanged_check(values))
 
-    @property
-    def dtypes(self) -> list[torch.dtype]:
-        return self.placement[3]
+    @functools.cached_property
+    def dtypes(self) -> frozenset[torch.dtype]:
+        """The distinct dtypes (computed once: facts reused unchanged keep it)."""
+        return frozenset(self.placement[3])
 
 
 class ShapesInOrder:
