@@ -363,6 +363,16 @@ def test_a_sync_on_cuda_replays_graphs_and_sees_new_values(model):
     assert_bit_exact(synced(4), case.want(4), "captured again")
 
 
+def test_a_source_of_another_dtype_is_refused_on_a_repeated_sync(case):
+    """One parameter cast after a sync: the facts are read afresh and their dtypes mix."""
+    case.sync()
+    case.sync()  # the facts of the first sync reused
+    p = param(case.chunk, SRC_QKV)
+    p.data = p.data.double()
+    with pytest.raises(ValueError, match="training parameters mix dtypes"):
+        case.sync()
+
+
 def test_a_source_gone_is_refused_on_a_repeated_sync(case):
     """A parameter dropped from the actor after a sync: the one-list shape check sees a
     name short and the full check names it, before anything is written."""
