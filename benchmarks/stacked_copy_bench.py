@@ -15,7 +15,13 @@ each issued directly and replayed from a CUDA graph (`*_graph`), in rounds (ever
 a round), the median of the rounds after three warm-ups. What `copy_program.Concat` is
 built on (RESULTS.md, twelfth GPU run).
 
-    python3 benchmarks/stacked_copy_bench.py [--rounds 15]
+`--shape dense-0.85b`: the dense 0.85B Llama shape's whole tensors instead (16 layers of
+QKV, O, gate-up and down projections, two norms; embeddings and output layer), one source
+tensor per destination, where `cat` is a one-piece `torch.cat` per tensor. Does the
+concatenation kernel's speed under a graph (above a captured copy's memcpy node, and the
+multi-tensor copy's 1.3 TB/s in the trainer's sync) hold for whole tensors too?
+
+    python3 benchmarks/stacked_copy_bench.py [--rounds 15] [--shape dense-0.85b]
 """
 
 from __future__ import annotations
@@ -40,7 +46,11 @@ def graphed(fn):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--shape", choices=("moe-2b", "dense-0.85b"), default="moe-2b")
     args = parser.parse_args()
+    if args.shape == "dense-0.85b":
+        time_ways(*dense_tensors(), args.rounds)
+        return
     layers, experts, hidden, ffn = 16, 64, 1024, 512
     dev, bf16 = "cuda", torch.bfloat16
     fc1 = [[torch.randn(2 * ffn, hidden, device=dev, dtype=bf16) for _ in range(experts)]
@@ -49,13 +59,35 @@ def main() -> None:
            for _ in range(layers)]  # fmt: skip
     w13 = [torch.empty(experts, 2 * ffn, hidden, device=dev, dtype=bf16) for _ in range(layers)]
     w2 = [torch.empty(experts, hidden, ffn, device=dev, dtype=bf16) for _ in range(layers)]
-    nbytes = sum(t.nbytes for t in w13 + w2)
-    flat_src = torch.empty(nbytes // 2, device=dev, dtype=bf16)
-    flat_dst = torch.empty_like(flat_src)
     dst = [w[e] for i in range(layers) for w in (w13[i], w2[i]) for e in range(experts)]
     src = [t for i in range(layers) for t in fc1[i] + fc2[i]]
     outs = [w.view(-1) for w in w13 + w2]
     pieces = [[t.view(-1) for t in group] for group in fc1 + fc2]
+
+    time_ways(dst, src, outs, pieces, args.rounds)
+
+
+def dense_tensors():
+    """The dense 0.85B shape's tensors (bf16): destinations, sources, and each destination
+    flat with its one flat piece."""
+    layers, hidden, q_heads, kv_heads, head, ffn, vocab = 16, 2048, 32, 8, 64, 5632, 32000
+    dev, bf16 = "cuda", torch.bfloat16
+    shapes = [(vocab, hidden), (vocab, hidden), (hidden,)]
+    for _ in range(layers):
+        qkv = (q_heads + 2 * kv_heads) * head
+        shapes += [(qkv, hidden), (hidden, hidden), (2 * ffn, hidden), (hidden, ffn)]
+        shapes += [(hidden,), (hidden,)]
+    src = [torch.randn(s, device=dev, dtype=bf16) for s in shapes]
+    dst = [torch.empty(s, device=dev, dtype=bf16) for s in shapes]
+    return dst, src, [d.view(-1) for d in dst], [[s.view(-1)] for s in src]
+
+
+def time_ways(dst, src, outs, pieces, rounds: int) -> None:
+    """Time the four ways of copying `src` into `dst` (see the module docstring)."""
+    dev, bf16 = "cuda", torch.bfloat16
+    nbytes = sum(t.nbytes for t in dst)
+    flat_src = torch.empty(nbytes // 2, device=dev, dtype=bf16)
+    flat_dst = torch.empty_like(flat_src)
 
     def cat() -> None:
         for out, ins in zip(outs, pieces, strict=True):
@@ -73,19 +105,15 @@ def main() -> None:
     }
     ways |= {f"{name}_graph": graphed(fn) for name, fn in list(ways.items())}
     times: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         for name, fn in ways.items():
             torch.cuda.synchronize()
             start = time.perf_counter()
             fn()
             torch.cuda.synchronize()
             times[name].append(time.perf_counter() - start)
-    exact = all(
-        torch.equal(w13[i][e], fc1[i][e]) and torch.equal(w2[i][e], fc2[i][e])
-        for i in range(layers)
-        for e in range(experts)
-    )
-    print(f"{nbytes / 1e9:.2f} GB, experts equal after the copies: {exact}")
+    exact = all(map(torch.equal, dst, src))
+    print(f"{nbytes / 1e9:.2f} GB in {len(dst)} tensors, equal after the copies: {exact}")
     for name, ts in times.items():
         median = statistics.median(ts[3:])
         print(f"{name:18s} {median * 1e3:7.3f} ms  {nbytes / median / 1e12:5.2f} TB/s")

@@ -28,7 +28,8 @@ Also per round: the device memory in use (the driver's figure) with the engine a
 asleep (`device_used_gb_median`), and the sync's parts (`timing_parts_s/reshard/{wake_weights,sync}`) and its
 host pieces (`reshard/*_s`), so a miss says where the time went. `--profile-dir DIR`: three
 more syncs after the rounds, each under torch.profiler (`update_traces.profile_calls`: the top
-ops by host time, and the last one's Chrome trace as `trace_*.json.gz`).
+ops by host time, and the last one's Chrome trace as `trace_*.json.gz`), then twenty under
+cProfile (`update_traces.python_profile`: the Python functions, `*_python.txt`).
 
 GPU, one H200 (vLLM 0.26), 0.85B and the 7B shape (Llama-2-7B: 32 layers, h 4096):
 
@@ -66,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ab import interleave, target_record  # noqa: E402
 from trainer_bench import environment  # noqa: E402
-from update_traces import profile_calls  # noqa: E402
+from update_traces import profile_calls, python_profile  # noqa: E402
 
 TARGET, WORST_TARGET = 3.0, 3.0  # issue 21: ≤ 3× the copy floor
 TINY = [
@@ -242,12 +243,21 @@ def main(argv: list[str] | None = None) -> int:
                 pause=pause,
             )
             if args.profile_dir is not None:
+                stem = f"sync_ab_{args.layers}L_h{args.hidden}_level{args.sleep_level}"
                 result["profile"] = profile_calls(
                     synced_trainer_sync,
                     3,
                     args.profile_dir,
-                    f"sync_ab_{args.layers}L_h{args.hidden}_level{args.sleep_level}",
+                    stem,
                     before=pause,  # the engine where a step's sync finds it
+                    write=run.env.rank == 0,
+                )
+                result["profile"]["python"] = python_profile(
+                    synced_trainer_sync,
+                    20,
+                    args.profile_dir,
+                    stem,
+                    before=pause,
                     write=run.env.rank == 0,
                 )
             # The engine slept and woke at the configured level, and was synced the same

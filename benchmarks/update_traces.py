@@ -88,6 +88,40 @@ def profile_calls(call, count: int, out_dir: Path, stem: str, before=None, write
     return {"table": str(text), "trace": _export_trace(last, out_dir / f"trace_{stem}.json")}
 
 
+def python_profile(call, count: int, out_dir: Path, stem: str, before=None, write: bool = True):
+    """`count` more calls of `call` under cProfile (`before()` runs first, outside it): the
+    Python functions by own time and by cumulative time, to `out_dir/<stem>_python.txt`.
+    torch.profiler sees ops and kernels; a sync's host time before its first launch is
+    Python (plan checks, tensor facts, the engine's begin), which only this names.
+    cProfile's own overhead inflates every call alike: read the shares, not the times."""
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    for _ in range(count):
+        if before is not None:
+            before()
+        sync()
+        prof.enable()
+        call()
+        sync()
+        prof.disable()
+    if not write:
+        return None
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    out.write(f"{count} calls under cProfile\n\nby own time:\n")
+    stats.sort_stats("tottime").print_stats(40)
+    out.write("\nby cumulative time:\n")
+    stats.sort_stats("cumulative").print_stats(60)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem}_python.txt"
+    path.write_text(out.getvalue())
+    return str(path)
+
+
 def step_with_actor_update(trainer, around) -> None:
     """One more training step whose actor-update phase runs as `around(update)`, where
     `update()` is the phase itself (the critic's and the other phases run as usual)."""
