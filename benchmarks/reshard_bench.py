@@ -27,8 +27,10 @@ CUDA graphs (`WeightSync(copy_graphs=False)`), as interleaved rounds (`ab.py`; r
 round: direct ÷ graphs), in a third table.
 
 Peak extra memory (GPU). The target tensors and the actor exist before each call and are
-not counted. `device_peak_extra_bytes` is the path's own figure (CUDA allocator peak above
-its start, after its plan checks); `device_peak_extra_bytes_call` is the bench's, around the
+not counted. `device_peak_extra_bytes` is the full gather's own figure (CUDA allocator peak
+above its start; the weight sync measures its own only when asked, `measure_peak`, which
+costs host time this bench times, so it is None there); `device_peak_extra_bytes_call` is
+the bench's, for both paths, around the
 whole call (`reset_peak_memory_stats` before, `max_memory_allocated() − memory_allocated()`
 at the start). NCCL's internal buffers are outside the allocator and not counted.
 `peak_staging_bytes` is the executor's transfer arena (reshard) or the buffered HF tensors

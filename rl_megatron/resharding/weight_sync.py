@@ -62,6 +62,8 @@ class WeightSync:
             name global ranks.
         copy_graphs: issue the kept copies from the rank's own shards as CUDA graphs
             (`copy_program.KeptViews`; None: when the tensors are on a GPU).
+        measure_peak: record each sync's CUDA allocator peak above its start
+            (`SyncStats.device_peak_extra_bytes`; benchmarks and tests; see `execute`).
     """
 
     def __init__(
@@ -73,8 +75,10 @@ class WeightSync:
         bucket_mb: float,
         group: dist.ProcessGroup | None = None,
         copy_graphs: bool | None = None,
+        measure_peak: bool = False,
     ) -> None:
         self.target, self.info, self.training, self.group = target, info, training, group
+        self.measure_peak = measure_peak
         self.version: int | None = None  # training step of the last complete sync
         self._sources = SourceTable(info)
         self._agreement = PlanAgreement(
@@ -122,6 +126,7 @@ class WeightSync:
                 views=self._views,
                 source_facts=facts,
                 group=self.group,
+                measure_peak=self.measure_peak,
             )
         except BaseException as exc:
             self.target.abort(f"transfer failed: {exc}")

@@ -223,7 +223,9 @@ def _profiled_sync(rank, actor, infos, training) -> dict:
     gen = generation_layout_for(training, 1)
     padded = shards.vllm_padded_vocab(info.vocab_size, 1)
     store = TensorStoreTarget("vllm", info, gen, rank, padded, device=test_device())
-    weight_sync = WeightSync(store, info=info, training=training, bucket_mb=MEMORY_BUCKET_MB)
+    weight_sync = WeightSync(
+        store, info=info, training=training, bucket_mb=MEMORY_BUCKET_MB, measure_peak=True
+    )
     stats, peak = _profiled_peak(lambda: weight_sync.sync(actor, version=1))
     baseline = TensorStoreTarget("vllm", info, gen, rank, padded, device=test_device())
     loader = SpecNameLoader(baseline)

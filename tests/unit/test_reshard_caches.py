@@ -656,3 +656,36 @@ def test_vllm_target_keeps_its_parameter_table_until_vllm_replaces_a_parameter(m
     assert_bit_exact(replaced, {QKV: case.want(0)[QKV]}, "replaced")
     assert old.eq(7.0).all()
     assert engine.versions == [1, 2, 3]
+
+
+class PythonOverrideParameter(torch.nn.Parameter):
+    """A parameter whose torch calls run Python first, as vLLM's do (`BasevLLMParameter`
+    forwards `__torch_function__` to torch's): counts them."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        PythonOverrideParameter.calls += 1
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def test_vllm_target_reads_its_parameters_without_their_python_override():
+    """A repeated sync into vLLM's parameters reads their shapes and storage as plain
+    tensors: their Python `__torch_function__` runs Python on every read (128 calls of
+    the 0.85B sync's ~1.5 ms of host time on the H200 host), and it still writes them."""
+    from rl_megatron.resharding.targets import VllmEngineTarget
+
+    case = Case("llama_gqa")
+    model = module_holding({n: torch.zeros_like(t) for n, t in case.want(0).items()})
+    for name, p in list(model.named_parameters()):
+        module_name, _, leaf = name.rpartition(".")
+        override = PythonOverrideParameter(p.detach(), requires_grad=False)
+        setattr(model.get_submodule(module_name), leaf, override)
+    weight_sync = case.sync_into(VllmEngineTarget(StandInVllmEngine(model, MODELS["llama_gqa"])))
+    weight_sync.sync([case.chunk], 1)
+    PythonOverrideParameter.calls = 0
+    weight_sync.sync([case.chunk], 2)
+    assert PythonOverrideParameter.calls == 0
+    got = {n: p.detach() for n, p in model.named_parameters()}
+    assert_bit_exact(got, case.want(0), "vLLM-like parameters")
