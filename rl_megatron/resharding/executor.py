@@ -122,8 +122,8 @@ def execute(
     dtype = next(iter(sources.values())).dtype if sources else torch.float32
     device = next(iter(sources.values())).device if sources else torch.device("cpu")
     stats = SyncStats(rank=rank)
-    cuda = measure_peak and device.type == "cuda"
-    if cuda:
+    peak = measure_peak and device.type == "cuda"
+    if peak:
         torch.cuda.reset_peak_memory_stats(device)
         start_alloc = torch.cuda.memory_allocated(device)
     t0 = time.perf_counter()
@@ -173,6 +173,6 @@ def execute(
         del arena, tensors
     stats.wall_s = time.perf_counter() - t0
     stats.peak_staging_bytes = tracker.peak_bytes
-    if cuda:
+    if peak:
         stats.device_peak_extra_bytes = torch.cuda.max_memory_allocated(device) - start_alloc
     return stats
