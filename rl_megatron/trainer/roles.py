@@ -258,11 +258,15 @@ class MegatronRole:
 
     # ---- micro-batches -----------------------------------------------------------------
 
-    def _split(self, batch: Batch, micro_batch_size: int | None) -> list[list[int]]:
+    def _split(
+        self, batch: Batch, micro_batch_size: int | None, host_mask: torch.Tensor | None = None
+    ) -> list[list[int]]:
+        """The batch's rows in micro-batches. host_mask: a host copy of the batch's
+        `attention_mask`, if the caller has one (a token budget then costs no device sync)."""
         rows = batch["prompts"].shape[0]
         vpp = len(self.model) > 1
         if self.use_dynamic_batch and micro_batch_size is None:
-            lens = batch["attention_mask"].sum(dim=-1)
+            lens = (batch["attention_mask"] if host_mask is None else host_mask).sum(dim=-1)
             # The interleaved schedule needs a multiple of pp micro-batches.
             mult = self.groups.pp_size if vpp else 1
             return mb.dynamic_micro_batches(lens, self.max_tokens, multiple_of=mult)
@@ -598,6 +602,7 @@ class MegatronRole:
         Raises `NonFiniteUpdateError` on every rank instead, with `on_nonfinite="stop"`.
         """
         self._check_trainable()
+        self._train_mode()
         step = self._optimizer_step(mini_batch, None, loss_fn, with_entropy, micro_batch_size)
         return self._resolve([step])[0]
 
@@ -618,13 +623,19 @@ class MegatronRole:
         kl_to: as in `forward_only`: the loss function's outputs then hold `kl_full`, with
         gradient (the exact KL loss).
         The host waits for the device twice per phase rather than twice per step: the
-        mask's host copy (micro-batch shapes) is made once, and the metrics of every step
-        are read together at the end (`step_metrics`); in between, the host prepares and
-        launches the next step while the device still runs the last optimizer update.
+        mask's host copy (micro-batch shapes, a token-budget split) is made once, and the
+        metrics of every step are read together at the end (`step_metrics`); in between,
+        the host prepares and launches the next step while the device still runs the last
+        optimizer update (besides the optimizer's own gradient-norm read, `step_if_finite`
+        reads one flag per step). Pinned by tests/multirank/test_update_host_work.py.
         """
         self._check_trainable()
         self._check_kl_to(kl_to)
-        host_mask = None if self.pack or self.interleaved else batch["attention_mask"].cpu()
+        self._train_mode()
+        # One host copy of the mask for all steps, where the host needs the rows' lengths:
+        # left-aligned micro-batches' shapes, or a token-budget split.
+        lengths_on_host = not (self.pack or self.interleaved) or self.use_dynamic_batch
+        host_mask = batch["attention_mask"].cpu() if lengths_on_host else None
         pending = []
         for rows in steps:
             mini_batch = mb.select_rows(batch, rows)
@@ -655,6 +666,14 @@ class MegatronRole:
             raise RuntimeError("train_step on a frozen role (built with optim=None)")
         self._check_loaded()
 
+    def _train_mode(self) -> None:
+        """Training mode for the optimizer steps of one call, set once, not per step:
+        `Module.train()` walks every submodule (3.3k with 16 layers of 64 experts, ~10 ms
+        of host time), and nothing between two steps of a call switches it back
+        (`forward_only` does, and the Megatron engine on these modules, between calls)."""
+        for chunk in self.model:
+            chunk.train()
+
     def _resolve(self, pending: list[step_metrics.PendingMetrics]) -> list[dict[str, float]]:
         return step_metrics.resolve(
             pending,
@@ -673,13 +692,12 @@ class MegatronRole:
         kl_to: MegatronRole | None = None,
     ) -> step_metrics.PendingMetrics:
         for chunk in self.model:
-            chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         lr = lr_at(self.step_count, self.optim_config, self.total_steps)
         self._set_lr(lr)
         totals = batch_totals(mini_batch["response_mask"].to(self.device), group=self.groups.dp)
-        split = self._split(mini_batch, micro_batch_size)
+        split = self._split(mini_batch, micro_batch_size, host_mask)
         micro = self._micro_batches(mini_batch, split, host_mask)
         # The schedule turns the returned loss into loss·scale·cp/n (megatron-core's ×cp,
         # meant for a loss over a CP rank's own tokens) and DDP averages over dp·cp ranks.
