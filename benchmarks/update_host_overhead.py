@@ -21,8 +21,9 @@ plain iterations):
   `.cpu()`, `bool`/`int`/`float` of a tensor, `nonzero`): on a GPU, where the tensor is on
   the device, each waits for it. Counted in A and B alike, so megatron-core's own
   (its per-parameter gradient-norm reads) show in both.
-* with `--profile-dir`: one A and one B under cProfile (`update.prof`, `plain.prof`, and
-  their top functions as text), to compare function by function.
+* with `--profile-dir`: one A and one B under cProfile (`update_traces.python_profile`:
+  their top functions as text, `update_python.txt`, `plain_python.txt`), to compare
+  function by function.
 
 Writes one JSON object to stdout (and to `--out-json`). One rank, ~3 min on 2 cores at the
 default 16 layers × 64 experts:
@@ -35,10 +36,7 @@ from __future__ import annotations
 
 import argparse
 import collections
-import cProfile
-import io
 import json
-import pstats
 import statistics
 import sys
 from pathlib import Path
@@ -48,7 +46,7 @@ from bench_utils import sync, trainer_gc_policy
 from plain_loop import PlainLoop
 from torch.overrides import TorchFunctionMode
 from trainer_bench import load_bench_config
-from update_traces import step_with_actor_update
+from update_traces import python_profile, step_with_actor_update
 
 VALUE_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero")
 
@@ -83,19 +81,6 @@ def _differing(a: collections.Counter, b: collections.Counter, top: int = 30) ->
     """{name: [count in a, count in b]} where they differ, the largest differences first."""
     keys = sorted((k for k in a.keys() | b.keys() if a[k] != b[k]), key=lambda k: -abs(a[k] - b[k]))
     return {k: [a[k], b[k]] for k in keys[:top]}
-
-
-def _cprofile(fn, path: Path) -> None:
-    profiler = cProfile.Profile()
-    profiler.enable()
-    fn()
-    profiler.disable()
-    profiler.dump_stats(path.with_suffix(".prof"))
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(50)
-    stats.sort_stats("cumtime").print_stats(80)
-    path.with_suffix(".txt").write_text(text.getvalue())
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -156,8 +141,8 @@ def measure(args: argparse.Namespace) -> dict:
             aten = {"update": _aten_ops(update), "plain": _aten_ops(plain)}
             if args.profile_dir is not None:
                 args.profile_dir.mkdir(parents=True, exist_ok=True)
-                _cprofile(update, args.profile_dir / "update")
-                _cprofile(plain, args.profile_dir / "plain")
+                python_profile(update, 1, args.profile_dir, "update")
+                python_profile(plain, 1, args.profile_dir, "plain")
         finally:
             loop.close()
     ms = {"update": [t * 1e3 for t in r.a_s], "plain": [t * 1e3 for t in r.b_s]}
