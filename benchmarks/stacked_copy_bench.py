@@ -11,9 +11,11 @@ same bytes copied:
 * `cat`: one `torch.cat(experts, out=stacked)` per stacked tensor (32 calls);
 * `per_tensor`: 2 048 `copy_` calls;
 
-each issued directly and replayed from a CUDA graph (`*_graph`), in rounds (every way once
-a round), the median of the rounds after three warm-ups. What `copy_program.Concat` is
-built on (RESULTS.md, twelfth GPU run).
+each issued directly and replayed from a CUDA graph (`*_graph`), and `sync_graph`: the
+graph the weight sync replays for one multi-tensor copy of these pairs
+(`copy_program.graph_of`: pairs of 4 MiB and more one `copy_` each, the rest in one
+`_foreach_copy_`); in rounds (every way once a round), the median of the rounds after
+three warm-ups. What `copy_program.Concat` is built on (RESULTS.md, twelfth GPU run).
 
 `--shape dense-0.85b`: the dense 0.85B Llama shape's whole tensors instead (16 layers of
 QKV, O, gate-up and down projections, two norms; embeddings and output layer), one source
@@ -32,7 +34,7 @@ import time
 
 import torch
 
-from rl_megatron.resharding.copy_program import captured
+from rl_megatron.resharding.copy_program import Bound, captured, graph_of
 
 
 def graphed(fn):
@@ -104,6 +106,7 @@ def time_ways(dst, src, outs, pieces, rounds: int) -> None:
         "per_tensor": per_tensor,
     }
     ways |= {f"{name}_graph": graphed(fn) for name, fn in list(ways.items())}
+    ways["sync_graph"] = graph_of(Bound(dst, src, [], [], []))  # kernels loaded above
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(rounds):
         for name, fn in ways.items():

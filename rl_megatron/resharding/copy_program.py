@@ -375,10 +375,38 @@ class Bound:
     concats: list[tuple[torch.Tensor, list[torch.Tensor]]] = dataclasses.field(
         default_factory=list
     )  # (a destination range, the pieces that fill it end to end): one `torch.cat` each
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = dataclasses.field(
+        default_factory=list
+    )  # (dst, src) pairs copied one `copy_` each (`large_pairs_apart`)
 
     def outs(self) -> list[torch.Tensor]:
         """The concatenations' destination ranges."""
         return [out for out, _ in self.concats]
+
+
+# Under a CUDA graph, a pair at least this large is copied by a `copy_` of its own rather
+# than in the multi-tensor copy. On an H200 (RESULTS.md, thirteenth GPU run) the dense
+# 0.85B shape's 99 whole tensors replayed at 1.69 TB/s as one `copy_` each against 1.43 TB/s
+# as one `_foreach_copy_` (1.01 against 1.19 ms); a `copy_` is a graph node of its own
+# (~2.5 µs each: 2 048 expert copies took 5.2 ms), which pays from a few MB on (4 MiB:
+# 2.5 µs at 1.7 TB/s), while small pairs (norms, a query group's QKV rows) stay together.
+PER_TENSOR_COPY_MIN_BYTES = 4 << 20
+
+
+def large_pairs_apart(bound: Bound, min_bytes: int = PER_TENSOR_COPY_MIN_BYTES) -> Bound:
+    """`bound` with its multi-tensor copy's pairs of at least `min_bytes` moved to
+    `copies`, one `copy_` each, for a captured graph (`graph_of`); the rest unchanged."""
+    large = [i for i, d in enumerate(bound.dst) if d.numel() * d.element_size() >= min_bytes]
+    if not large:
+        return bound
+    apart = set(large)
+    keep = [i for i in range(len(bound.dst)) if i not in apart]
+    return dataclasses.replace(
+        bound,
+        dst=[bound.dst[i] for i in keep],
+        src=[bound.src[i] for i in keep],
+        copies=bound.copies + [(bound.dst[i], bound.src[i]) for i in large],
+    )
 
 
 def bind(ops: list[Op], tensors: Tensors, *, runs_as_blocks: bool = False) -> Bound:
@@ -421,7 +449,9 @@ def issue(bound: Bound) -> None:
     the concatenations (a stacked tensor's experts, one call each). The strided runs
     (three per layer's QKV, unless bound block by block) go in one call too: not the
     multi-tensor kernel (their views are not contiguous), but one loop in C++ rather than
-    one Python call each."""
+    one Python call each. Pairs set apart for a graph (`copies`) go first, in order."""
+    for dst, src in bound.copies:
+        dst.copy_(src)
     if bound.dst:
         torch._foreach_copy_(bound.dst, bound.src)
     for out, pieces in bound.concats:
@@ -462,11 +492,12 @@ def captured(fn: Callable[[], object]) -> Launch:
 
 
 def graph_of(bound: Bound) -> Launch:
-    """`issue(bound)` as a captured CUDA graph (`captured`). The copies allocate nothing,
-    so the graph's memory pool stays empty."""
-    if not (bound.dst or bound.concats or bound.strided_dst or bound.zeros):
+    """`issue(bound)` as a captured CUDA graph (`captured`), its large pairs copied one by
+    one (`large_pairs_apart`). The copies allocate nothing, so the graph's memory pool
+    stays empty."""
+    if not (bound.dst or bound.concats or bound.strided_dst or bound.zeros or bound.copies):
         return _nothing  # an empty graph cannot be replayed
-    return captured(functools.partial(issue, bound))
+    return captured(functools.partial(issue, large_pairs_apart(bound)))
 
 
 def _nothing() -> None:
@@ -494,7 +525,8 @@ class KeptViews:
     for as long as they are and is dropped with them. Launching the multi-tensor copy
     still costs host time per tensor (its arguments are built and checked per pair):
     the eleventh H200 run's 0.85B sync took 1.9 ms of host time to issue 1 ms of copies,
-    the 2B MoE's ~6 ms for its 2 195 tensors (RESULTS.md); a replay is one launch. A step
+    the 2B MoE's ~6 ms for its 2 195 tensors (RESULTS.md); a replay is one launch (whose
+    large pairs are single copies, faster on the device: `large_pairs_apart`). A step
     is captured on the first sync that reuses its views, so the sync that binds them (the
     first, or one after an engine reallocated) issues them directly, which also loads the
     kernels before any capture; views that change on every sync are never captured.

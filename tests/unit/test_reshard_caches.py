@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from rl_megatron.models.conversions import padded_vocab_size
 from rl_megatron.models.hf_config import parse_hf_config
-from rl_megatron.resharding import shards, tensor_facts
-from rl_megatron.resharding.copy_program import Bound, graph_of, issue
+from rl_megatron.resharding import copy_program, shards, tensor_facts
+from rl_megatron.resharding.copy_program import Bound, graph_of, issue, large_pairs_apart
 from rl_megatron.resharding.layouts import TrainingLayout, generation_layout_for
 from rl_megatron.resharding.shards import ShardSpec, check_tensors, spec_shapes
 from rl_megatron.resharding.targets import TensorStoreTarget
@@ -99,7 +99,9 @@ def replace_param(chunk: torch.nn.Module, name: str, value: torch.Tensor) -> Non
 class GraphStandIn:
     """`copy_program.graph_of` on the CPU: what a CUDA graph is to the kept views. It fixes
     the views of the step it is given when captured (a graph, its kernels' addresses) and
-    replays exactly those, whatever the tensors are now; counts captures and replays."""
+    replays exactly those, whatever the tensors are now; counts captures and replays. As
+    `graph_of` does, it copies large pairs one by one (from 1 KiB: the tiny models' larger
+    tensors), so the kept steps' values are checked through that path too."""
 
     def __init__(self) -> None:
         self.captures = 0
@@ -107,6 +109,7 @@ class GraphStandIn:
 
     def __call__(self, bound: Bound):
         self.captures += 1
+        bound = large_pairs_apart(bound, min_bytes=1024)
 
         def replay() -> None:
             self.replays += 1
@@ -301,6 +304,63 @@ def test_kept_steps_are_captured_on_their_second_sync_and_replayed_until_they_mo
     assert (graphs.captures, graphs.replays) == (2 * steps, 3 * steps)
 
 
+def test_large_pairs_are_set_apart_in_order_and_the_rest_kept():
+    """`large_pairs_apart`: the multi-tensor copy's pairs of at least `min_bytes` become
+    single copies in their order; the rest, the strided runs and zero fills stay; the split
+    step writes what the unsplit one does."""
+    sizes = [10, 300, 20, 256, 30]  # float32: 1 200 and 1 024 bytes are "large" at 1 KiB
+    src = [torch.randn(n) for n in sizes]
+    dst = [torch.full((n,), float("nan")) for n in sizes]
+    zeros = torch.ones(4)
+    bound = Bound(dst, src, [], [], [zeros])
+    split = large_pairs_apart(bound, min_bytes=1024)
+    assert [(d.numel(), s.numel()) for d, s in split.copies] == [(300, 300), (256, 256)]
+    assert [d.data_ptr() for d, _ in split.copies] == [dst[1].data_ptr(), dst[3].data_ptr()]
+    assert [t.numel() for t in split.dst] == [10, 20, 30]
+    assert [t.data_ptr() for t in split.src] == [
+        src[0].data_ptr(),
+        src[2].data_ptr(),
+        src[4].data_ptr(),
+    ]
+    assert split.zeros == [zeros]
+    issue(split)
+    assert all(map(torch.equal, dst, src)) and zeros.eq(0).all()
+    at_bound = large_pairs_apart(bound, min_bytes=1200)  # inclusive: 1 200 yes, 1 024 no
+    assert [d.numel() for d, _ in at_bound.copies] == [300]
+    assert large_pairs_apart(bound, min_bytes=10**6) is bound  # nothing large: unchanged
+
+
+class _CountCopies(torch.utils._python_dispatch.TorchDispatchMode):
+    """The copy ops a call issues: `copy_` (each pair's size) and `_foreach_copy_` (sizes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.single: list[int] = []
+        self.multi: list[list[int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            self.single.append(args[0].numel())
+        elif func is torch.ops.aten._foreach_copy_.default:
+            self.multi.append([t.numel() for t in args[0]])
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_graph_copies_its_large_pairs_one_by_one(monkeypatch):
+    """`graph_of` captures the large pairs as single copies and the rest as one multi-tensor
+    copy (the capture itself stood in by running the captured function directly)."""
+    monkeypatch.setattr(copy_program, "captured", lambda fn: fn)
+    big = copy_program.PER_TENSOR_COPY_MIN_BYTES // 4  # float32 elements
+    sizes = [7, big, 9, big + 5]
+    src = [torch.randn(n) for n in sizes]
+    dst = [torch.zeros(n) for n in sizes]
+    launch = graph_of(Bound(dst, src, [], [], []))
+    with _CountCopies() as seen:
+        launch()
+    assert seen.single == [big, big + 5] and seen.multi == [[7, 9]]
+    assert all(map(torch.equal, dst, src))
+
+
 cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 
 
@@ -308,9 +368,11 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph
 def test_a_captured_graph_copies_what_its_sources_hold_when_it_is_replayed():
     """`graph_of` for real: capturing runs nothing; each replay, queued right behind writes
     to the sources on the current stream (no synchronisation between), copies those
-    values: the multi-tensor copy, a strided run and a zero fill alike."""
+    values: the multi-tensor copy, the large pairs' single copies, a strided run and a zero
+    fill alike."""
     device = torch.device("cuda")
     src = [torch.empty(n, device=device) for n in (1, 1000, 4096, 70_000) for _ in range(60)]
+    src += [torch.empty(3 << 20, device=device) for _ in range(3)]  # 12 MiB: a `copy_` each
     dst = [torch.full_like(t, float("nan")) for t in src]
     base_src = torch.empty(8, 64, device=device)
     base_dst = torch.full((8, 96), float("nan"), device=device)
