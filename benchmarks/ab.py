@@ -13,9 +13,17 @@ when both calls do the same work). Put the candidate in A and the baseline in B.
 A target is **met** only when the median reaches it and the worst round still reaches the
 worst-round bound (`ABResult.met`): a spread that straddles the target is not a pass.
 
+Longer rounds (`calls_per_round=K`): where one call is short against the host's noise (a
+1 s vLLM call on an H200 spreads ±25 %, and its neighbours drift together), a round runs
+K calls of each, interleaved inside the round in the order `round_order` gives (A B B A
+for K = 2, A B B A B A A B for K = 4), each call between its own two `sync()`s. The
+round's time of A is the sum of its K calls (per-call times are kept: `a_call_s`), so its
+ratio is sum(B) / sum(A). The order cancels a drift that grows linearly from call to call
+within each round when K is even; which engine opens a round alternates between rounds.
+
     from ab import interleave
     r = interleave(lambda: engine_a(...), lambda: engine_b(...), repeats=5,
-                   sync=torch.cuda.synchronize)
+                   sync=torch.cuda.synchronize, calls_per_round=2)
     r.ratio_median, r.ratio_min, r.ratio_max, r.met(0.98, 0.95)
 """
 
@@ -46,17 +54,42 @@ def meets(
     return median <= target and hi <= worst_target
 
 
+def round_order(calls_per_round: int, a_first: bool) -> str:
+    """The calls of one round, e.g. "abba": `calls_per_round` pairs, pair j run as "ab"
+    when the Thue–Morse bit of j (the parity of its set bits) is 0, else as "ba"; all
+    swapped when B opens the round.
+
+    Why this order: a call's time drifts slowly with the host (consecutive calls are
+    correlated), and a drift linear in the call's position adds to each engine's sum in
+    proportion to the sum of its positions. Pairs "ab" and "ba" alternating as the
+    Thue–Morse bits do give A and B equal position sums whenever the pairs are even in
+    number (ABBA: 0 + 3 = 1 + 2), so a linear drift cancels within every round, and equal
+    sums of squared positions too when they are a multiple of four (ABBA BAAB, Prouhet),
+    so a quadratic one cancels as well. Plain alternation (ABAB) always leaves B one
+    position per pair later. With an odd count a difference of one position is left, as
+    in a one-call round, but its share of the round's time is 1/K and its sign alternates
+    from round to round. One call per round gives "ab" / "ba": the original rounds.
+    """
+    pairs = [("ab" if bin(j).count("1") % 2 == 0 else "ba") for j in range(calls_per_round)]
+    order = "".join(pairs)
+    return order if a_first else order.translate(str.maketrans("ab", "ba"))
+
+
 @dataclass
 class ABResult:
     """Per-round times (seconds) of A and B, which ran first, and the last outputs."""
 
-    a_s: list[float]
+    a_s: list[float]  # round k: the sum of A's calls in it
     b_s: list[float]
-    a_first: list[bool]  # round k: True if A ran before B
+    a_first: list[bool]  # round k: True if A opened it
     warmup_a_s: list[float] = field(default_factory=list)
     warmup_b_s: list[float] = field(default_factory=list)
     last_a: Any = None  # what A's last timed call returned
     last_b: Any = None
+    calls_per_round: int = 1  # timed calls of each engine in a round
+    # Round k: each of A's calls in it, in call order (empty when built from round times).
+    a_call_s: list[list[float]] = field(default_factory=list)
+    b_call_s: list[list[float]] = field(default_factory=list)
 
     @property
     def ratios(self) -> list[float]:
@@ -91,11 +124,15 @@ class ABResult:
         )
 
     def as_dict(self, work: float | None = None) -> dict[str, Any]:
-        """JSON-ready numbers; `work` (e.g. tokens per call) adds A's and B's rates."""
+        """JSON-ready numbers; `work` (e.g. tokens per call) adds A's and B's rates (per
+        round: `calls_per_round` calls' work over the round's time)."""
         out: dict[str, Any] = {
             "repeats": len(self.a_s),
+            "calls_per_round": self.calls_per_round,
             "a_s": self.a_s,
             "b_s": self.b_s,
+            "a_call_s": self.a_call_s,
+            "b_call_s": self.b_call_s,
             "a_first": self.a_first,
             "warmup_a_s": self.warmup_a_s,
             "warmup_b_s": self.warmup_b_s,
@@ -105,10 +142,11 @@ class ABResult:
             "ratio_max": self.ratio_max,
         }
         if work is not None:
-            out["a_per_s"] = [work / t for t in self.a_s]
-            out["b_per_s"] = [work / t for t in self.b_s]
-            out["a_per_s_median"] = work / statistics.median(self.a_s)
-            out["b_per_s_median"] = work / statistics.median(self.b_s)
+            round_work = work * self.calls_per_round
+            out["a_per_s"] = [round_work / t for t in self.a_s]
+            out["b_per_s"] = [round_work / t for t in self.b_s]
+            out["a_per_s_median"] = round_work / statistics.median(self.a_s)
+            out["b_per_s_median"] = round_work / statistics.median(self.b_s)
         return out
 
 
@@ -121,19 +159,25 @@ def interleave(
     sync: Callable[[], None] = _no_sync,
     clock: Callable[[], float] = time.perf_counter,
     pause: Callable[[], None] | None = None,
+    calls_per_round: int = 1,
 ) -> ABResult:
     """Time `a` and `b` in `repeats` rounds, alternating which goes first.
 
-    warmup: untimed-for-the-ratio rounds before (CUDA graphs, caches, allocator); their
-        times are kept in the result. Round k (warm-ups included) runs A first when k is even.
+    warmup: untimed-for-the-ratio rounds before (CUDA graphs, caches, allocator), one call
+        of each whatever `calls_per_round` (the first call is what warms); their times are
+        kept in the result. Round k (warm-ups included) is opened by A when k is even.
     sync: called before and after every call (e.g. `torch.cuda.synchronize`) so that the
         clock covers the device's work.
     clock: seconds, monotonic (tests pass a fake).
     pause: called before every call, outside its time (e.g. a sleep that lets the other
         engine's idle threads stop spinning, or `gc.collect`).
+    calls_per_round: timed calls of each engine in a round, in `round_order`; a round's
+        time is the sum of its calls, each timed on its own.
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    if calls_per_round < 1:
+        raise ValueError(f"calls_per_round must be >= 1, got {calls_per_round}")
 
     def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
         if pause is not None:
@@ -144,20 +188,23 @@ def interleave(
         sync()
         return clock() - start, out
 
-    result = ABResult(a_s=[], b_s=[], a_first=[])
+    result = ABResult(a_s=[], b_s=[], a_first=[], calls_per_round=calls_per_round)
     for k in range(warmup + repeats):
         a_first = k % 2 == 0
-        order = ("a", "b") if a_first else ("b", "a")
-        seconds: dict[str, float] = {}
+        order = round_order(1 if k < warmup else calls_per_round, a_first)
+        seconds: dict[str, list[float]] = {"a": [], "b": []}
         outputs: dict[str, Any] = {}
         for name in order:
-            seconds[name], outputs[name] = timed(a if name == "a" else b)
+            took, outputs[name] = timed(a if name == "a" else b)
+            seconds[name].append(took)
         if k < warmup:
-            result.warmup_a_s.append(seconds["a"])
-            result.warmup_b_s.append(seconds["b"])
+            result.warmup_a_s.append(seconds["a"][0])
+            result.warmup_b_s.append(seconds["b"][0])
             continue
-        result.a_s.append(seconds["a"])
-        result.b_s.append(seconds["b"])
+        result.a_s.append(sum(seconds["a"]))
+        result.b_s.append(sum(seconds["b"]))
+        result.a_call_s.append(seconds["a"])
+        result.b_call_s.append(seconds["b"])
         result.a_first.append(a_first)
         result.last_a, result.last_b = outputs["a"], outputs["b"]
     return result
@@ -180,6 +227,7 @@ def target_record(
         "ratio_min": result.ratio_min,
         "ratio_max": result.ratio_max,
         "repeats": len(result.a_s),
+        "calls_per_round": result.calls_per_round,
         "target": target,
         "worst_target": worst_target,
         "higher_is_better": higher_is_better,

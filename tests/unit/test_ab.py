@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from ab import ABResult, interleave, target_record  # noqa: E402
+from ab import ABResult, interleave, round_order, target_record  # noqa: E402
 
 
 class FakeClock:
@@ -114,3 +114,93 @@ def test_pause_runs_before_every_call_outside_its_time():
 def test_rejects_no_repeats():
     with pytest.raises(ValueError, match="repeats"):
         interleave(lambda: None, lambda: None, repeats=0)
+
+
+# Longer rounds (calls_per_round): the order inside a round, sums, per-call times, drift.
+
+
+def test_round_order_pairs_follow_thue_morse_and_swap_when_b_opens():
+    assert (round_order(1, True), round_order(1, False)) == ("ab", "ba")  # the original
+    assert (round_order(2, True), round_order(2, False)) == ("abba", "baab")
+    assert round_order(3, True) == "abbaba"
+    assert round_order(4, True) == "abbabaab"
+    for k in range(1, 9):
+        order = round_order(k, k % 2 == 0)
+        assert len(order) == 2 * k and order.count("a") == k
+
+
+def test_calls_inside_rounds_alternate_and_each_is_synced_on_its_own():
+    clock, log, syncs = FakeClock(), [], []
+    a, b = fake_calls(clock, [1.0] * 7, [1.0] * 7, log)
+
+    def sync() -> None:
+        syncs.append(len(log))
+
+    r = interleave(a, b, repeats=3, warmup=1, sync=sync, clock=clock, calls_per_round=2)
+    # Warm-up round 0: one call each, A first; then rounds 1..3 of two calls each, opened
+    # by B in odd rounds.
+    assert "".join(log) == "ab" + "baab" + "abba" + "baab"
+    assert r.a_first == [False, True, False]
+    assert syncs == [n for i in range(len(log)) for n in (i, i + 1)]
+    assert (r.last_a, r.last_b) == ("a13", "b14")  # round 3 ran B A A B
+
+
+def test_a_round_is_the_sum_of_its_calls_and_each_call_is_kept():
+    clock, log = FakeClock(), []
+    # Warm-up (one call each), then two rounds of three calls each, in call order of
+    # each engine: round 1 is B-opened ("baabab"), round 2 A-opened ("abbaba").
+    a_times = [9.0, 1.0, 2.0, 4.0, 0.5, 0.25, 0.25]
+    b_times = [7.0, 3.0, 3.0, 2.0, 1.0, 1.0, 2.0]
+    a, b = fake_calls(clock, a_times, b_times, log)
+    r = interleave(a, b, repeats=2, warmup=1, clock=clock, calls_per_round=3)
+    assert "".join(log) == "ab" + "baabab" + "abbaba"
+    assert (r.warmup_a_s, r.warmup_b_s) == ([9.0], [7.0])
+    assert r.a_call_s == [[1.0, 2.0, 4.0], [0.5, 0.25, 0.25]]
+    assert r.b_call_s == [[3.0, 3.0, 2.0], [1.0, 1.0, 2.0]]
+    assert (r.a_s, r.b_s) == ([7.0, 1.0], [8.0, 4.0])
+    assert r.ratios == [8.0 / 7.0, 4.0]  # sum(B) / sum(A) per round
+    d = r.as_dict(work=10.0)  # work per call: a round does 3 × 10
+    assert d["calls_per_round"] == 3 and d["repeats"] == 2
+    assert d["a_call_s"] == r.a_call_s and d["b_call_s"] == r.b_call_s
+    assert d["a_per_s"] == [30.0 / 7.0, 30.0] and d["b_per_s"] == [30.0 / 8.0, 7.5]
+    assert target_record("x", r, 0.98, 0.95)["calls_per_round"] == 3
+
+
+def drifting_ratios(calls_per_round: int, drift, repeats: int = 4) -> list[float]:
+    """Per-round ratios of two calls of equal work whose time drifts with the call's
+    position in the run (`drift(i)`: seconds of the i-th call, warm-ups included)."""
+    clock, count = FakeClock(), [0]
+
+    def call() -> None:
+        clock.now += drift(count[0])
+        count[0] += 1
+
+    r = interleave(call, call, repeats, warmup=1, clock=clock, calls_per_round=calls_per_round)
+    return r.ratios
+
+
+def test_the_order_cancels_a_linear_drift_within_every_round():
+    def linear(i: int) -> float:  # dyadic steps: the sums are exact in floating point
+        return 1.0 + 0.125 * i
+
+    assert drifting_ratios(2, linear) == [1.0] * 4
+    assert drifting_ratios(4, linear) == [1.0] * 4
+    assert drifting_ratios(6, linear) == [1.0] * 4
+    # One call per round (and any odd count) keeps a one-position lag, alternating in sign.
+    one = drifting_ratios(1, linear)
+    assert one[0] < 1.0 < one[1] and one[2] < 1.0 < one[3]
+    assert all(x != 1.0 for x in drifting_ratios(3, linear))
+
+
+def test_four_calls_per_round_cancel_a_quadratic_drift_too():
+    def quadratic(i: int) -> float:
+        return 1.0 + 0.125 * i + 0.0625 * i * i
+
+    assert drifting_ratios(4, quadratic) == [1.0] * 4
+    assert drifting_ratios(8, quadratic) == [1.0] * 4
+    assert all(x != 1.0 for x in drifting_ratios(2, quadratic))
+
+
+def test_rejects_fewer_than_one_call_per_round():
+    with pytest.raises(ValueError, match="calls_per_round must be >= 1, got 0"):
+        interleave(lambda: None, lambda: None, repeats=3, calls_per_round=0)
