@@ -25,28 +25,24 @@ from rl_megatron.utils.flops import TransformerShape, device_peak_tflops, flops_
 
 class PlainLoop:
     """A plain megatron-core model, optimizer and fixed batch; `iteration()` is one
-    optimizer step (forward/backward over `num_micro` micro-batches + Adam).
+    optimizer step (forward/backward over `num_micro` micro-batches + Adam), and
+    `iteration(micro_batches)` one over the given micro-batches instead (`plain_micro_batches`).
 
     masked: pass an explicit causal `[b, 1, s, s]` mask (no padding in it) instead of None,
         which is what the trainer's micro-batches pass whenever a row is left-padded:
         it takes SDPA off the causal fast path (explicit mask, K/V expanded for GQA).
+    role: a trained `MegatronRole` whose DDP chunks, optimizer and TransformerConfig to use
+        instead of building them (`trainer_bench.py --update-diagnostics`: the plain loop on
+        the actor's own model); its steps then change the role's weights.
     """
 
-    def __init__(self, config, info, args, masked: bool = False) -> None:
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    def __init__(self, config, info, args, masked: bool = False, role=None) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from rl_megatron.models.builders import build_gpt_chunks
-        from rl_megatron.models.hf_config import moe_loss_overrides
         from rl_megatron.trainer.build import DTYPES
 
-        p, m = config.parallel, config.model
-        dtype = DTYPES[m.dtype]
+        p = config.parallel
+        dtype = DTYPES[config.model.dtype]
         micro_batch = args.plain_micro_batch or config.actor.micro_batch_size
         seq = args.plain_seq or (
             config.rollout.max_prompt_length + config.rollout.max_response_length
@@ -56,6 +52,84 @@ class PlainLoop:
             config.actor.mini_batch_size // (config.actor.micro_batch_size * dp)
         )
         before_gb = allocated_gb()
+        self.owns_model = role is None
+        if role is None:
+            model, optimizer = self._build(config, info, dtype)
+            model_config = model[0].config
+        else:
+            model, optimizer, model_config = role.model, role.optimizer, role.config
+        device = next(model[0].parameters()).device
+        gen = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, info.vocab_size, (micro_batch, seq + 1), generator=gen).to(device)
+        batch = {
+            "input_ids": tokens[:, :-1].contiguous(),
+            "labels": tokens[:, 1:].contiguous(),
+            "position_ids": torch.arange(seq, device=device).expand(micro_batch, seq).contiguous(),
+            "attention_mask": None,
+        }
+        if masked:
+            from rl_megatron.models.sdpa_attention import causal_padding_mask
+
+            ones = torch.ones(micro_batch, seq, dtype=torch.bool, device=device)
+            batch["attention_mask"] = causal_padding_mask(ones)
+
+        def loss_func(per_token_loss: torch.Tensor):
+            loss = per_token_loss.float().mean()
+            return loss, {"loss": loss.detach()}
+
+        def forward_step(data_iterator, chunk):
+            b = next(data_iterator)
+            # attention_mask None: the causal fast path of SDPAttention. With labels, GPTModel
+            # returns the per-token vocab-parallel cross-entropy `[b, s]`.
+            out = chunk(b["input_ids"], b["position_ids"], b["attention_mask"], labels=b["labels"])
+            return out, loss_func
+
+        forward_backward = get_forward_backward_func()
+        fixed = [batch] * num_micro
+
+        def iteration(micro_batches: list[dict] | None = None) -> float:
+            micro, rows, width = fixed, micro_batch, seq
+            if micro_batches is not None:
+                micro = micro_batches
+                rows = max(m["input_ids"].shape[0] for m in micro)
+                width = max(m["input_ids"].shape[1] for m in micro)
+            for chunk in model:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            losses = forward_backward(
+                forward_step_func=forward_step,
+                data_iterator=iter(micro),
+                model=model,
+                num_microbatches=len(micro),
+                seq_length=width,
+                micro_batch_size=rows,
+                forward_only=False,
+            )
+            optimizer.step()
+            return float(torch.stack([x["loss"] for x in losses]).mean())
+
+        for chunk in model:
+            chunk.train()
+        self.iteration = iteration
+        self.model, self.optimizer, self.model_config = model, optimizer, model_config
+        self.micro_batch, self.seq, self.num_micro = micro_batch, seq, num_micro
+        self.before_gb = before_gb
+
+    @staticmethod
+    def _build(config, info, dtype) -> tuple[list, object]:
+        """This rank's chunks under Megatron DDP and the distributed Adam, as the roles
+        build them."""
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        from rl_megatron.models.builders import build_gpt_chunks
+        from rl_megatron.models.hf_config import moe_loss_overrides
+
+        p, m = config.parallel, config.model
         # The actor's TransformerConfig extras (trainer/build.py, `build_roles`): sequence
         # parallelism, the actor's recompute and, with experts, its router losses (off unless
         # model.moe_*_loss_coeff say otherwise). The rest of an MoE layer (alltoall dispatcher,
@@ -86,61 +160,34 @@ class PlainLoop:
             ),
             model,
         )
-        device = next(chunks[0].parameters()).device
-        gen = torch.Generator().manual_seed(0)
-        tokens = torch.randint(0, info.vocab_size, (micro_batch, seq + 1), generator=gen).to(device)
-        batch = {
-            "input_ids": tokens[:, :-1].contiguous(),
-            "labels": tokens[:, 1:].contiguous(),
-            "position_ids": torch.arange(seq, device=device).expand(micro_batch, seq).contiguous(),
-            "attention_mask": None,
-        }
-        if masked:
-            from rl_megatron.models.sdpa_attention import causal_padding_mask
-
-            ones = torch.ones(micro_batch, seq, dtype=torch.bool, device=device)
-            batch["attention_mask"] = causal_padding_mask(ones)
-
-        def loss_func(per_token_loss: torch.Tensor):
-            loss = per_token_loss.float().mean()
-            return loss, {"loss": loss.detach()}
-
-        def forward_step(data_iterator, chunk):
-            b = next(data_iterator)
-            # attention_mask None: the causal fast path of SDPAttention. With labels, GPTModel
-            # returns the per-token vocab-parallel cross-entropy `[b, s]`.
-            out = chunk(b["input_ids"], b["position_ids"], b["attention_mask"], labels=b["labels"])
-            return out, loss_func
-
-        forward_backward = get_forward_backward_func()
-
-        def iteration() -> float:
-            for chunk in model:
-                chunk.zero_grad_buffer()
-            optimizer.zero_grad()
-            losses = forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=iter([batch] * num_micro),
-                model=model,
-                num_microbatches=num_micro,
-                seq_length=seq,
-                micro_batch_size=micro_batch,
-                forward_only=False,
-            )
-            optimizer.step()
-            return float(torch.stack([x["loss"] for x in losses]).mean())
-
-        for chunk in model:
-            chunk.train()
-        self.iteration = iteration
-        self.model, self.optimizer, self.model_config = model, optimizer, model_config
-        self.micro_batch, self.seq, self.num_micro = micro_batch, seq, num_micro
-        self.before_gb = before_gb
+        return model, optimizer
 
     def close(self) -> None:
-        """Unhook megatron-core's grad finalisation from the model config (the model and
-        optimizer go with this object)."""
-        self.model_config.finalize_model_grads_func = None
+        """Unhook megatron-core's grad finalisation from the model config of a model built
+        here (the model and optimizer go with this object); a role's stays as it is."""
+        if self.owns_model:
+            self.model_config.finalize_model_grads_func = None
+
+
+def plain_micro_batches(micro_batches: list[dict]) -> list[dict]:
+    """A trainer role's left-aligned micro-batches (`MegatronRole._micro_batches`) as the
+    plain loop's: the same `input_ids` / `position_ids` `[b, s]`, attention mask None (as the
+    role passes them: padding only at the ends of rows, plain causal attention), labels the
+    next tokens (the last column's wraps around; its loss counts like any other)."""
+    if any("input_ids" not in m for m in micro_batches):
+        raise ValueError(
+            "plain_micro_batches: needs left-aligned micro-batches (input_ids), not packed "
+            "ones (model.pack_sequences=false)"
+        )
+    return [
+        {
+            "input_ids": m["input_ids"],
+            "position_ids": m["position_ids"],
+            "labels": m["input_ids"].roll(-1, dims=1),
+            "attention_mask": None,
+        }
+        for m in micro_batches
+    ]
 
 
 def plain_loop(config, info, args, masked: bool = False, profile: bool = True) -> dict:

@@ -49,6 +49,11 @@ leans towards A; in a launch-bound one (an MoE without grouped GEMM) it does not
 N more rounds of the plain loop against itself (`control_plain_vs_plain`): the same work in
 both slots, whose spread is the host's alone (the eleventh H200 run's update A/B spread
 0.77–1.17 with its median at 0.94).
+`--update-diagnostics N` (with `--interleave-update`) then splits that ratio into single
+factors in N more rounds (`update_diagnostics.py`): the plain loop on the update's own
+micro-batches (`data`), on the actor's own model, optimizer and config (`model`), and the
+update against the latter (`role_code`, our role code and loss); per round the three
+multiply to the update ÷ plain.
 The first H200 run (RESULTS.md, 2026-11-29) patched two device-placement bugs of the
 trainer in-process; they are fixed in the trainer since, and the bench patches nothing.
 
@@ -65,6 +70,15 @@ A mixture of experts (issue 19; `yaml_configs/bench_h200_moe.yaml`: 1.97B parame
         --config yaml_configs/bench_h200_moe.yaml --algorithms grpo --steps 2 \
         --out-json $OUT/trainer_h200_moe.json
 
+and where its update ÷ plain gap comes from (~95 s more: eight rounds of the four slots;
+`gpu/whole_step.sh`'s `moe_trainer` step):
+
+    torchrun --standalone --nproc_per_node 1 benchmarks/trainer_bench.py \
+        --config yaml_configs/bench_h200_moe.yaml --algorithms grpo --warmup-steps 1 \
+        --steps 2 --no-plain-masked --interleave-update 8 --update-diagnostics 8 \
+        --out-json $OUT/trainer_h200_moe.json \
+        rollout.max_response_length=64 model.max_position_embeddings=128
+
 CPU smoke test (the tiny_cpu model shape, a few tokens, seconds; with an MoE config, the
 tiny shape keeps 4 experts, top-2, `TINY_MOE_OVERRIDES`):
 
@@ -72,6 +86,9 @@ tiny shape keeps 4 experts, top-2, `TINY_MOE_OVERRIDES`):
         --config yaml_configs/bench_h200_1b.yaml --tiny
     .venv/bin/torchrun --standalone --nproc_per_node 1 benchmarks/trainer_bench.py \
         --config yaml_configs/bench_h200_moe.yaml --tiny --algorithms grpo
+    .venv/bin/torchrun --standalone --nproc_per_node 1 benchmarks/trainer_bench.py \
+        --config yaml_configs/bench_h200_moe.yaml --tiny --algorithms grpo --steps 1 \
+        --no-plain-masked --interleave-update 8 --update-diagnostics 8  # ~25 s
 
 Writes one JSON object (rank 0) to `--out-json` (default `$OUT/trainer_bench.json` when
 `$OUT` is set) and prints a summary table.
@@ -100,6 +117,7 @@ from bench_utils import allocated_gb, free_memory, gib, sync, trainer_gc_policy
 from headline import UPDATE_VS_PLAIN_TARGET  # issues 8 and 19: one home for the target
 from phase_probes import GC_PAUSES, probed_phases
 from plain_loop import PlainLoop, plain_loop
+from update_diagnostics import recorded_micro_batches, update_diagnostics
 from update_traces import (
     actor_update_sync_sites,
     profile_next_call,
@@ -335,27 +353,36 @@ def run_trainer(
 
 def update_vs_plain_ab(trainer, config, args, optimizer_steps: int) -> dict:
     """The actor update (A) against as many plain-loop iterations (B), interleaved rounds
-    in this process (see the module docstring); the A/B record and its target."""
-    kept: list = []
+    in this process (see the module docstring); the A/B record and its target, and with
+    `--update-diagnostics` the gap split into single factors (`update_diagnostics`)."""
+    kept: dict = {}
 
     def keep(update):
-        kept.append(update)
-        return update()
+        kept["update"] = update
+        with recorded_micro_batches(trainer.roles.actor) as built:
+            out = update()
+        kept["micro_batches"] = built  # one list per optimizer step, as the update made them
+        return out
 
     step_with_actor_update(trainer, keep)  # one more step: its actor-update phase is kept
-    (update,) = kept
+    update = kept["update"]
     loop = PlainLoop(config, trainer.info, args)
     loop.iteration()  # its warm-up: kernel selection, optimizer state
 
     def plain():
         return [loop.iteration() for _ in range(optimizer_steps)]
 
+    diagnostics = None
     try:
         with trainer_gc_policy(config.trainer.manual_gc):
             r = interleave(update, plain, args.interleave_update, warmup=1, sync=sync)
             # The control: the plain loop against itself, as many rounds. The same work in
             # both slots, so its spread is the host's, the floor under the A/B's.
             control = interleave(plain, plain, args.interleave_update, warmup=0, sync=sync)
+            if args.update_diagnostics:
+                diagnostics = update_diagnostics(
+                    update, loop, trainer, config, args, kept["micro_batches"]
+                )
     finally:
         loop.close()
     m = config.model
@@ -379,12 +406,15 @@ def update_vs_plain_ab(trainer, config, args, optimizer_steps: int) -> dict:
             f"{control.ratio_max:.3f}]",
             flush=True,
         )
-    return {
+    out = {
         "ab": r.as_dict(),
         "control_plain_vs_plain": control.as_dict(),
         "optimizer_steps": optimizer_steps,
         "target": record,
     }
+    if diagnostics is not None:
+        out["diagnostics"] = diagnostics
+    return out
 
 
 def _try_save(trainer, run) -> dict:
@@ -518,11 +548,21 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="N interleaved A/B rounds of the actor update against the plain loop",
     )
+    parser.add_argument(
+        "--update-diagnostics",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --interleave-update: N more rounds splitting the update ÷ plain gap into "
+        "single factors (data, model, role code)",
+    )
     parser.add_argument("--run-dir", default="runs/trainer_bench")
     parser.add_argument("--tiny", action="store_true", help="tiny_cpu model: CPU smoke test")
     parser.add_argument("--out-json", type=Path, default=None)
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
     args = parser.parse_args(argv)
+    if args.update_diagnostics and not args.interleave_update:
+        parser.error("--update-diagnostics needs --interleave-update")
     if args.tiny:
         args.plain_iters, args.plain_warmup = min(args.plain_iters, 2), min(args.plain_warmup, 1)
     if args.out_json is None and os.environ.get("OUT"):

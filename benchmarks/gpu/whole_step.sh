@@ -20,9 +20,11 @@ step reshard_tests 240 python3 -m pytest -q -rs -p no:cacheprovider tests/unit/t
 # comparison with the plain loop is on whatever lengths the step makes), then the update
 # and the plain loop as eight interleaved A/B rounds (the tenth run profiled them instead:
 # add --profile-dir "$RES" --profile-update, ~80 s more).
-step moe_trainer 400 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_moe.yaml \
+# --update-diagnostics 8: eight more rounds splitting update ÷ plain into its factors
+# (update_diagnostics.py: our role code, the model instance, the data; ~95 s more).
+step moe_trainer 520 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_moe.yaml \
   --algorithms grpo --warmup-steps 1 --steps 2 --no-plain-masked --interleave-update 8 \
-  --out-json "$RES/trainer_h200_moe_$TAG.json" \
+  --update-diagnostics 8 --out-json "$RES/trainer_h200_moe_$TAG.json" \
   rollout.max_response_length=64 model.max_position_embeddings=128
 # Three more calls profiled (--profile-dir): where the host time around 2 048 expert
 # copies goes, op by op; and the sync with its copies replayed as CUDA graphs against the
