@@ -16,7 +16,9 @@ rounds for more than two calls), each slot the same optimizer steps:
 * `plain`: the plain loop on its random tokens, as in the A/B.
 
 Adjacent slots isolate one difference each (`FACTORS`: `role_code`, `model`, `data`), and
-their per-round ratios multiply to `total`, the update ÷ plain again. Also recorded: per
+their per-round ratios multiply to `total`, the update ÷ plain again; `same_tokens` is the
+update ÷ the plain loop on the update's own micro-batches (an MoE's speed depends on the
+tokens it routes: the fourteenth H200 run's `data` factor was 0.90–0.93). Also recorded: per
 slot, its garbage-collector pauses and CUDA allocator calls (`phase_probes`); the fields
 in which the actor's and the plain model's TransformerConfigs differ (`config_diff`), and
 their modules' hooks, modes and parameters (`module_state`).
@@ -62,6 +64,14 @@ FACTORS = {
         "trimmed to the longest one)",
     ),
     "total": ("update", "plain", "the update ÷ the plain loop: the product of the three"),
+    # Not a single factor (role_code × model): the like-for-like comparison for an MoE,
+    # whose speed depends on which tokens it routes, so "the same work" is the same tokens.
+    "same_tokens": (
+        "update",
+        "plain_update_batches",
+        "the update ÷ the plain loop on the update's own micro-batches: the same tokens "
+        "through the same shapes, our role code and model instance against megatron-core's",
+    ),
 }
 
 
