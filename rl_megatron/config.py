@@ -204,13 +204,25 @@ class OptimConfig:
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
     clip_grad: float = 1.0  # global grad-norm clip; 0 = off
+    # Share of this rank's optimizer state (fp32 master weights + Adam moments, 12 bytes per
+    # parameter: 96 GB of an 8B model at dp=1) kept in host memory for good, its Adam step
+    # run on the CPU (megatron-core's HybridDeviceOptimizer, `optimizer_offload_fraction`):
+    # 0 = off, 1 = all of it (the device keeps only the bf16 weights and fp32 gradients).
+    # Each step copies the gradients to the host (into a pinned copy: 16 bytes of host memory
+    # per offloaded parameter in all) and the updated weights back. Needs model.dtype=bf16.
+    # Unlike `offload.optimizer`, the share never returns to the device.
+    cpu_offload_fraction: float = 0.0
+    # With it: overlap the gradient / weight copies with the CPU step, one parameter at a time
+    # (megatron-core's overlap_cpu_optimizer_d2h_h2d, which Megatron-LM recommends).
+    cpu_offload_overlap: bool = True
 
 
 @dataclass
 class OffloadConfig:
     params: bool = False  # move weights to pinned CPU memory between phases
     grads: bool = False  # move gradient buffers
-    optimizer: bool = False  # move optimizer state
+    # move optimizer state (with optim.cpu_offload_fraction > 0: only its device share)
+    optimizer: bool = False
 
 
 @dataclass

@@ -59,6 +59,7 @@ def validate(config: Config, world_size: int) -> ParallelLayout:
             "false and convert a checkpoint with checkpoints_tools/megatron_to_hf.py",
         )
     _check_actor_critic(config, layout.dp)
+    _check_optimizer_cpu_offload(config)
     _check_run(config.trainer, config.checkpoint, config.logging)
     return layout
 
@@ -493,6 +494,26 @@ def _check_optim(optim: OptimConfig, key: str) -> None:
     _require(optim.adam_eps > 0, f"{key}.adam_eps", "must be > 0")
     _require(optim.clip_grad >= 0, f"{key}.clip_grad", "must be >= 0 (0 = off)")
     _require(optim.weight_decay >= 0, f"{key}.weight_decay", "must be >= 0")
+    _require(
+        0 <= optim.cpu_offload_fraction <= 1,
+        f"{key}.cpu_offload_fraction",
+        f"must be in [0, 1] (0 = off), got {optim.cpu_offload_fraction}",
+    )
+
+
+def _check_optimizer_cpu_offload(config: Config) -> None:
+    """megatron-core's optimizer CPU offload keeps fp32 copies of 16-bit weights: with fp32
+    weights it fails, and with fp16 (loss scaling) it does not reproduce the default
+    optimizer's steps. `offload.optimizer` combines with it: it moves the device share."""
+    for section, role in (("actor", config.actor), ("critic", config.critic)):
+        if section == "critic" and not config.critic.enable:
+            continue
+        _require(
+            role.optim.cpu_offload_fraction == 0 or config.model.dtype == "bf16",
+            f"{section}.optim.cpu_offload_fraction",
+            f"needs model.dtype=bf16 (megatron-core's optimizer CPU offload keeps fp32 copies "
+            f"of bf16 weights), got {config.model.dtype}; set it 0 or use bf16",
+        )
 
 
 def _check_run(t: TrainerConfig, c: CheckpointConfig, log: LoggingConfig) -> None:

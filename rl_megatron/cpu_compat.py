@@ -12,7 +12,9 @@ checks in the optimizers. This module redirects all of them to the CPU:
 * Megatron's RNG tracker keeps its states as CPU generator states;
 * the MoE all-to-all dispatcher gets its split sizes as numpy arrays, as it does on a GPU,
   and its all-to-all allocates on the CPU in the backward pass too
-  (`_patch_megatron_moe_splits`).
+  (`_patch_megatron_moe_splits`);
+* the optimizer CPU offload splits its parameters between host and device as on a GPU
+  (`_patch_hybrid_optimizer`).
 
 It is enabled only when no GPU is present (``enable_if_no_gpu``) and never on a GPU run.
 """
@@ -165,6 +167,55 @@ def _patch_megatron_moe_splits() -> None:
     mappings._AllToAll.forward = staticmethod(forward_on_cpu)
 
 
+class _DeviceResidentMode(TorchFunctionMode):
+    """`is_cuda` is True for the given tensors and for the copies `clone`, `detach` and
+    `float` make of them; `.cpu()` of one is a host tensor of its own."""
+
+    _INHERIT = (torch.Tensor.clone, torch.Tensor.detach, torch.Tensor.float)
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        super().__init__()
+        self._alive = list(tensors)  # kept alive while the mode is, so their ids stay theirs
+        self._ids = {id(t) for t in self._alive}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func == _IS_CUDA:
+            return id(args[0]) in self._ids
+        out = func(*args, **(kwargs or {}))
+        resident = bool(args) and id(args[0]) in self._ids
+        if resident and func is torch.Tensor.cpu and out is args[0]:
+            return out.detach()  # a new tensor object: the host copy
+        if resident and func in self._INHERIT and out is not args[0]:
+            self._alive.append(out)
+            self._ids.add(id(out))
+        return out
+
+
+_IS_CUDA = torch.Tensor.is_cuda.__get__  # a method-wrapper: compared with ==, not `is`
+
+
+def _patch_hybrid_optimizer() -> None:
+    """megatron-core's `HybridDeviceOptimizer` (`optim.cpu_offload_fraction`) gives the first
+    `fraction` of its device-resident parameters (by `is_cuda`) host copies stepped by CPU
+    optimizers and leaves the rest to a device optimizer. Without a GPU no parameter is
+    device-resident: every one lands in a CPU optimizer without a device twin, and the first
+    step fails (KeyError in `_set_sub_optimizer_grads`). While it splits, the parameters it
+    was given count as device-resident here, with the copies made from them, and `.cpu()`
+    makes a host copy: the split of a GPU run, both kinds of sub-optimizer on the CPU."""
+    try:
+        from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+    except ImportError:
+        return
+    split = HybridDeviceOptimizer._get_sub_optimizer_param_groups
+
+    def split_as_on_a_gpu(self: Any, offload_fraction: float) -> Any:
+        params = [p for group in self.param_groups for p in group["params"]]
+        with _DeviceResidentMode(params):
+            return split(self, offload_fraction)
+
+    HybridDeviceOptimizer._get_sub_optimizer_param_groups = split_as_on_a_gpu
+
+
 def enable() -> None:
     """Install the CPU redirect for the rest of the process (idempotent)."""
     global _ENABLED, _MODE
@@ -173,6 +224,7 @@ def enable() -> None:
     _patch_torch_cuda()
     _patch_megatron_rng()
     _patch_megatron_moe_splits()
+    _patch_hybrid_optimizer()
     # The "CUDA" RNG is the CPU generator here, so Megatron's fork() always sees the CPU
     # state change and would warn on every dropout.
     logging.getLogger("megatron.core.tensor_parallel.random").setLevel(logging.ERROR)

@@ -1,11 +1,17 @@
-"""Workarounds for megatron-core 0.16.1's checkpointing of the distributed optimizer.
+"""Workarounds for megatron-core 0.16.1's distributed optimizer: checkpoints and CPU offload.
 
 Each is scoped to the call that needs it and says what it works around:
 * with torch's Adam (no TE / apex) a fresh optimizer can neither be saved nor loaded into
   (`ensure_adam_state`), and Adam's `step` is aliased or lost on load
   (`restore_adam_steps`, `tolerate_missing_adam_step`);
 * its checkpoint writer forks helper processes even for synchronous saves
-  (`InProcessSaveStrategy`, which also hashes the files it writes for the manifest).
+  (`InProcessSaveStrategy`, which also hashes the files it writes for the manifest);
+* its optimizer CPU offload (`HybridDeviceOptimizer`, `optim.cpu_offload_fraction`) cannot
+  be configured without Transformer Engine (`precision_aware_without_te`), cannot save a
+  fresh optimizer and loads into one by stepping it with random gradients
+  (`ensure_adam_state`), saves classes in its param groups (`hybrid_groups_as_data`), and
+  its dp_reshardable loader does not hand the loaded state to its sub-optimizers
+  (`finish_hybrid_load`).
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from typing import Any
 import torch
 from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+from megatron.core.optimizer import optimizer_config
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
+from megatron.core.utils import get_te_version
 from torch.distributed.checkpoint.filesystem import _write_item
 
 from rl_megatron.checkpoint import integrity
@@ -34,6 +43,12 @@ def inner_optimizers(optimizer: Any) -> list:
     return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
 
 
+def hybrid_optimizers(optimizer: Any) -> list[HybridDeviceOptimizer]:
+    """The `HybridDeviceOptimizer`s (optimizer CPU offload) inside a megatron optimizer."""
+    inner = [getattr(opt, "optimizer", None) for opt in inner_optimizers(optimizer)]
+    return [opt for opt in inner if isinstance(opt, HybridDeviceOptimizer)]
+
+
 def ensure_adam_state(optimizer: Any) -> None:
     """Give torch.optim.Adam its state before the first step.
 
@@ -42,6 +57,8 @@ def ensure_adam_state(optimizer: Any) -> None:
     exactly one `step`: a fresh optimizer can neither be saved nor loaded into. Zero moments
     and step 0 are exactly what Adam's first step would create.
     """
+    for hybrid in hybrid_optimizers(optimizer):
+        _ensure_hybrid_state(hybrid)
     for opt in inner_optimizers(optimizer):
         inner = opt.optimizer
         if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
@@ -54,6 +71,112 @@ def ensure_adam_state(optimizer: Any) -> None:
                         "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
                         "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format),
                     }
+
+
+def _ensure_hybrid_state(hybrid: HybridDeviceOptimizer) -> None:
+    """The first step's state for a fresh `HybridDeviceOptimizer`'s sub-optimizers.
+
+    megatron-core 0.16.1 cannot save a fresh one (its empty state has no `master_param`),
+    and loads into one by first stepping it with random gradients (`dummy_step`), which
+    moves the weights. Zero moments and step 0 are what each sub-optimizer's first step
+    creates (torch's fused Adam keeps `step` on its parameter's device; TE's FusedAdam, the
+    device share's optimizer on a GPU with TE, keeps it in its param groups); the master
+    weights are the sub-optimizers' own fp32 parameters.
+    """
+    fresh = False
+    for sub in hybrid.sub_optimizers:
+        for group in sub.param_groups:
+            for param in group["params"]:
+                if sub.state[param]:
+                    continue
+                state = {"exp_avg": torch.zeros_like(param), "exp_avg_sq": torch.zeros_like(param)}
+                if isinstance(sub, torch.optim.Adam | torch.optim.AdamW):
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=param.device)
+                sub.state[param] = state
+                fresh = True
+    if fresh:
+        hybrid._sync_sub_optimizers_state_to_hdo()  # its view of them, master_param included
+
+
+def finish_hybrid_load(optimizer: Any) -> None:
+    """Hand the loaded optimizer state to each `HybridDeviceOptimizer`'s sub-optimizers.
+
+    megatron-core 0.16.1's dp_reshardable loader sets the loaded master weights and moments
+    in the wrapper's state only; its other loaders also copy them into the sub-optimizers
+    (`_sync_hdo_state_to_sub_optimizers`). The fp32 weights the sub-optimizers step hold the
+    loaded values anyway today, because dist_checkpointing loads into the very tensors the
+    state dict names; nothing promises that, the copy here does. Passing the state on also
+    moves all of a torch Adam's state to the host (the device share's too, on a GPU without
+    TE): it goes back to its parameters' device. Dropped: the loader's bucket-layout flag
+    `padding`, which it leaves in each parameter's state, and the `step` the load leaves in
+    the wrapper's param groups, which the wrapper copies into its sub-optimizers at every
+    step (it would hold TE FusedAdam's step count, kept in its groups, at the loaded value).
+    Call after `restore_adam_steps`.
+    """
+    for hybrid in hybrid_optimizers(optimizer):
+        hybrid._sync_hdo_state_to_sub_optimizers()  # master weights into the fp32 params
+        for sub in hybrid.sub_optimizers:
+            for param, state in sub.state.items():
+                state.pop("padding", None)  # the dp_reshardable loader's bucket-layout flag
+                for key, value in state.items():
+                    if torch.is_tensor(value) and value.device != param.device:
+                        state[key] = value.to(param.device)
+        hybrid._sync_sub_optimizers_state_to_hdo()  # master_param: the stepped fp32 params
+        for group in hybrid.param_groups:
+            group.pop("step", None)
+            for key, value in hybrid.defaults.items():  # its classes (`hybrid_groups_as_data`)
+                if isinstance(value, type):
+                    group.setdefault(key, value)
+
+
+@contextlib.contextmanager
+def hybrid_groups_as_data(optimizer: Any) -> Iterator[None]:
+    """Keep a `HybridDeviceOptimizer`'s optimizer classes out of its state dict.
+
+    Its param groups carry its settings, the CPU and device optimizer classes among them,
+    and megatron-core saves the groups as they are: classes in a pickle, which our restricted
+    loading (`safe_metadata`) rightly refuses. They are settings, not state: the optimizer
+    loaded into has its own (`finish_hybrid_load` puts them back into its groups).
+    """
+    handles = [
+        hybrid.register_state_dict_post_hook(_groups_without_classes)
+        for hybrid in hybrid_optimizers(optimizer)
+    ]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _groups_without_classes(_optimizer: Any, state_dict: dict) -> dict:
+    state_dict["param_groups"] = [
+        {k: v for k, v in group.items() if not isinstance(v, type)}
+        for group in state_dict["param_groups"]
+    ]
+    return state_dict
+
+
+@contextlib.contextmanager
+def precision_aware_without_te() -> Iterator[None]:
+    """Let megatron-core 0.16.1 build a precision-aware `OptimizerConfig` without TE.
+
+    The optimizer CPU offload needs `use_precision_aware_optimizer` (as Megatron-LM
+    requires), whose `__post_init__` asks `is_te_min_version("2.1.0")` whether TE's
+    FusedAdam can store parameter remainders; without Transformer Engine that comparison
+    raises a TypeError (None >= Version). The offload's optimizers need no TE: here the
+    answer is then "no", as it would be for an old TE.
+    """
+    original = optimizer_config.is_te_min_version
+
+    def te_min_version(version: str, check_equality: bool = True) -> bool:
+        return get_te_version() is not None and original(version, check_equality)
+
+    optimizer_config.is_te_min_version = te_min_version
+    try:
+        yield
+    finally:
+        optimizer_config.is_te_min_version = original
 
 
 def restore_adam_steps(optimizer: Any, loaded: dict) -> None:

@@ -88,6 +88,8 @@ from rl_megatron.checkpoint.integrity import MANIFEST_FILE
 from rl_megatron.checkpoint.mcore_compat import (
     InProcessSaveStrategy,
     ensure_adam_state,
+    finish_hybrid_load,
+    hybrid_groups_as_data,
     restore_adam_steps,
     tolerate_missing_adam_step,
 )
@@ -342,6 +344,7 @@ class CheckpointManager:
                     with tolerate_missing_adam_step(role.optimizer):
                         role.optimizer.load_state_dict(loaded["optimizer"])
                     restore_adam_steps(role.optimizer, loaded["optimizer"])
+                    finish_hybrid_load(role.optimizer)  # optim.cpu_offload_fraction > 0
                     role.step_count = role_meta["step_count"]
         except BaseCheckpointError as exc:
             problem = str(exc)
@@ -408,9 +411,10 @@ def _sharded_state(role: Any, sharding: str | None, *, is_loading: bool) -> dict
         ensure_adam_state(role.optimizer)
         # As Megatron-LM: no optimizer-index prefix, so the keys do not depend on chaining.
         metadata = {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
-        state["optimizer"] = role.optimizer.sharded_state_dict(
-            state, is_loading=is_loading, metadata=metadata
-        )
+        with hybrid_groups_as_data(role.optimizer):
+            state["optimizer"] = role.optimizer.sharded_state_dict(
+                state, is_loading=is_loading, metadata=metadata
+            )
     return state
 
 

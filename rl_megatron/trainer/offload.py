@@ -16,6 +16,9 @@ What moves, per flag of `OffloadConfig`:
   the start of every train step, so they are freed on offload and zero-filled on reload.
 * `optimizer`: the inner optimizer's state (Adam moments, step) and its fp32 master
   weights, except where those alias the parameters (fp32 models: they are the params).
+  With megatron-core's optimizer CPU offload (`optim.cpu_offload_fraction`) only its device
+  share moves: the offloaded share lives in host memory for good, and moving it would only
+  make a second host copy.
 
 The same code runs on CPU, where it frees and restores host memory; there the round trip
 still proves that nothing is lost.
@@ -27,6 +30,7 @@ from collections.abc import Iterable
 
 import torch
 from megatron.core.distributed import DistributedDataParallel
+from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
 from rl_megatron.checkpoint.mcore_compat import inner_optimizers
 from rl_megatron.config import OffloadConfig
@@ -68,17 +72,31 @@ def grad_tensors(model: list[torch.nn.Module]) -> list[torch.Tensor]:
 
 
 def optimizer_tensors(optimizer) -> list[torch.Tensor]:
-    """Adam state and master weights of the (possibly chained) megatron optimizer."""
+    """Adam state and master weights of the (possibly chained) megatron optimizer, without
+    what its CPU offload keeps in host memory (`_device_optimizers`)."""
     out: list[torch.Tensor] = []
     for opt in inner_optimizers(optimizer):
         inner = getattr(opt, "optimizer", None)
         if inner is None:
             continue
-        for group in inner.param_groups:
-            out.extend(group["params"])
-        for state in inner.state.values():
-            out.extend(v for v in state.values() if torch.is_tensor(v))
+        for device_opt in _device_optimizers(inner):
+            for group in device_opt.param_groups:
+                out.extend(group["params"])
+            for state in device_opt.state.values():
+                out.extend(v for v in state.values() if torch.is_tensor(v))
     return out
+
+
+def _device_optimizers(inner: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The torch optimizers whose weights and state live on the role's device.
+
+    A `HybridDeviceOptimizer` steps its offloaded share with CPU optimizers on host copies
+    (left alone) and the rest with its `gpu_optimizer` on fp32 copies of the weights; its own
+    param groups hold the model's weights, which move with `params`.
+    """
+    if isinstance(inner, HybridDeviceOptimizer):
+        return [inner.gpu_optimizer] if inner.gpu_optimizer is not None else []
+    return [inner]
 
 
 def _ddp_buffers(chunk: torch.nn.Module) -> list:

@@ -64,6 +64,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rl_megatron.algorithms.aggregation import BatchTotals, batch_totals
 from rl_megatron.checkpoint.hf_loader import unwrap
+from rl_megatron.checkpoint.mcore_compat import precision_aware_without_te
 from rl_megatron.config import OffloadConfig, OptimConfig
 from rl_megatron.models import context_parallel as cpo
 from rl_megatron.models.builders import ValueHead
@@ -95,6 +96,28 @@ LossFn = Callable[
 ]
 
 
+def _cpu_offload_fields(optim: OptimConfig, dtype: torch.dtype) -> dict:
+    """megatron-core's optimizer CPU offload (`HybridDeviceOptimizer`) for
+    `optim.cpu_offload_fraction` > 0, as `OptimizerConfig` fields; none when it is 0, so that
+    the default optimizer is built exactly as without the key."""
+    if optim.cpu_offload_fraction <= 0:
+        return {}
+    if dtype != torch.bfloat16:
+        # fp32: megatron-core fails ("can't optimize a non-leaf Tensor"); fp16: its steps
+        # did not match the default optimizer's (config_checks refuses both, by key).
+        raise ValueError(f"optim.cpu_offload_fraction needs bf16 weights, got {dtype}")
+    return {
+        "optimizer_cpu_offload": True,
+        "optimizer_offload_fraction": optim.cpu_offload_fraction,
+        # Required with the offload (Megatron-LM refuses it otherwise): the hybrid optimizer
+        # then holds the fp32 master weights itself, on the host for its offloaded share,
+        # and the distributed optimizer keeps no fp32 copy of the weights on the device.
+        "use_precision_aware_optimizer": True,
+        "decoupled_weight_decay": True,  # megatron-core's CPU Adam is AdamW (as by default)
+        "overlap_cpu_optimizer_d2h_h2d": optim.cpu_offload_overlap,
+    }
+
+
 class MegatronRole:
     """Model chunks of one role, with DDP, the distributed optimizer and an LR schedule.
 
@@ -102,7 +125,9 @@ class MegatronRole:
         chunks: this rank's `GPTModel` chunks, one per virtual pipeline stage (a builder's
             output); LM head or `ValueHead`.
         optim: optimizer settings; None for a frozen role (reference, reward model), which
-            gets neither DDP nor an optimizer and can only run `forward_only`.
+            gets neither DDP nor an optimizer and can only run `forward_only`. With
+            `cpu_offload_fraction` > 0 that share of the optimizer state lives in host
+            memory and is stepped there (`_cpu_offload_fields`).
         micro_batch_size: rows per micro-batch (fixed mode).
         use_dynamic_batch: token-budget micro-batches instead (`micro_batches`).
         max_tokens_per_micro_batch: the budget, in real tokens.
@@ -214,8 +239,9 @@ class MegatronRole:
         ]
         self.config.finalize_model_grads_func = finalize_model_grads
         dtype = self.config.params_dtype
-        self.optimizer = get_megatron_optimizer(
-            OptimizerConfig(
+        offload_fields = _cpu_offload_fields(optim, dtype)
+        with precision_aware_without_te() if offload_fields else contextlib.nullcontext():
+            optimizer_config = OptimizerConfig(
                 optimizer="adam",  # the distributed optimizer supports Adam only
                 lr=optim.lr,
                 min_lr=optim.min_lr,
@@ -227,9 +253,9 @@ class MegatronRole:
                 bf16=dtype == torch.bfloat16,
                 params_dtype=dtype,
                 use_distributed_optimizer=True,
-            ),
-            self.model,
-        )
+                **offload_fields,
+            )
+        self.optimizer = get_megatron_optimizer(optimizer_config, self.model)
         self._set_lr(lr_at(0, optim, total_steps))
         self.offloader = Offloader(self.model, self.optimizer)
 
@@ -751,7 +777,9 @@ class MegatronRole:
 
         megatron-core marks biases and 1-D parameters (norms) with `wd_mult` 0 but leaves
         applying it to its `OptimizerParamScheduler`, which we do not use: without the
-        multipliers here the norms would be decayed towards 0.
+        multipliers here the norms would be decayed towards 0. With the optimizer CPU
+        offload these are the `HybridDeviceOptimizer`'s groups, which it copies into its
+        CPU and device optimizers at every step.
         """
         weight_decay = self.optim_config.weight_decay
         for group in self.optimizer.param_groups:

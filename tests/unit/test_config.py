@@ -257,6 +257,56 @@ def test_calculate_log_probs_defaults_off_and_takes_only_booleans():
     assert message == "rollout.calculate_log_probs: expected true or false, got int 1"
 
 
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (
+            ["model.dtype=bf16", "actor.optim.cpu_offload_fraction=1.5"],
+            "actor.optim.cpu_offload_fraction: must be in [0, 1] (0 = off), got 1.5",
+        ),
+        (
+            ["model.dtype=bf16", "actor.optim.cpu_offload_fraction=-0.1"],
+            "actor.optim.cpu_offload_fraction: must be in [0, 1] (0 = off), got -0.1",
+        ),
+        (
+            ["actor.optim.cpu_offload_fraction=1.0"],  # tiny_cpu.yaml trains in fp32
+            "actor.optim.cpu_offload_fraction: needs model.dtype=bf16 (megatron-core's "
+            "optimizer CPU offload keeps fp32 copies of bf16 weights), got fp32; set it 0 "
+            "or use bf16",
+        ),
+        (
+            ["algorithm.adv_estimator=gae", "model.dtype=fp16",
+             "critic.optim.cpu_offload_fraction=0.5"],
+            "critic.optim.cpu_offload_fraction: needs model.dtype=bf16 (megatron-core's "
+            "optimizer CPU offload keeps fp32 copies of bf16 weights), got fp16; set it 0 "
+            "or use bf16",
+        ),
+        (
+            ["model.dtype=bf16", "actor.optim.cpu_offload_fraction=half"],
+            "actor.optim.cpu_offload_fraction: expected a number, got str 'half'",
+        ),
+    ],
+)  # fmt: skip
+def test_optimizer_cpu_offload_settings_are_checked(overrides, expected):
+    assert _error(TINY, overrides) == expected
+
+
+def test_optimizer_cpu_offload_combines_with_offload_between_phases():
+    overrides = [
+        "model.dtype=bf16",
+        "algorithm.adv_estimator=gae",
+        "actor.optim.cpu_offload_fraction=1.0",
+        "actor.offload.optimizer=true",  # moves what stays on the device: nothing here
+        "critic.optim.cpu_offload_fraction=0.5",
+        "critic.optim.cpu_offload_overlap=false",
+        "critic.offload.optimizer=true",  # moves the device half
+    ]
+    config = load_config(TINY, overrides)
+    validate(config, world_size=4)
+    assert config.actor.optim.cpu_offload_fraction == 1.0
+    assert load_config(TINY, []).actor.optim.cpu_offload_fraction == 0.0  # off by default
+
+
 def test_manual_gc_interval_cannot_be_negative():
     assert load_config(TINY, ["trainer.manual_gc=true"]).trainer.manual_gc is True
     message = _error(TINY, ["trainer.manual_gc_interval=-1"])
