@@ -157,6 +157,27 @@ TINY_MOE_OVERRIDES = [
     "model.moe_router_topk=2",
 ]
 
+
+def tiny_overrides(config) -> list[str]:
+    """`--tiny`'s overrides for `config`: `TINY_OVERRIDES`, and what its own settings need
+    at that size: its experts kept (`TINY_MOE_OVERRIDES`); prompts cut to 16 tokens where
+    they would not fit the tiny model's 64 positions; bf16 kept where the optimizer's state
+    is offloaded (`optim.cpu_offload_fraction` needs it); with vLLM, heads of 32 dimensions
+    (its CPU attention's smallest)."""
+    out = list(TINY_OVERRIDES)
+    if config.model.num_experts:
+        out += TINY_MOE_OVERRIDES
+    if config.rollout.max_prompt_length + 8 > 64:  # + the tiny max_response_length
+        out += ["rollout.max_prompt_length=16"]
+        if config.data.synthetic_prompt_length:
+            out += ["data.synthetic_prompt_length=15"]
+    if config.actor.optim.cpu_offload_fraction or config.critic.optim.cpu_offload_fraction:
+        out += ["model.dtype=bf16"]
+    if config.rollout.engine == "vllm":
+        out += ["model.num_attention_heads=2", "model.num_query_groups=1"]
+    return out
+
+
 # Per algorithm: the overrides that make it (the critic follows from `gae`). KL terms
 # (and with them the reference) come from the YAML or the command line's overrides.
 ALGORITHMS = {
@@ -172,9 +193,7 @@ def load_bench_config(args, algorithm: str):
     from rl_megatron.config import load_config
     from rl_megatron.config_checks import validate
 
-    overrides = list(TINY_OVERRIDES if args.tiny else [])
-    if args.tiny and load_config(args.config, args.overrides).model.num_experts:
-        overrides += TINY_MOE_OVERRIDES
+    overrides = tiny_overrides(load_config(args.config, args.overrides)) if args.tiny else []
     overrides += ALGORITHMS[algorithm]
     overrides += [
         f"trainer.output_dir={args.run_dir}",
