@@ -36,6 +36,8 @@ class FakeAllocator:
             2: Allocation("kv_cache", (2, 1000)),
             3: Allocation("kv_cache", (3, 1000)),
         }
+        self.free_bytes = 1 << 40  # the driver's free memory (`torch.cuda.mem_get_info`)
+        self.released = 0  # `torch.cuda.empty_cache` calls
 
     def mapped(self) -> dict[str, list[bool]]:
         out: dict[str, list[bool]] = {}
@@ -65,7 +67,12 @@ def allocator(monkeypatch) -> FakeAllocator:
     monkeypatch.setattr(cumem, "unmap_and_release", unmap_and_release)
     monkeypatch.setattr(cumem, "create_and_map", create_and_map)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda *_: (alloc.free_bytes, 1 << 41))
+
+    def empty_cache() -> None:
+        alloc.released += 1
+
+    monkeypatch.setattr(torch.cuda, "empty_cache", empty_cache)
     return alloc
 
 
@@ -113,7 +120,13 @@ def engine_on(alloc: FakeAllocator) -> VllmEngine:
 
 
 # A level-0 sleep and its KV-cache wake, as the stand-in records them.
-LEVEL_0_ROUND = ["reset_prefix_cache", "_rpc_unmap_kv_cache", "_rpc_map_kv_cache", "post"]
+LEVEL_0_ROUND = [
+    "reset_prefix_cache",
+    "_rpc_unmap_kv_cache",
+    "_rpc_asleep_bytes",
+    "_rpc_map_kv_cache",
+    "post",
+]
 
 
 def test_level_0_unmaps_only_the_kv_cache_and_maps_it_back(allocator):
@@ -136,7 +149,12 @@ def test_a_deeper_sleep_after_level_0_unmaps_each_allocation_once(allocator):
     assert allocator.mapped() == {"weights": [False], "kv_cache": [False, False]}
     eng.wake()
     assert allocator.mapped() == {"weights": [True], "kv_cache": [True, True]}
-    assert eng._llm.calls == [*LEVEL_0_ROUND, "sleep2", "wake_up:weights,kv_cache"]
+    assert eng._llm.calls == [
+        *LEVEL_0_ROUND,
+        "sleep2",
+        "_rpc_asleep_bytes",
+        "wake_up:weights,kv_cache",
+    ]
 
 
 def test_level_0_while_vllm_still_sleeps_leaves_the_wake_to_vllm(allocator):
@@ -146,7 +164,11 @@ def test_level_0_while_vllm_still_sleeps_leaves_the_wake_to_vllm(allocator):
     eng.sleep(level=0)  # its KV cache is still vLLM's asleep one: vLLM's wake resumes it
     eng.wake(["kv_cache"])
     assert allocator.mapped() == {"weights": [True], "kv_cache": [True, True]}
-    assert eng._llm.calls == ["sleep2", "wake_up:weights", "wake_up:kv_cache"]
+    assert [c for c in eng._llm.calls if c != "_rpc_asleep_bytes"] == [
+        "sleep2",
+        "wake_up:weights",
+        "wake_up:kv_cache",
+    ]
 
 
 def test_the_prefix_cache_is_reset_only_when_something_was_cached(allocator):
@@ -174,3 +196,32 @@ def test_level_0_needs_vllms_allocator_bookkeeping(allocator):
     }
     with pytest.raises(RuntimeError, match="rollout.sleep_level=0"):
         vllm_engine._kv_cache_allocations(allocator)
+
+
+def test_torchs_cached_memory_is_given_back_only_when_the_wake_needs_it(allocator):
+    """A wake maps its tags' unmapped allocations (weights 100 bytes, KV cache 2 000 here):
+    torch's cache is emptied only when the driver's free memory is short of that plus the
+    headroom, once per wake that is short."""
+    eng = engine_on(allocator)
+    headroom = vllm_engine.wake_headroom_bytes
+    eng.sleep(level=2)
+    allocator.free_bytes = 100 + headroom(100)  # just enough for the weights
+    eng.wake(["weights"])
+    assert allocator.released == 0
+    allocator.free_bytes = 2000 + headroom(2000) - 1  # one byte short for the KV cache
+    eng.wake(["kv_cache"])
+    assert allocator.released == 1
+    assert allocator.mapped() == {"weights": [True], "kv_cache": [True, True]}
+    eng.sleep(level=0)  # level 0: the KV cache only, counted the same way
+    allocator.free_bytes = 2000 + headroom(2000)
+    eng.wake(["kv_cache"])
+    assert allocator.released == 1
+
+
+def test_asleep_bytes_count_the_unmapped_allocations_of_the_tags(allocator):
+    allocator.pointer_to_data[2].is_asleep = True
+    allocator.pointer_to_data[1].is_asleep = True
+    rpc = vllm_engine._rpc_asleep_bytes
+    assert rpc(None, ("kv_cache",)) == 1000  # allocation 3 is still mapped
+    assert rpc(None, ("weights", "kv_cache")) == 1100
+    assert rpc(None, ()) == 0
