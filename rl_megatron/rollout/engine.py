@@ -82,6 +82,11 @@ class RolloutEngine(abc.ABC):
     def awake_tags(self) -> frozenset[str]:
         return frozenset(self._awake)
 
+    def mapped_bytes(self) -> int | None:
+        """Device memory the engine's own allocator holds mapped now (weights, KV cache),
+        where it has one that says (vLLM's, in sleep mode); None otherwise."""
+        return None
+
     def _check_can_generate(self) -> None:
         if self._failed_update is not None:
             raise RuntimeError(

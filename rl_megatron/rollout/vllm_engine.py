@@ -248,6 +248,14 @@ def _rpc_asleep_bytes(worker: Any, tags: tuple[str, ...]) -> int:
     )
 
 
+def _rpc_mapped_bytes(worker: Any) -> int:
+    """Bytes of vLLM's allocations that are mapped now: what it holds on the device."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    allocations = getattr(CuMemAllocator.get_instance(), "pointer_to_data", {}).values()
+    return sum(data.handle[1] for data in allocations if not getattr(data, "is_asleep", False))
+
+
 def _kv_cache_allocations(allocator: Any) -> list[Any]:
     allocations = list(getattr(allocator, "pointer_to_data", {}).values())
     if not allocations or not all(hasattr(d, "is_asleep") for d in allocations):
@@ -469,6 +477,11 @@ class VllmEngine(RolloutEngine):
                 self._kv_cache_unmapped = False
             return
         self._llm.wake_up(tags=tags)
+
+    def mapped_bytes(self) -> int | None:
+        if not self._sleep_mode:
+            return None
+        return max(self._llm.collective_rpc(_rpc_mapped_bytes), default=0)
 
     def _release_cached_memory_if_short(self, tags: list[str]) -> None:
         """Give torch's cached memory back to the driver when the wake needs it.

@@ -368,12 +368,18 @@ class PPOTrainer:
         self._record_device_used("engine_awake")
 
     def _record_device_used(self, state: str) -> None:
-        """Device memory in use (the driver's figure) with the engine in `state`: the
+        """Device memory in use (the driver's figure) with the engine in `state`
+        (`memory_gb/<state>_device_used`; GPUs only), and what the engine's own allocator
+        holds mapped then (`memory_gb/<state>_mapped`, vLLM in sleep mode): the latter's
         difference between awake and asleep is what the engine gives back while the roles
-        train (`memory_gb/<state>_device_used`; GPUs only)."""
+        train; the driver's also moves with what torch keeps cached, which the engine gives
+        back before a wake only when the wake needs it."""
         used = device_used_gb()
         if used is not None:
             self.phases.record(f"memory_gb/{state}_device_used", used)
+        mapped = self.engine.mapped_bytes()
+        if mapped is not None:
+            self.phases.record(f"memory_gb/{state}_mapped", mapped / 2**30)
 
     def _generate(self, prompts: list[list[int]], sampling: SamplingParams) -> RolloutBatch:
         return self.engine.generate(prompts, sampling, output_layout="full")

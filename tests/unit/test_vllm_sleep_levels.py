@@ -225,3 +225,32 @@ def test_asleep_bytes_count_the_unmapped_allocations_of_the_tags(allocator):
     assert rpc(None, ("kv_cache",)) == 1000  # allocation 3 is still mapped
     assert rpc(None, ("weights", "kv_cache")) == 1100
     assert rpc(None, ()) == 0
+
+
+def test_mapped_bytes_follow_the_sleep_levels(allocator):
+    """What vLLM's allocator holds mapped: everything awake, nothing after a level-2 sleep,
+    the weights alone after their wake or a level-0 sleep."""
+    eng = engine_on(allocator)
+    assert eng.mapped_bytes() == 2100
+    eng.sleep(level=2)
+    assert eng.mapped_bytes() == 0
+    eng.wake(["weights"])
+    assert eng.mapped_bytes() == 100
+    eng.wake(["kv_cache"])
+    eng.sleep(level=0)
+    assert eng.mapped_bytes() == 100
+    eng._sleep_mode = False  # no sleep mode: nothing to say
+    assert eng.mapped_bytes() is None
+
+
+def test_the_trainer_records_what_the_engine_holds_mapped(allocator):
+    """`memory_gb/<state>_mapped` beside the driver's figure (none on a CPU)."""
+    from rl_megatron.trainer.ppo_trainer import PPOTrainer
+    from rl_megatron.utils.timers import PhaseTimer
+
+    eng = engine_on(allocator)
+    eng.sleep(level=2)
+    eng.wake(["weights"])
+    trainer = SimpleNamespace(engine=eng, phases=PhaseTimer())
+    PPOTrainer._record_device_used(trainer, "engine_asleep")
+    assert trainer.phases.pop()["memory_gb/engine_asleep_mapped"] == 100 / 2**30
