@@ -38,7 +38,7 @@ site (`update_actor_sync_sites`, `plain_loop.sync_sites`). The profiling and tra
 helpers are in `update_traces.py`; the sync and memory helpers in `bench_utils.py`.
 `--interleave-update N` measures the update against the plain loop as an interleaved A/B
 (`ab.py`), the issue-21 way, after the timed steps: one more step's actor-update phase is
-kept (`update_traces.step_with_actor_update`), a plain loop is built beside the trainer,
+kept (`update_traces.kept_actor_update`), a plain loop is built beside the trainer,
 and N rounds alternate A = that update again (new weights each time, the same
 work) and B = as many plain iterations as it has optimizer steps, garbage collection off
 for both as `trainer.manual_gc` has it. Ratio of a round = B's time ÷ A's: the update's
@@ -120,9 +120,9 @@ from plain_loop import PlainLoop, plain_loop
 from update_diagnostics import recorded_micro_batches, update_diagnostics
 from update_traces import (
     actor_update_sync_sites,
+    kept_actor_update,
     profile_next_call,
     profile_step,
-    step_with_actor_update,
     trace_actor_update,
 )
 
@@ -374,17 +374,11 @@ def update_vs_plain_ab(trainer, config, args, optimizer_steps: int) -> dict:
     """The actor update (A) against as many plain-loop iterations (B), interleaved rounds
     in this process (see the module docstring); the A/B record and its target, and with
     `--update-diagnostics` the gap split into single factors (`update_diagnostics`)."""
-    kept: dict = {}
-
-    def keep(update):
-        kept["update"] = update
-        with recorded_micro_batches(trainer.roles.actor) as built:
-            out = update()
-        kept["micro_batches"] = built  # one list per optimizer step, as the update made them
-        return out
-
-    step_with_actor_update(trainer, keep)  # one more step: its actor-update phase is kept
-    update = kept["update"]
+    # One more step: its actor-update phase kept, with its micro-batches (one list per
+    # optimizer step, as the update made them).
+    update, micro_batches = kept_actor_update(
+        trainer, lambda: recorded_micro_batches(trainer.roles.actor)
+    )
     loop = PlainLoop(config, trainer.info, args)
     loop.iteration()  # its warm-up: kernel selection, optimizer state
 
@@ -399,9 +393,7 @@ def update_vs_plain_ab(trainer, config, args, optimizer_steps: int) -> dict:
             # both slots, so its spread is the host's, the floor under the A/B's.
             control = interleave(plain, plain, args.interleave_update, warmup=0, sync=sync)
             if args.update_diagnostics:
-                diagnostics = update_diagnostics(
-                    update, loop, trainer, config, args, kept["micro_batches"]
-                )
+                diagnostics = update_diagnostics(update, loop, trainer, config, args, micro_batches)
     finally:
         loop.close()
     m = config.model

@@ -46,7 +46,7 @@ from bench_utils import sync, trainer_gc_policy
 from plain_loop import PlainLoop
 from torch.overrides import TorchFunctionMode
 from trainer_bench import load_bench_config
-from update_traces import python_profile, step_with_actor_update
+from update_traces import kept_actor_update, python_profile
 
 VALUE_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero")
 
@@ -118,14 +118,7 @@ def measure(args: argparse.Namespace) -> dict:
         trainer = build_trainer(config, run, get_logger(run.env.rank, "WARNING"))
         trainer.train_step()  # warm-up
         trainer.step += 1
-        kept: list = []
-
-        def keep(update):
-            kept.append(update)
-            return update()
-
-        step_with_actor_update(trainer, keep)
-        (update,) = kept
+        update, _ = kept_actor_update(trainer)
         steps = config.actor.ppo_epochs * config.data.train_batch_size * config.rollout.n
         steps //= config.actor.mini_batch_size
         loop = PlainLoop(config, trainer.info, bench_args)

@@ -8,6 +8,7 @@ for the plain loop's iterations, so that the two compare op by op; `profile_call
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import os
 import shutil
@@ -120,6 +121,21 @@ def python_profile(call, count: int, out_dir: Path, stem: str, before=None, writ
     path = out_dir / f"{stem}_python.txt"
     path.write_text(out.getvalue())
     return str(path)
+
+
+def kept_actor_update(trainer, during=contextlib.nullcontext):
+    """One more training step; its actor-update phase kept as `update()`, which runs it
+    again (the same batch into the same role), and what `during()` yielded around the
+    step's own run of it (e.g. `update_diagnostics.recorded_micro_batches`)."""
+    kept = {}
+
+    def keep(update):
+        kept["update"] = update
+        with during() as kept["seen"]:
+            return update()
+
+    step_with_actor_update(trainer, keep)
+    return kept["update"], kept["seen"]
 
 
 def step_with_actor_update(trainer, around) -> None:

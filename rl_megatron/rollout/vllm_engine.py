@@ -236,28 +236,34 @@ def wake_headroom_bytes(need: int) -> int:
     return need // 20 + (1 << 30)
 
 
+def _allocator_records(allocator: Any = None) -> list[Any]:
+    """vLLM's allocator's record of each allocation (tag, handle = (pointer, bytes),
+    is_asleep); `allocator`: this worker's `CuMemAllocator` unless given."""
+    if allocator is None:
+        from vllm.device_allocator.cumem import CuMemAllocator
+
+        allocator = CuMemAllocator.get_instance()
+    return list(getattr(allocator, "pointer_to_data", {}).values())
+
+
 def _rpc_asleep_bytes(worker: Any, tags: tuple[str, ...]) -> int:
     """Bytes of vLLM's unmapped allocations tagged `tags`: what waking them maps."""
-    from vllm.device_allocator.cumem import CuMemAllocator
-
-    allocations = getattr(CuMemAllocator.get_instance(), "pointer_to_data", {}).values()
     return sum(
         data.handle[1]
-        for data in allocations
+        for data in _allocator_records()
         if data.tag in tags and getattr(data, "is_asleep", True)
     )
 
 
 def _rpc_mapped_bytes(worker: Any) -> int:
     """Bytes of vLLM's allocations that are mapped now: what it holds on the device."""
-    from vllm.device_allocator.cumem import CuMemAllocator
-
-    allocations = getattr(CuMemAllocator.get_instance(), "pointer_to_data", {}).values()
-    return sum(data.handle[1] for data in allocations if not getattr(data, "is_asleep", False))
+    return sum(
+        data.handle[1] for data in _allocator_records() if not getattr(data, "is_asleep", False)
+    )
 
 
 def _kv_cache_allocations(allocator: Any) -> list[Any]:
-    allocations = list(getattr(allocator, "pointer_to_data", {}).values())
+    allocations = _allocator_records(allocator)
     if not allocations or not all(hasattr(d, "is_asleep") for d in allocations):
         raise RuntimeError(
             "rollout.sleep_level=0 frees the KV cache through vLLM's CuMemAllocator "
