@@ -51,3 +51,40 @@ def test_recorded_micro_batches_sees_each_step_and_restores_the_method():
         role._micro_batches(batch, [[3]])
     assert built[0] is first and len(built) == 2 and len(built[1]) == 1
     assert "_micro_batches" not in vars(role)  # the class's method again
+
+
+def test_kept_actor_update_reruns_the_actor_phase_and_returns_what_during_saw():
+    """`update_traces.kept_actor_update`: one more step (the critic's phase as usual), its
+    actor phase kept as a callable that runs it again, and `during()`'s value from the
+    step's own run."""
+    import contextlib
+
+    import update_traces
+
+    class Trainer:
+        step = 0
+
+        def __init__(self) -> None:
+            self.ran: list[str] = []
+
+        def _update(self, role, batch, loss_fn, name, **kwargs):
+            self.ran.append(f"{name}:{batch}")
+            return name
+
+        def train_step(self) -> None:
+            self._update(None, self.step, None, "critic")
+            self._update(None, self.step, None, "actor")
+
+    trainer = Trainer()
+    seen: list[str] = []
+
+    @contextlib.contextmanager
+    def during():
+        yield seen
+        seen.append("closed")
+
+    update, value = update_traces.kept_actor_update(trainer, during)
+    assert value is seen and seen == ["closed"] and trainer.step == 1
+    assert trainer.ran == ["critic:0", "actor:0"]
+    assert update() == "actor" and trainer.ran[-1] == "actor:0"  # the same batch again
+    assert trainer._update.__func__ is Trainer._update  # the patch is gone
