@@ -87,6 +87,12 @@ class RolloutEngine(abc.ABC):
         where it has one that says (vLLM's, in sleep mode); None otherwise."""
         return None
 
+    def unmapped_bytes(self) -> int | None:
+        """Bytes of the engine's own allocations that are asleep now (allocated, but their
+        device memory given back), where its allocator says (vLLM's, in sleep mode); None
+        otherwise. PyTorch's allocator counts them allocated all the same."""
+        return None
+
     def _check_can_generate(self) -> None:
         if self._failed_update is not None:
             raise RuntimeError(

@@ -246,20 +246,32 @@ def _allocator_records(allocator: Any = None) -> list[Any]:
     return list(getattr(allocator, "pointer_to_data", {}).values())
 
 
-def _rpc_asleep_bytes(worker: Any, tags: tuple[str, ...]) -> int:
-    """Bytes of vLLM's unmapped allocations tagged `tags`: what waking them maps."""
+def _allocated_bytes(*, asleep: bool, unknown: bool, tags: tuple[str, ...] | None = None) -> int:
+    """Bytes of vLLM's allocations (tagged `tags`; None: all) that are asleep (unmapped),
+    or awake; `unknown`: what a record without `is_asleep` (an older vLLM) counts as."""
     return sum(
         data.handle[1]
         for data in _allocator_records()
-        if data.tag in tags and getattr(data, "is_asleep", True)
+        if (tags is None or data.tag in tags) and getattr(data, "is_asleep", unknown) == asleep
     )
+
+
+def _rpc_asleep_bytes(worker: Any, tags: tuple[str, ...]) -> int:
+    """Bytes of vLLM's unmapped allocations tagged `tags`: what waking them maps (an
+    unknown state counts as asleep, so that the wake makes room for it)."""
+    return _allocated_bytes(asleep=True, unknown=True, tags=tags)
 
 
 def _rpc_mapped_bytes(worker: Any) -> int:
     """Bytes of vLLM's allocations that are mapped now: what it holds on the device."""
-    return sum(
-        data.handle[1] for data in _allocator_records() if not getattr(data, "is_asleep", False)
-    )
+    return _allocated_bytes(asleep=False, unknown=False)
+
+
+def _rpc_unmapped_bytes(worker: Any) -> int:
+    """Bytes of vLLM's allocations that are unmapped now, every tag: allocated in torch's
+    count, not on the device (an unknown state counts as mapped: the phase figures that
+    subtract this then err high, never low)."""
+    return _allocated_bytes(asleep=True, unknown=False)
 
 
 def _kv_cache_allocations(allocator: Any) -> list[Any]:
@@ -488,6 +500,11 @@ class VllmEngine(RolloutEngine):
         if not self._sleep_mode:
             return None
         return max(self._llm.collective_rpc(_rpc_mapped_bytes), default=0)
+
+    def unmapped_bytes(self) -> int | None:
+        if not self._sleep_mode:
+            return None
+        return max(self._llm.collective_rpc(_rpc_unmapped_bytes), default=0)
 
     def _release_cached_memory_if_short(self, tags: list[str]) -> None:
         """Give torch's cached memory back to the driver when the wake needs it.

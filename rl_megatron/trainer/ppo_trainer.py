@@ -99,7 +99,8 @@ class PPOTrainer:
             if config.checkpoint.save_hf
             else None
         )
-        self.phases = PhaseTimer()
+        # The phases' `_on_device` peaks: torch counts the engine's memory asleep as allocated.
+        self.phases = PhaseTimer(off_device_bytes=engine.unmapped_bytes)
         self.step = 0  # optimizer steps of the actor taken so far = the next step's index
         self.resumed = False
 
@@ -489,7 +490,10 @@ class PPOTrainer:
             return {}
         with self.roles.actor.on_device():
             self._sync_engine(version=self.step, phase="evaluate")
-            self._wake_kv_cache()
+            # A part of its own: the evaluate phase's `_on_device` peaks need a read between
+            # this wake and the sleep that ends the evaluation (`PhaseTimer.part`).
+            with self.phases.part("evaluate", "wake_kv_cache"):
+                self._wake_kv_cache()
         totals = torch.zeros(3, dtype=torch.float64)  # reward sum, length sum, count
         batches = eval_batches(
             len(val), self.config.data.val_batch_size, self.dp_rank, self.dp_size

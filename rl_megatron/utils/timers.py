@@ -6,12 +6,20 @@ Each phase records wall seconds (`timing_s/<phase>`) and, on GPUs, what memory i
     memory_gb/<phase>_reserved_peak  PyTorch allocator: peak reserved (cached) inside it
     memory_gb/<phase>_device_used    the driver: device memory in use at the phase's end
                                      (`cudaMemGetInfo`: total − free)
+    memory_gb/<phase>_peak_on_device           the two peaks less what the allocator
+    memory_gb/<phase>_reserved_peak_on_device  counts but the device does not hold: vLLM's
+                                               memory asleep (with `off_device_bytes`:
+                                               vLLM in sleep mode; the least read in the
+                                               phase, so they err high if at all)
 
 The allocator's figures count only what torch's caching allocator handed out — and vLLM's
-sleep-mode pool too, since vLLM allocates through a pluggable allocator, asleep or not; the
-driver's figure is what the GPU holds, whoever holds it (vLLM, NCCL, other processes), and
-is the one to size a run by. The allocator peak is reset at every phase start; a phase
-entered twice in a step (per mini-batch) keeps the larger of its figures.
+sleep-mode pool too, since vLLM allocates through a pluggable allocator, asleep or not (on
+an H200, 8B: `update_actor_peak` 148 GiB of a 140 GiB GPU, 57 GiB of it vLLM's asleep;
+benchmarks/RESULTS.md); the driver's figure is what the GPU holds, whoever holds it (vLLM,
+NCCL, other processes), but only at the phase's end. The `_on_device` peaks are the ones to
+size a run by: the peak of what is really on the device inside the phase. The allocator
+peak is reset at every phase start; a phase entered twice in a step (per mini-batch) keeps
+the larger of its figures.
 
 `phases.part(phase, part)` times a part of a phase (`timing_parts_s/<phase>/<part>`: not
 under `timing_s/`, whose keys add up to the step), with the same synchronisation but no
@@ -22,8 +30,9 @@ GPU work is synchronised at every boundary so the time belongs to what queued it
 from __future__ import annotations
 
 import contextlib
+import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -54,36 +63,74 @@ def device_used_gb() -> float | None:
 
 
 class PhaseTimer:
-    def __init__(self) -> None:
+    def __init__(self, off_device_bytes: Callable[[], int | None] | None = None) -> None:
+        """off_device_bytes: bytes the allocator counts as allocated that hold no device
+        memory now (`RolloutEngine.unmapped_bytes`), None where it cannot say; with it,
+        each phase also reports its `_on_device` peaks."""
         self.metrics: dict[str, float] = {}
+        self.off_device_bytes = off_device_bytes
+        # Open phases: the least `off_device_bytes` read since each began (None: no figure).
+        self._least_off_device: dict[str, float | None] = {}
 
     @contextlib.contextmanager
     def time(self, phase: str) -> Iterator[None]:
         _synchronize()
         reset_peak_memory()
+        self._least_off_device[phase] = math.inf
+        self._read_off_device()
         start = time.perf_counter()
         try:
             yield
         finally:
             _synchronize()
             self._add(f"timing_s/{phase}", time.perf_counter() - start)
+            self._read_off_device()
+            off_device = self._least_off_device.pop(phase)
             if torch.cuda.is_available():
-                self._max(f"memory_gb/{phase}_peak", peak_memory_gb())
-                self._max(
-                    f"memory_gb/{phase}_reserved_peak", torch.cuda.max_memory_reserved() / 2**30
-                )
+                peaks = {
+                    "peak": torch.cuda.max_memory_allocated(),
+                    "reserved_peak": torch.cuda.max_memory_reserved(),
+                }
+                for name, peak in peaks.items():
+                    self._max(f"memory_gb/{phase}_{name}", peak / 2**30)
                 self._max(f"memory_gb/{phase}_device_used", device_used_gb())
+                # Between two reads (the phase's and its parts' boundaries) memory sleeps or
+                # wakes, never wakes and sleeps again (a wake inside a phase is a part of it),
+                # so what was asleep never fell below the least read: less it, the peaks can
+                # only over-state what the device held, never under-state it. (The allocated
+                # peak less whole segments also loses the free space inside vLLM's asleep
+                # ones: small, its weights and KV cache are large tensors.)
+                if off_device is not None and off_device != math.inf:
+                    for name, peak in peaks.items():
+                        self._max(
+                            f"memory_gb/{phase}_{name}_on_device", (peak - off_device) / 2**30
+                        )
 
     @contextlib.contextmanager
     def part(self, phase: str, part: str) -> Iterator[None]:
-        """Time `part` of `phase` (inside `time(phase)`): `timing_parts_s/<phase>/<part>`."""
+        """Time `part` of `phase` (inside `time(phase)`): `timing_parts_s/<phase>/<part>`.
+        Its boundaries read `off_device_bytes` too: a wake inside a phase goes in a part."""
         _synchronize()
+        self._read_off_device()
         start = time.perf_counter()
         try:
             yield
         finally:
             _synchronize()
             self._add(f"timing_parts_s/{phase}/{part}", time.perf_counter() - start)
+            self._read_off_device()
+
+    def _read_off_device(self) -> None:
+        """Read `off_device_bytes` once (GPUs only); every open phase keeps its least."""
+        if self.off_device_bytes is None or not self._least_off_device:
+            return
+        if not torch.cuda.is_available():
+            return
+        now = self.off_device_bytes()
+        for phase, least in self._least_off_device.items():
+            self._least_off_device[phase] = (
+                None if now is None or least is None else min(least, now)
+            )
 
     def record(self, key: str, value: float) -> None:
         """A figure measured elsewhere (e.g. the engine's memory asleep), this step."""

@@ -7,6 +7,8 @@ out and back for nothing. Between the rounds of dynamic sampling the engine keep
 Level 0 keeps the weights on the device at every sleep, between rounds too.
 The engine refuses to generate after a level-2 sleep until a full update
 (`RolloutEngine.generate`), so a trainer that slept deeply and skipped a sync fails here.
+The trainer's phase timer reads what the engine holds asleep, and the evaluation's KV-cache
+wake is a part of its phase, so that the phase's `_on_device` peaks see it awake.
 
 One rank, the replayed rollout of `tests/trainer_probe.py`, two steps and an evaluation.
 """
@@ -53,12 +55,18 @@ def _body(rank, world_size, tmp_path, overrides, expected_levels):
     )
     with distributed_run(seed=config.trainer.seed, timeout_s=120) as run:
         trainer = build_probe_trainer(config, run, total_steps=2)
+        # The phases' `_on_device` peaks subtract what the engine holds asleep.
+        assert trainer.phases.off_device_bytes == trainer.engine.unmapped_bytes
         trainer.data.val = trainer.data.train  # an evaluation set: the same prompts
         levels, versions = _record(trainer)
         for _ in range(2):
             trainer.train_step()
             trainer.step += 1
+        trainer.phases.pop()
         trainer.evaluate()
+        # The evaluation wakes and sleeps again: the phase's least read of the engine's
+        # memory asleep is the one at the end of its KV cache's wake (`PhaseTimer.part`).
+        assert "timing_parts_s/evaluate/wake_kv_cache" in trainer.phases.pop()
         assert levels == expected_levels, levels
         # Step 1 generates with the weights the engine started from; every later generate
         # with the actor's weights of that step, synced after the deep sleep.

@@ -144,6 +144,22 @@ def test_transformer_shape_of_model_facts():
     )
 
 
+def fake_cuda(monkeypatch, **state) -> dict:
+    """CUDA, faked: the memory figures the timer reads come from `state` (bytes), which the
+    test changes as it goes; `state["resets"]` counts the peak resets. An 80 GiB device."""
+    state["resets"] = 0
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "is_available", lambda: True)
+    monkeypatch.setattr(cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: state["allocated"])
+    monkeypatch.setattr(cuda, "max_memory_reserved", lambda *a: state["reserved"])
+    monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (state["free"], 80 * 2**30))
+    monkeypatch.setattr(
+        cuda, "reset_peak_memory_stats", lambda *a: state.update(resets=state["resets"] + 1)
+    )
+    return state
+
+
 def test_phase_memory_figures_on_a_gpu_are_the_allocators_and_the_drivers(monkeypatch):
     """With CUDA (faked here: the figures come from the functions the timer must read), each
     phase reports the allocator's peak allocated and reserved and the driver's in-use
@@ -151,16 +167,7 @@ def test_phase_memory_figures_on_a_gpu_are_the_allocators_and_the_drivers(monkey
     from rl_megatron.utils.timers import device_used_gb
 
     gib = 2**30
-    state = {"allocated": 3 * gib, "reserved": 5 * gib, "free": 60 * gib, "resets": 0}
-    cuda = torch.cuda
-    monkeypatch.setattr(cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cuda, "synchronize", lambda *a: None)
-    monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: state["allocated"])
-    monkeypatch.setattr(cuda, "max_memory_reserved", lambda *a: state["reserved"])
-    monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (state["free"], 80 * gib))
-    monkeypatch.setattr(
-        cuda, "reset_peak_memory_stats", lambda *a: state.update(resets=state["resets"] + 1)
-    )
+    state = fake_cuda(monkeypatch, allocated=3 * gib, reserved=5 * gib, free=60 * gib)
     assert device_used_gb() == 20.0
     timer = PhaseTimer()
     with timer.time("update_actor"), timer.part("update_actor", "backward"):
@@ -179,3 +186,52 @@ def test_phase_memory_figures_on_a_gpu_are_the_allocators_and_the_drivers(monkey
     assert not any(k.startswith("timing_s/update_actor/") for k in m)
     # Consistent: the allocator cannot hold more than it reserved.
     assert m["memory_gb/update_actor_peak"] <= m["memory_gb/update_actor_reserved_peak"]
+
+
+def test_on_device_peaks_subtract_the_least_memory_asleep_the_phase_saw(monkeypatch):
+    """`off_device_bytes` (vLLM's memory asleep, which the allocator counts) is read at every
+    boundary of a phase and of its parts; the least read comes off both peaks. A wake inside
+    a phase (10 GiB asleep, then 4): less 4; a sleep (0, then 10): less 0. A wake and a
+    sleep again inside one (the evaluation), the wake a part: less 0, not 10. A phase
+    entered twice keeps the larger."""
+    gib = 2**30
+    state = fake_cuda(monkeypatch, allocated=30 * gib, reserved=32 * gib, free=40 * gib)
+    asleep = {"gib": 10}
+    timer = PhaseTimer(off_device_bytes=lambda: asleep["gib"] * gib)
+    with timer.time("reshard"):
+        asleep["gib"] = 4  # the weights wake, the KV cache still sleeps
+    asleep["gib"] = 0  # the KV cache wakes between two phases
+    with timer.time("generate"):
+        asleep["gib"] = 10  # a sleep inside a phase: less 0 (from its start), not 10
+    with timer.time("evaluate"):
+        with timer.part("evaluate", "wake_kv_cache"):
+            asleep["gib"] = 0
+        asleep["gib"] = 10  # the engine sleeps again before the phase ends
+    # Three mini-batches: the largest on the device is neither the largest peak nor the last.
+    for allocated, asleep["gib"] in [(30, 10), (25, 0), (22, 0)]:
+        state.update(allocated=allocated * gib, reserved=(allocated + 2) * gib)
+        with timer.time("update_actor"):
+            pass
+    m = timer.pop()
+    assert m["memory_gb/reshard_peak"] == 30.0  # the allocator's own figures unchanged
+    assert m["memory_gb/reshard_peak_on_device"] == 26.0
+    assert m["memory_gb/reshard_reserved_peak_on_device"] == 28.0
+    assert m["memory_gb/generate_peak_on_device"] == 30.0
+    assert m["memory_gb/evaluate_peak_on_device"] == 30.0
+    assert m["memory_gb/evaluate_reserved_peak_on_device"] == 32.0
+    assert m["memory_gb/update_actor_peak"] == 30.0
+    assert m["memory_gb/update_actor_peak_on_device"] == 25.0
+    assert m["memory_gb/update_actor_reserved_peak_on_device"] == 27.0
+
+
+@pytest.mark.parametrize("provider", [None, lambda: None], ids=["no_provider", "says_none"])
+def test_no_on_device_peaks_without_a_figure_of_memory_asleep(monkeypatch, provider):
+    """No provider (the Megatron engine's memory is torch's own) or one that cannot say
+    (vLLM without sleep mode): the allocator's peaks alone."""
+    fake_cuda(monkeypatch, allocated=3 * 2**30, reserved=5 * 2**30, free=60 * 2**30)
+    timer = PhaseTimer(off_device_bytes=provider)
+    with timer.time("generate"), timer.part("generate", "decode"):
+        pass
+    m = timer.pop()
+    assert "memory_gb/generate_peak" in m
+    assert not any(k.endswith("_on_device") for k in m)

@@ -243,6 +243,29 @@ def test_mapped_bytes_follow_the_sleep_levels(allocator):
     assert eng.mapped_bytes() is None
 
 
+def test_unmapped_bytes_count_every_asleep_allocation(allocator):
+    """What vLLM's allocator holds asleep, every tag: what torch counts allocated without the
+    device holding it. Always the complement of the mapped bytes."""
+    eng = engine_on(allocator)
+    assert eng.unmapped_bytes() == 0
+    eng.sleep(level=2)
+    assert eng.unmapped_bytes() == 2100
+    eng.wake(["weights"])
+    assert eng.unmapped_bytes() == 2000
+    eng.wake(["kv_cache"])
+    eng.sleep(level=0)
+    assert eng.unmapped_bytes() == 2000
+    assert eng.mapped_bytes() + eng.unmapped_bytes() == 2100
+    # A tag of neither kind (vLLM's default) counts too; a record that does not say whether
+    # it sleeps counts as mapped (subtracted from a peak, it would make the peak too low).
+    allocator.pointer_to_data[4] = Allocation("default", (4, 7), is_asleep=True)
+    allocator.pointer_to_data[5] = SimpleNamespace(tag="weights", handle=(5, 5))
+    assert eng.unmapped_bytes() == 2007
+    eng._sleep_mode = False  # no sleep mode: nothing to say
+    assert eng.unmapped_bytes() is None
+    assert RolloutEngine.unmapped_bytes(eng) is None  # the engines without an allocator
+
+
 def test_the_trainer_records_what_the_engine_holds_mapped(allocator):
     """`memory_gb/<state>_mapped` beside the driver's figure (none on a CPU)."""
     from rl_megatron.trainer.ppo_trainer import PPOTrainer
