@@ -441,6 +441,27 @@ MUTATIONS = [
         "tests/vllm/test_vllm_engine.py",
     ),
     (
+        "memory: the phases' on-device peaks not told what the engine holds asleep",
+        TRAINER,
+        "self.phases = PhaseTimer(off_device_bytes=engine.unmapped_bytes)",
+        "self.phases = PhaseTimer()",
+        "tests/multirank/test_engine_sleep.py::test_sleep_level[default]",
+    ),
+    (
+        "memory: the phases' on-device peaks keep the last read of memory asleep",
+        "rl_megatron/utils/timers.py",
+        "least is None else min(least, now)",
+        "least is None else now",
+        "tests/unit/test_utils.py",
+    ),
+    (
+        "vLLM engine: unmapped bytes count the mapped allocations",
+        "rl_megatron/rollout/vllm_engine.py",
+        "return _allocated_bytes(asleep=True, unknown=False)",
+        "return _allocated_bytes(asleep=False, unknown=False)",
+        "tests/unit/test_vllm_sleep_levels.py",
+    ),
+    (
         "rollout batch: prompts right-aligned",
         "rl_megatron/rollout/batch.py",
         "    if left:",
