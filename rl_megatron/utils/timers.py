@@ -30,7 +30,6 @@ GPU work is synchronised at every boundary so the time belongs to what queued it
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterator
 
@@ -40,13 +39,6 @@ import torch
 def _synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def peak_memory_gb() -> float:
-    """Peak allocated GPU memory since the last reset, GiB (0 on CPU)."""
-    if not torch.cuda.is_available():
-        return 0.0
-    return torch.cuda.max_memory_allocated() / 2**30
 
 
 def reset_peak_memory() -> None:
@@ -70,14 +62,13 @@ class PhaseTimer:
         self.metrics: dict[str, float] = {}
         self.off_device_bytes = off_device_bytes
         # Open phases: the least `off_device_bytes` read since each began (None: no figure).
-        self._least_off_device: dict[str, float | None] = {}
+        self._least_off_device: dict[str, int | None] = {}
 
     @contextlib.contextmanager
     def time(self, phase: str) -> Iterator[None]:
         _synchronize()
         reset_peak_memory()
-        self._least_off_device[phase] = math.inf
-        self._read_off_device()
+        self._read_off_device(opening=phase)
         start = time.perf_counter()
         try:
             yield
@@ -100,7 +91,7 @@ class PhaseTimer:
                 # only over-state what the device held, never under-state it. (The allocated
                 # peak less whole segments also loses the free space inside vLLM's asleep
                 # ones: small, its weights and KV cache are large tensors.)
-                if off_device is not None and off_device != math.inf:
+                if off_device is not None:
                     for name, peak in peaks.items():
                         self._max(
                             f"memory_gb/{phase}_{name}_on_device", (peak - off_device) / 2**30
@@ -120,17 +111,24 @@ class PhaseTimer:
             self._add(f"timing_parts_s/{phase}/{part}", time.perf_counter() - start)
             self._read_off_device()
 
-    def _read_off_device(self) -> None:
-        """Read `off_device_bytes` once (GPUs only); every open phase keeps its least."""
-        if self.off_device_bytes is None or not self._least_off_device:
+    def _off_device_now(self) -> int | None:
+        """`off_device_bytes` now; None without it, or off GPUs."""
+        if self.off_device_bytes is None or not torch.cuda.is_available():
+            return None
+        return self.off_device_bytes()
+
+    def _read_off_device(self, opening: str | None = None) -> None:
+        """Read `off_device_bytes` once for the open phases, each keeping its least, and for
+        `opening` (a phase it starts), whose first read it is."""
+        if opening is None and not self._least_off_device:
             return
-        if not torch.cuda.is_available():
-            return
-        now = self.off_device_bytes()
+        now = self._off_device_now()
         for phase, least in self._least_off_device.items():
             self._least_off_device[phase] = (
                 None if now is None or least is None else min(least, now)
             )
+        if opening is not None:
+            self._least_off_device[opening] = now
 
     def record(self, key: str, value: float) -> None:
         """A figure measured elsewhere (e.g. the engine's memory asleep), this step."""
