@@ -99,6 +99,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--sleep-level", type=int, default=2, choices=(0, 1, 2))
     p.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    p.add_argument(
+        "--wake-during-update",
+        action="store_true",
+        help="the trainer's order at levels 1-2: the engine's weights woken while the actor's "
+        "last optimizer step runs (`rollout.wake_weights_during_update`); also times that "
+        "step with and without the wake",
+    )
     p.add_argument("--tiny", action="store_true", help="CPU smoke: tiny fp32 shape")
     p.add_argument("--run-dir", default="runs/sync_ab")
     p.add_argument("--out-json", type=Path, default=None)
@@ -131,6 +138,10 @@ def bench_config(args):
         # Nothing is generated here: no compilation or graph capture at start-up.
         "rollout.enforce_eager=true",
         f"rollout.sleep_level={args.sleep_level}",
+        f"rollout.wake_weights_during_update={str(args.wake_during_update).lower()}",
+        # The optimizer steps of --wake-during-update see zero gradients: with no weight
+        # decay they leave the weights exactly as they were (the greedy check below).
+        "actor.optim.weight_decay=0.0",
         f"rollout.gpu_memory_utilization={args.gpu_memory_utilization}",
         "algorithm.adv_estimator=grpo",
         f"trainer.output_dir={args.run_dir}",
@@ -159,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     from rl_megatron.distributed import distributed_run, launch_env
     from rl_megatron.parallel import ParallelLayout
     from rl_megatron.rollout.sampling import SamplingParams
+    from rl_megatron.trainer.optimizer_step import step_if_finite
     from rl_megatron.trainer.ppo_trainer import build_trainer
     from rl_megatron.utils.logging import get_logger
     from rl_megatron.utils.timers import device_used_gb
@@ -188,9 +200,25 @@ def main(argv: list[str] | None = None) -> int:
         # back to the roles at this sleep level.
         used_gb: dict[str, list] = {"engine_awake": [], "engine_asleep": []}
 
+        zero_loss = torch.zeros((), device=device)
+        woken_during_update: list[float] = []
+
+        def update_tail(wake: bool) -> None:
+            """The end of the trainer's `update_actor` phase: the actor's optimizer step
+            queued (zero gradients: all of Adam's device work, the weights unchanged), then,
+            with `wake`, the trainer's own wake of the engine's weights while it runs."""
+            with trainer.phases.time("update_actor"):
+                step_if_finite(actor.optimizer, zero_loss)
+                if wake:
+                    trainer._wake_engine_weights_early()
+            woke = trainer.phases.pop().get("reshard/weights_woken_during_update")
+            if woke is not None:
+                woken_during_update.append(woke)
+
         def to_step_start() -> None:
             """Where the trainer's step finds the engine: awake after generating, then put
-            to sleep at the configured level. The KV cache's wake is timed on its own."""
+            to sleep at the configured level; with --wake-during-update, the update's end
+            then wakes its weights. The KV cache's wake is timed on its own."""
             sync()
             start = time.perf_counter()
             trainer._wake_kv_cache()  # the trainer's own phase after the sync
@@ -199,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
             used_gb["engine_awake"].append(device_used_gb())
             engine.sleep(level=config.rollout.sleep_level)
             used_gb["engine_asleep"].append(device_used_gb())
+            if args.wake_during_update:
+                update_tail(wake=True)
 
         def floor() -> None:
             dst.copy_(src)
@@ -233,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             trainer_sync()  # the actor's weights in (vLLM started from dummy ones)
             greedy_before = greedy_tokens()
             engine.sleep(level=config.rollout.sleep_level)
+            if args.wake_during_update:
+                update_tail(wake=True)
             synced = [False]
             ab = interleave(
                 floor,
@@ -260,6 +292,24 @@ def main(argv: list[str] | None = None) -> int:
                     before=pause,
                     write=run.env.rank == 0,
                 )
+            tail = None
+            if args.wake_during_update:
+                # What the wake costs the update it overlaps: the update's end with it (A)
+                # against without (B), the engine asleep before each (woken fully first:
+                # vLLM sleeps only from awake).
+                def engine_asleep() -> None:
+                    engine.wake()
+                    engine.sleep(level=config.rollout.sleep_level)
+
+                tail = interleave(
+                    lambda: update_tail(wake=True),
+                    lambda: update_tail(wake=False),
+                    args.repeats,
+                    warmup=args.warmup,
+                    sync=sync,
+                    pause=engine_asleep,
+                )
+                synced_trainer_sync()  # the actor's weights back in, after the wakes
             # The engine slept and woke at the configured level, and was synced the same
             # weights again at every round: it must still generate what it did before.
             greedy_after = greedy_tokens()
@@ -282,6 +332,20 @@ def main(argv: list[str] | None = None) -> int:
             },
             engine_weight_version=engine.weight_version,
         )
+        if tail is not None:
+            added = [a - b for a, b in zip(tail.a_s, tail.b_s, strict=True)]
+            result["update_tail"] = {
+                # A: the update's end with the early wake, B: without; per round.
+                "ab": tail.as_dict(),
+                "with_wake_s_median": statistics.median(tail.a_s),
+                "without_s_median": statistics.median(tail.b_s),
+                # What the wake added to the update phase, per round (A − B).
+                "added_s_median": statistics.median(added),
+                "added_s_min": min(added),
+                "added_s_max": max(added),
+                # 1.0 per call when the weights fitted and woke during the update.
+                "weights_woken_during_update": woken_during_update,
+            }
         shape = f"{args.layers}L h{args.hidden}"
         command = "torchrun --standalone --nproc_per_node 1 benchmarks/sync_ab.py " + " ".join(
             sys.argv[1:]
@@ -289,7 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         result["targets"] = [
             target_record(
                 f"trainer weight sync ÷ device copy, {nbytes / 1e9:.2f} GB ({shape}), "
-                f"sleep level {config.rollout.sleep_level}",
+                f"sleep level {config.rollout.sleep_level}"
+                + (", weights woken during the update" if args.wake_during_update else ""),
                 ab,
                 TARGET,
                 WORST_TARGET,
@@ -310,6 +375,17 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
             print(json.dumps(result["sync_pieces_median"], indent=1), flush=True)
+            if tail is not None:
+                u = result["update_tail"]
+                print(
+                    f"update's end with / without the weights' wake: "
+                    f"{u['with_wake_s_median'] * 1e3:.2f} / {u['without_s_median'] * 1e3:.2f} ms, "
+                    f"added {u['added_s_median'] * 1e3:.2f} ms [{u['added_s_min'] * 1e3:.2f}, "
+                    f"{u['added_s_max'] * 1e3:.2f}]; woken during the update "
+                    f"{sum(u['weights_woken_during_update']):.0f} of "
+                    f"{len(u['weights_woken_during_update'])} calls",
+                    flush=True,
+                )
             if args.out_json:
                 args.out_json.parent.mkdir(parents=True, exist_ok=True)
                 args.out_json.write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -130,6 +130,11 @@ class RolloutConfig:
     # dynamic sampling the engine sleeps at 1 (at 0 when 0 is set): the next round
     # generates with the same weights, without a sync. The KV cache is freed at all three.
     sleep_level: Literal[0, 1, 2] = 2
+    # Map the engine's weights back while the device runs the actor's last optimizer step
+    # of the step (levels 1 and 2), so that the next sync has nothing to wake; only when
+    # they fit beside what the roles hold then, else the sync wakes them as before. The
+    # weights then hold their memory from the update's end on (checkpoint saves included).
+    wake_weights_during_update: bool = True
     enforce_eager: bool = False  # no CUDA graphs in generation (vLLM's, Megatron engine's)
     # Ask vLLM for each sampled token's log-prob (verl's key). null: exactly when
     # algorithm.rollout_correction needs them (the behaviour policy's log-probs); with them

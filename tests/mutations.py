@@ -462,6 +462,36 @@ MUTATIONS = [
         "tests/unit/test_vllm_sleep_levels.py",
     ),
     (
+        "wake during update: the weights woken after the host read the steps' metrics",
+        "rl_megatron/trainer/roles.py",
+        "        if while_last_step_runs is not None:\n            while_last_step_runs()\n"
+        "        return self._resolve(pending)",
+        "        metrics = self._resolve(pending)\n        if while_last_step_runs is not None:\n"
+        "            while_last_step_runs()\n        return metrics",
+        "tests/multirank/test_engine_sleep.py::test_weights_wake_during_the_update",
+    ),
+    (
+        "wake during update: woken without room",
+        "rl_megatron/rollout/engine.py",
+        "if todo and not self._has_room(todo):",
+        "if False:",
+        "tests/unit/test_vllm_sleep_levels.py",
+    ),
+    (
+        "wake during update: the update's peaks taken after the wake",
+        TRAINER,
+        '        self.phases.close_peaks("update_actor")\n',
+        "",
+        "tests/multirank/test_engine_sleep.py::test_weights_wake_during_the_update",
+    ),
+    (
+        "vLLM engine: a sleep wakes only the KV cache a level-0 sleep unmapped",
+        "rl_megatron/rollout/vllm_engine.py",
+        "asleep = [t for t in WAKE_TAGS if t not in self._awake]",
+        'asleep = ["kv_cache"] if self._kv_cache_unmapped else []',
+        "tests/unit/test_vllm_sleep_levels.py",
+    ),
+    (
         "rollout batch: prompts right-aligned",
         "rl_megatron/rollout/batch.py",
         "    if left:",

@@ -82,6 +82,11 @@ step sync_ab_085b 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \
   --out-json "$RES/sync_ab_h200_085b_$TAG.json"
 step sync_ab_7b 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 \
   --out-json "$RES/sync_ab_h200_7b_$TAG.json" actor.offload.optimizer=true
+# The trainer's order at level 2 (rollout.wake_weights_during_update): the weights mapped
+# back while the actor's last optimizer step runs, so the sync finds them awake; then what
+# that wake adds to the update's end (with vs without it, interleaved).
+step sync_ab_085b_wdu 200 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 11 \
+  --wake-during-update --out-json "$RES/sync_ab_h200_085b_wdu_$TAG.json"
 # rollout.sleep_level=0: the engine keeps its weights on the device while it sleeps. Fifteen
 # rounds (the eleventh run's spread was 3.05-5.67x) and three syncs profiled after them.
 step sync_ab_085b_l0 180 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 15 --sleep-level 0 \

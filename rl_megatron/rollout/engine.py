@@ -243,6 +243,21 @@ class RolloutEngine(abc.ABC):
             self._wake(todo)
             self._awake.update(todo)
 
+    def wake_if_room(self, tags: Sequence[str]) -> bool:
+        """`wake(tags)` if the device has room for them now, beside what PyTorch's caching
+        allocator holds (nothing of it is given back); True when `tags` are awake after.
+
+        For a wake ahead of its time, while the device still runs other work: the trainer
+        maps the engine's weights back while the actor's last optimizer step runs, so that
+        the weight sync has nothing left to wake. Giving torch's cache back (`wake` does
+        when memory is short) would wait for that work, so without room nothing happens
+        here and the wake waits for its turn."""
+        todo = [t for t in tags if t not in self._awake]
+        if todo and not self._has_room(todo):
+            return False
+        self.wake(todo)
+        return True
+
     # ---- engine hooks -------------------------------------------------------------
 
     @abc.abstractmethod
@@ -267,3 +282,8 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def _wake(self, tags: list[str]) -> None: ...
+
+    def _has_room(self, tags: list[str]) -> bool:
+        """Whether waking `tags` fits beside what is on the device now (`wake_if_room`);
+        engines whose sleep frees no device memory always have room."""
+        return True

@@ -77,6 +77,7 @@ import torch.distributed as dist
 from rl_megatron.config import TRAINER_SET_LLM_ARGS
 from rl_megatron.rollout.batch import FinishReason, RolloutBatch
 from rl_megatron.rollout.engine import (
+    WAKE_TAGS,
     NamedTensors,
     OutputLayout,
     RolloutEngine,
@@ -479,8 +480,12 @@ class VllmEngine(RolloutEngine):
             self._llm.collective_rpc(_rpc_unmap_kv_cache)
             self._kv_cache_unmapped = True
             return
-        if self._kv_cache_unmapped:  # vLLM's sleep unmaps every allocation: once each
-            self._wake(["kv_cache"])
+        # vLLM's sleep unmaps every allocation once, and only from fully awake (its executor
+        # ignores a sleep while any tag sleeps): whatever sleeps wakes first, e.g. the KV
+        # cache after a level-0 sleep, or after a wake of the weights alone (`wake_if_room`).
+        asleep = [t for t in WAKE_TAGS if t not in self._awake]
+        if asleep:
+            self._wake(asleep)
         # vLLM drops its prefix cache whenever it discards the KV cache (its `sleep`).
         self._llm.sleep(level=level)
         self._prefix_cache_dirty = False
@@ -517,9 +522,15 @@ class VllmEngine(RolloutEngine):
         0.15 s on the H200, ninth run), and the next training phase allocates it again:
         so only when the driver's free memory is short of what the wake maps.
         """
-        need = max(self._llm.collective_rpc(_rpc_asleep_bytes, args=(tuple(tags),)), default=0)
-        if need and torch.cuda.mem_get_info()[0] < need + wake_headroom_bytes(need):
+        if not self._has_room(tags):
             torch.cuda.empty_cache()
+
+    def _has_room(self, tags: list[str]) -> bool:
+        """The driver's free memory covers what waking `tags` maps, with headroom."""
+        if not self._sleep_mode:
+            return True
+        need = max(self._llm.collective_rpc(_rpc_asleep_bytes, args=(tuple(tags),)), default=0)
+        return not need or torch.cuda.mem_get_info()[0] >= need + wake_headroom_bytes(need)
 
     # ---- generation ---------------------------------------------------------------
 

@@ -641,6 +641,7 @@ class MegatronRole:
         with_entropy: bool = False,
         micro_batch_size: int | None = None,
         kl_to: MegatronRole | None = None,
+        while_last_step_runs: Callable[[], None] | None = None,
     ) -> list[dict[str, float]]:
         """One optimizer step per entry of `steps`, in order: `train_step` on those rows.
 
@@ -648,6 +649,10 @@ class MegatronRole:
         as row indices into `batch`. Returns each step's `train_step` metrics.
         kl_to: as in `forward_only`: the loss function's outputs then hold `kl_full`, with
         gradient (the exact KL loss).
+        while_last_step_runs: host work to do once the last optimizer step is queued,
+        before the host waits for the device (the trainer maps the engine's weights back
+        there: `RolloutEngine.wake_if_room`). Called on every rank, also when the last step
+        was skipped.
         The host waits for the device twice per phase rather than twice per step: the
         mask's host copy (micro-batch shapes, a token-budget split) is made once, and the
         metrics of every step are read together at the end (`step_metrics`); in between,
@@ -671,6 +676,8 @@ class MegatronRole:
                     mini_batch, rows_mask, loss_fn, with_entropy, micro_batch_size, kl_to
                 )
             )
+        if while_last_step_runs is not None:
+            while_last_step_runs()
         return self._resolve(pending)
 
     def _check_kl_to(self, other: MegatronRole | None) -> None:

@@ -25,6 +25,12 @@ the larger of its figures.
 under `timing_s/`, whose keys add up to the step), with the same synchronisation but no
 memory reset, so the enclosing phase's peak still covers it.
 GPU work is synchronised at every boundary so the time belongs to what queued it.
+
+`phases.overlapped(phase, part)` is the exception: host work done while the device still
+runs what the phase queued (the engine's weights mapped back during the actor's last
+optimizer step), timed on the host only, without synchronising, so that the overlap stays
+(`timing_overlap_s/<phase>/<part>`: the most it can add to the phase). A phase that ends
+with such a wake takes its peaks before it (`close_peaks`).
 """
 
 from __future__ import annotations
@@ -76,26 +82,41 @@ class PhaseTimer:
             _synchronize()
             self._add(f"timing_s/{phase}", time.perf_counter() - start)
             self._read_off_device()
-            off_device = self._least_off_device.pop(phase)
+            if phase in self._least_off_device:  # its peaks not taken yet (`close_peaks`)
+                self._take_peaks(phase)
             if torch.cuda.is_available():
-                peaks = {
-                    "peak": torch.cuda.max_memory_allocated(),
-                    "reserved_peak": torch.cuda.max_memory_reserved(),
-                }
-                for name, peak in peaks.items():
-                    self._max(f"memory_gb/{phase}_{name}", peak / 2**30)
                 self._max(f"memory_gb/{phase}_device_used", device_used_gb())
-                # Between two reads (the phase's and its parts' boundaries) memory sleeps or
-                # wakes, never wakes and sleeps again (a wake inside a phase is a part of it),
-                # so what was asleep never fell below the least read: less it, the peaks can
-                # only over-state what the device held, never under-state it. (The allocated
-                # peak less whole segments also loses the free space inside vLLM's asleep
-                # ones: small, its weights and KV cache are large tensors.)
-                if off_device is not None:
-                    for name, peak in peaks.items():
-                        self._max(
-                            f"memory_gb/{phase}_{name}_on_device", (peak - off_device) / 2**30
-                        )
+
+    def close_peaks(self, phase: str) -> None:
+        """Record `phase`'s memory peaks now, before it ends: what it still runs after this
+        only maps the engine's memory back (`RolloutEngine.wake_if_room`). No
+        synchronisation: the allocator's peaks count what the host has queued.
+
+        Why not at the end: after such a wake the least read of the engine's memory asleep
+        is less by what it mapped, and the peak, reached before the wake, would be
+        over-stated by as much. (No read of the memory asleep here: since the last one,
+        nothing woke outside a part.)"""
+        self._take_peaks(phase)
+
+    def _take_peaks(self, phase: str) -> None:
+        off_device = self._least_off_device.pop(phase)
+        if not torch.cuda.is_available():
+            return
+        peaks = {
+            "peak": torch.cuda.max_memory_allocated(),
+            "reserved_peak": torch.cuda.max_memory_reserved(),
+        }
+        for name, peak in peaks.items():
+            self._max(f"memory_gb/{phase}_{name}", peak / 2**30)
+        # Between two reads (the phase's and its parts' boundaries) memory sleeps or wakes,
+        # never wakes and sleeps again (a wake inside a phase is a part of it, or comes
+        # after its peaks were taken), so what was asleep never fell below the least read:
+        # less it, the peaks can only over-state what the device held, never under-state
+        # it. (The allocated peak less whole segments also loses the free space inside
+        # vLLM's asleep ones: small, its weights and KV cache are large tensors.)
+        if off_device is not None:
+            for name, peak in peaks.items():
+                self._max(f"memory_gb/{phase}_{name}_on_device", (peak - off_device) / 2**30)
 
     @contextlib.contextmanager
     def part(self, phase: str, part: str) -> Iterator[None]:
@@ -110,6 +131,16 @@ class PhaseTimer:
             _synchronize()
             self._add(f"timing_parts_s/{phase}/{part}", time.perf_counter() - start)
             self._read_off_device()
+
+    @contextlib.contextmanager
+    def overlapped(self, phase: str, part: str) -> Iterator[None]:
+        """Time host work of `phase` that overlaps the device's (`timing_overlap_s/...`);
+        no synchronisation before or after it."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._add(f"timing_overlap_s/{phase}/{part}", time.perf_counter() - start)
 
     def _off_device_now(self) -> int | None:
         """`off_device_bytes` now; None without it, or off GPUs."""

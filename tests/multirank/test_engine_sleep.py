@@ -9,6 +9,9 @@ The engine refuses to generate after a level-2 sleep until a full update
 (`RolloutEngine.generate`), so a trainer that slept deeply and skipped a sync fails here.
 The trainer's phase timer reads what the engine holds asleep, and the evaluation's KV-cache
 wake is a part of its phase, so that the phase's `_on_device` peaks see it awake.
+With `rollout.wake_weights_during_update` (the default) the engine's weights wake once the
+actor's last optimizer step is queued and before its metrics are read (the host's wait),
+when they fit; the next sync then has nothing to wake.
 
 One rank, the replayed rollout of `tests/trainer_probe.py`, two steps and an evaluation.
 """
@@ -102,4 +105,85 @@ def _body(rank, world_size, tmp_path, overrides, expected_levels):
 def test_sleep_level(tmp_path, overrides, expected_levels):
     run_on_ranks(
         _body, world_size=1, tmp_path=tmp_path, overrides=overrides, expected_levels=expected_levels
+    )
+
+
+def _wake_order_body(rank, world_size, tmp_path, overrides, room, expected):
+    from rl_megatron.distributed import distributed_run
+
+    config = probe_config(
+        tmp_path, {}, ["algorithm.adv_estimator=grpo", "trainer.total_steps=2", *overrides]
+    )
+    with distributed_run(seed=config.trainer.seed, timeout_s=120) as run:
+        trainer = build_probe_trainer(config, run, total_steps=2)
+        engine, actor = trainer.engine, trainer.roles.actor
+        events: list[str] = []
+
+        def recorded(fn, label):
+            def call(*args, **kwargs):
+                events.append(label(*args))
+                return fn(*args, **kwargs)
+
+            return call
+
+        # What the engine really wakes (its hook), and when the actor queues a step and
+        # when the host reads the steps' metrics.
+        engine._wake = recorded(engine._wake, lambda tags: "wake " + ",".join(tags))
+        engine._has_room = lambda tags: room
+        actor._optimizer_step = recorded(actor._optimizer_step, lambda *a: "step")
+        actor._resolve = recorded(actor._resolve, lambda *a: "resolve")
+        # The update's memory peaks are taken before the wake changes what sleeps.
+        phases = trainer.phases
+        phases.close_peaks = recorded(phases.close_peaks, lambda *a: "close_peaks " + a[0])
+        flags, overlap = [], []
+        for _ in range(2):
+            metrics = trainer.train_step()
+            trainer.step += 1
+            flags.append(metrics.get("reshard/weights_woken_during_update"))
+            overlap.append("timing_overlap_s/update_actor/wake_engine_weights" in metrics)
+        collapsed = [e for i, e in enumerate(events) if not (e == "step" == events[i - 1])]
+        assert collapsed == expected, collapsed
+        woke_early = not overrides
+        assert flags == [float(room) if woke_early else None] * 2, flags
+        assert overlap == [woke_early] * 2, overlap
+
+
+@pytest.mark.parametrize(
+    "overrides, room, expected",
+    [
+        # The engine starts awake; after each rollout it sleeps at level 2. The weights wake
+        # between the last step and the metrics' read; the next sync wakes nothing.
+        (
+            [],
+            True,
+            [
+                *("step", "close_peaks update_actor", "wake weights", "resolve"),
+                *("wake kv_cache", "step", "close_peaks update_actor", "wake weights", "resolve"),
+            ],
+        ),
+        # No room beside the roles: the sync wakes them, as with the option off.
+        (
+            [],
+            False,
+            [
+                *("step", "close_peaks update_actor", "resolve", "wake weights"),
+                *("wake kv_cache", "step", "close_peaks update_actor", "resolve"),
+            ],
+        ),
+        (
+            ["rollout.wake_weights_during_update=false"],
+            True,
+            ["step", "resolve", "wake weights", "wake kv_cache", "step", "resolve"],
+        ),
+    ],
+    ids=["default", "no_room", "off"],
+)
+def test_weights_wake_during_the_update(tmp_path, overrides, room, expected):
+    run_on_ranks(
+        _wake_order_body,
+        world_size=1,
+        tmp_path=tmp_path,
+        overrides=overrides,
+        room=room,
+        expected=expected,
     )

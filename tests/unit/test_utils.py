@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -146,11 +147,13 @@ def test_transformer_shape_of_model_facts():
 
 def fake_cuda(monkeypatch, **state) -> dict:
     """CUDA, faked: the memory figures the timer reads come from `state` (bytes), which the
-    test changes as it goes; `state["resets"]` counts the peak resets. An 80 GiB device."""
+    test changes as it goes; `state["resets"]` counts the peak resets, `state["syncs"]` the
+    synchronisations. An 80 GiB device."""
     state["resets"] = 0
+    state["syncs"] = 0
     cuda = torch.cuda
     monkeypatch.setattr(cuda, "is_available", lambda: True)
-    monkeypatch.setattr(cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(cuda, "synchronize", lambda *a: state.update(syncs=state["syncs"] + 1))
     monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: state["allocated"])
     monkeypatch.setattr(cuda, "max_memory_reserved", lambda *a: state["reserved"])
     monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (state["free"], 80 * 2**30))
@@ -235,3 +238,91 @@ def test_no_on_device_peaks_without_a_figure_of_memory_asleep(monkeypatch, provi
     m = timer.pop()
     assert "memory_gb/generate_peak" in m
     assert not any(k.endswith("_on_device") for k in m)
+
+
+def test_peaks_closed_before_a_wake_keep_the_memory_asleep_before_it(monkeypatch):
+    """The actor's update maps the engine's weights back during its last optimizer step, its
+    peaks taken just before (`close_peaks`): the `_on_device` peaks subtract what was asleep
+    then (10 GiB), not the 6 GiB still asleep after the wake, which would over-state them
+    by the 4 GiB woken. The driver's figure is still the phase's end, the wake included.
+    Without `close_peaks` (the same phase as before, the wake a part of it) the least read
+    is the one after the wake."""
+    gib = 2**30
+    state = fake_cuda(monkeypatch, allocated=50 * gib, reserved=54 * gib, free=30 * gib)
+    asleep = {"gib": 10}  # level 2: weights 4 GiB, KV cache 6 GiB
+
+    def update_actor(timer: PhaseTimer, wake) -> None:
+        asleep["gib"], state["free"] = 10, 30 * gib
+        with timer.time("update_actor"):
+            wake(timer)
+
+    def early_wake(timer: PhaseTimer) -> None:
+        timer.close_peaks("update_actor")
+        with timer.overlapped("update_actor", "wake_engine_weights"):
+            asleep["gib"], state["free"] = 6, 26 * gib
+
+    def wake_as_a_part(timer: PhaseTimer) -> None:
+        with timer.part("update_actor", "wake_weights"):
+            asleep["gib"], state["free"] = 6, 26 * gib
+
+    timer = PhaseTimer(off_device_bytes=lambda: asleep["gib"] * gib)
+    update_actor(timer, early_wake)
+    m = timer.pop()
+    assert m["memory_gb/update_actor_peak"] == 50.0
+    assert m["memory_gb/update_actor_reserved_peak"] == 54.0
+    assert m["memory_gb/update_actor_peak_on_device"] == 40.0
+    assert m["memory_gb/update_actor_reserved_peak_on_device"] == 44.0
+    assert m["memory_gb/update_actor_device_used"] == 54.0  # at the end: after the wake
+
+    update_actor(timer, wake_as_a_part)
+    m = timer.pop()
+    assert m["memory_gb/update_actor_peak"] == 50.0
+    assert m["memory_gb/update_actor_peak_on_device"] == 44.0
+    assert m["memory_gb/update_actor_reserved_peak_on_device"] == 48.0
+    assert m["memory_gb/update_actor_device_used"] == 54.0
+
+
+def test_close_peaks_does_not_synchronise_and_the_end_still_reads_the_driver(monkeypatch):
+    """`close_peaks` reads the allocator's peaks of what the host has queued, without waiting
+    for the device; the phase's end synchronises once, as before, and records the driver's
+    figure then. Twice entered, the phase keeps the larger of each."""
+    gib = 2**30
+    state = fake_cuda(monkeypatch, allocated=20 * gib, reserved=24 * gib, free=50 * gib)
+    timer = PhaseTimer(off_device_bytes=lambda: 2 * gib)
+    with timer.time("update_actor"):
+        syncs, resets = state["syncs"], state["resets"]
+        timer.close_peaks("update_actor")
+        assert (state["syncs"], state["resets"]) == (syncs, resets)
+        state.update(free=40 * gib)
+    assert state["syncs"] == syncs + 1  # the end's
+    state.update(allocated=12 * gib, reserved=14 * gib, free=60 * gib)
+    with timer.time("update_actor"):
+        timer.close_peaks("update_actor")
+    m = timer.pop()
+    assert m["memory_gb/update_actor_peak"] == 20.0
+    assert m["memory_gb/update_actor_reserved_peak"] == 24.0
+    assert m["memory_gb/update_actor_peak_on_device"] == 18.0
+    assert m["memory_gb/update_actor_reserved_peak_on_device"] == 22.0
+    assert m["memory_gb/update_actor_device_used"] == 40.0
+
+
+def test_overlapped_host_work_is_timed_without_synchronising(monkeypatch):
+    """`overlapped` adds the host's seconds to `timing_overlap_s/<phase>/<part>` (nowhere
+    else), with neither a synchronisation nor a peak reset: the device's work goes on."""
+    from rl_megatron.utils import timers
+
+    clock = {"s": 100.0}
+    monkeypatch.setattr(timers, "time", SimpleNamespace(perf_counter=lambda: clock["s"]))
+    state = fake_cuda(monkeypatch, allocated=2**30, reserved=2**30, free=60 * 2**30)
+    timer = PhaseTimer()
+    with timer.time("update_actor"):
+        clock["s"] += 1.0
+        syncs, resets = state["syncs"], state["resets"]
+        for seconds in (0.25, 0.5):
+            with timer.overlapped("update_actor", "wake_engine_weights"):
+                clock["s"] += seconds
+        assert (state["syncs"], state["resets"]) == (syncs, resets)
+    m = timer.pop()
+    assert m["timing_overlap_s/update_actor/wake_engine_weights"] == 0.75
+    assert m["timing_s/update_actor"] == 1.75
+    assert not any(k.startswith("timing_parts_s/") for k in m)

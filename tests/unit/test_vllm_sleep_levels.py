@@ -277,3 +277,66 @@ def test_the_trainer_records_what_the_engine_holds_mapped(allocator):
     trainer = SimpleNamespace(engine=eng, phases=PhaseTimer())
     PPOTrainer._record_device_used(trainer, "engine_asleep")
     assert trainer.phases.pop()["memory_gb/engine_asleep_mapped"] == 100 / 2**30
+
+
+def test_wake_if_room_maps_the_weights_when_they_fit_without_emptying_the_cache(allocator):
+    """During the actor's last optimizer step the trainer maps the weights back only when
+    the driver's free memory covers them and the headroom (just enough here): they are
+    mapped, the engine counts them awake, and torch's cache is left alone (giving it back
+    would wait for the device)."""
+    eng = engine_on(allocator)
+    eng.sleep(level=2)
+    allocator.free_bytes = 100 + vllm_engine.wake_headroom_bytes(100)
+    assert eng.wake_if_room(["weights"]) is True
+    assert allocator.pointer_to_data[1].is_asleep is False
+    assert allocator.mapped() == {"weights": [True], "kv_cache": [False, False]}
+    assert eng.awake_tags == {"weights"}
+    assert allocator.released == 0
+    assert eng._llm.calls[-1] == "wake_up:weights"
+    eng.wake(["weights"])  # the sync's wake: nothing left to do
+    assert eng._llm.calls[-1] == "wake_up:weights" and allocator.released == 0
+
+
+def test_wake_if_room_without_room_maps_nothing_and_leaves_the_wake_to_the_sync(allocator):
+    """One byte short: False, nothing mapped, torch's cache not given back; the sync's plain
+    wake then gives it back and maps the weights, as before."""
+    eng = engine_on(allocator)
+    eng.sleep(level=2)
+    allocator.free_bytes = 100 + vllm_engine.wake_headroom_bytes(100) - 1
+    calls = len(eng._llm.calls)
+    assert eng.wake_if_room(["weights"]) is False
+    assert allocator.mapped() == {"weights": [False], "kv_cache": [False, False]}
+    assert eng.awake_tags == set()
+    assert allocator.released == 0
+    assert eng._llm.calls[calls:] == ["_rpc_asleep_bytes"]
+    eng.wake(["weights"])
+    assert allocator.released == 1
+    assert allocator.mapped() == {"weights": [True], "kv_cache": [False, False]}
+    assert eng.awake_tags == {"weights"}
+
+
+def test_wake_if_room_with_the_weights_awake_does_nothing(allocator):
+    """After a level-0 sleep the weights never left: True, whatever the free memory, with
+    nothing asked of vLLM and torch's cache untouched."""
+    eng = engine_on(allocator)
+    eng.sleep(level=0)
+    allocator.free_bytes = 0
+    calls = list(eng._llm.calls)
+    assert eng.wake_if_room(["weights"]) is True
+    assert eng._llm.calls == calls
+    assert allocator.mapped() == {"weights": [True], "kv_cache": [False, False]}
+    assert eng.awake_tags == {"weights"} and allocator.released == 0
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_a_sleep_after_the_weights_woke_alone_wakes_the_kv_cache_first(allocator, level):
+    """The weights woke during the update (`wake_if_room`), the KV cache still asleep; a
+    sleep then (vLLM's, which unmaps every allocation from fully awake) maps it back first."""
+    eng = engine_on(allocator)
+    eng.sleep(level=2)
+    assert eng.wake_if_room(["weights"])
+    eng._llm.calls.clear()
+    eng.sleep(level=level)
+    assert eng._llm.calls[-2:] == ["wake_up:kv_cache", f"sleep{level}"], eng._llm.calls
+    assert allocator.mapped() == {"weights": [False], "kv_cache": [False, False]}
+    assert eng.awake_tags == frozenset()
