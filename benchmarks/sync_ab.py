@@ -221,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
             then wakes its weights. The KV cache's wake is timed on its own."""
             sync()
             start = time.perf_counter()
-            trainer._wake_kv_cache()  # the trainer's own phase after the sync
+            trainer._wake_kv_cache("wake_kv_cache")  # the trainer's own phase after the sync
             sync()
             kv_wake_s.append(time.perf_counter() - start)
             used_gb["engine_awake"].append(device_used_gb())
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def greedy_tokens() -> list[list[int]]:
             """The engine's greedy responses to fixed prompts (with its KV cache awake)."""
-            trainer._wake_kv_cache()
+            trainer._wake_kv_cache("wake_kv_cache")
             vocab = args.vocab
             prompts = [[(31 * i + 7 * j + 1) % vocab for j in range(12)] for i in range(4)]
             greedy = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)

@@ -323,9 +323,16 @@ def run_trainer(
                     "bench/actor_update_tokens": tokens * config.actor.ppo_epochs,
                     "bench/actor_optimizer_steps": optimizer_steps,
                     "bench/tokens_per_s_per_gpu_wall": tokens / wall / dist.get_world_size(),
-                    "bench/max_reserved_gb": gib(torch.cuda.max_memory_reserved())
-                    if torch.cuda.is_available()
-                    else 0.0,
+                    # The largest of the step's phases (the allocator's own peak is
+                    # reset at every phase's and part's boundary: `PhaseTimer`).
+                    "bench/max_reserved_gb": max(
+                        (
+                            float(v)
+                            for k, v in metrics.items()
+                            if k.startswith("memory_gb/") and k.endswith("_reserved_peak")
+                        ),
+                        default=0.0,
+                    ),
                 }
             )
             steps.append(row)

@@ -448,11 +448,28 @@ MUTATIONS = [
         "tests/multirank/test_engine_sleep.py::test_sleep_level[default]",
     ),
     (
-        "memory: the phases' on-device peaks keep the last read of memory asleep",
+        "memory: the phases' on-device peaks subtract the memory asleep at an interval's end",
         "rl_megatron/utils/timers.py",
-        "least is None else min(least, now)",
-        "least is None else now",
+        "else min(before, asleep)",
+        "else asleep",
         "tests/unit/test_utils.py",
+    ),
+    (
+        "memory: the phases' on-device peaks over the whole phase, not per interval",
+        "rl_megatron/utils/timers.py",
+        "            torch.cuda.reset_peak_memory_stats()\n        if opening",
+        "            torch.cuda.reset_peak_memory_stats() if opening else None\n        if opening",
+        "tests/unit/test_utils.py",
+    ),
+    (
+        "memory: the engine's wake and the room made for it in one part",
+        TRAINER,
+        '        with self.phases.part(phase, f"make_room_for_{tag}"):\n'
+        "            self.engine.make_room([tag])\n"
+        '        with self.phases.part(phase, f"wake_{tag}"):\n',
+        '        with self.phases.part(phase, f"wake_{tag}"):\n'
+        "            self.engine.make_room([tag])\n",
+        "tests/multirank/test_engine_sleep.py",
     ),
     (
         "vLLM engine: unmapped bytes count the mapped allocations",

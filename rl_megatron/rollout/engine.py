@@ -243,6 +243,15 @@ class RolloutEngine(abc.ABC):
             self._wake(todo)
             self._awake.update(todo)
 
+    def make_room(self, tags: Sequence[str]) -> None:
+        """Free device memory for waking `tags` (those asleep), where the engine must: vLLM
+        gives torch's cached memory back when the driver's free memory is short of them.
+        `wake` does it too; the trainer calls this first, timed apart, so that its memory
+        figures see the release and the wake in intervals of their own (`PhaseTimer`)."""
+        todo = [t for t in tags if t not in self._awake]
+        if todo:
+            self._make_room(todo)
+
     def wake_if_room(self, tags: Sequence[str]) -> bool:
         """`wake(tags)` if the device has room for them now, beside what PyTorch's caching
         allocator holds (nothing of it is given back); True when `tags` are awake after.
@@ -282,6 +291,10 @@ class RolloutEngine(abc.ABC):
 
     @abc.abstractmethod
     def _wake(self, tags: list[str]) -> None: ...
+
+    def _make_room(self, tags: list[str]) -> None:
+        """Free what waking `tags` needs (`make_room`); nothing, where a sleep freed none."""
+        return None
 
     def _has_room(self, tags: list[str]) -> bool:
         """Whether waking `tags` fits beside what is on the device now (`wake_if_room`);

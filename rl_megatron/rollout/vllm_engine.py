@@ -493,7 +493,7 @@ class VllmEngine(RolloutEngine):
     def _wake(self, tags: list[str]) -> None:
         if not self._sleep_mode:
             return
-        self._release_cached_memory_if_short(tags)
+        self._make_room(tags)
         if self._kv_cache_unmapped:  # a level-0 sleep: only the KV cache is asleep
             if "kv_cache" in tags:
                 self._llm.collective_rpc(_rpc_map_kv_cache)
@@ -511,7 +511,7 @@ class VllmEngine(RolloutEngine):
             return None
         return max(self._llm.collective_rpc(_rpc_unmapped_bytes), default=0)
 
-    def _release_cached_memory_if_short(self, tags: list[str]) -> None:
+    def _make_room(self, tags: list[str]) -> None:
         """Give torch's cached memory back to the driver when the wake needs it.
 
         vLLM maps its memory through its own allocator, which cannot use what torch's

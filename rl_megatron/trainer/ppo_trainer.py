@@ -297,7 +297,7 @@ class PPOTrainer:
             # trained in goes back to the engine. Not part of the weight sync: its cost
             # grows with the KV cache, not with the weights.
             with self.phases.time("wake_kv_cache"):
-                self._wake_kv_cache()
+                self._wake_kv_cache("wake_kv_cache")
             collected = collect_groups(
                 self._rollout_round,
                 self.sampler.local_batch_size,
@@ -350,8 +350,7 @@ class PPOTrainer:
         the update woke them, `_wake_engine_weights_early`), the sync (its host-side
         pieces in `reshard/*_s`: preparing the plan, the engine's begin, issuing the
         copies, the engine's finish with its prefix-cache reset)."""
-        with self.phases.part(phase, "wake_weights"):
-            self.engine.wake(["weights"])
+        self._wake_engine(phase, "weights")
         if version == 0 and self.engine.weight_version == 0 and not self.resumed:
             # The engine holds the weights the actor starts from (it loaded model.hf_path,
             # or generates with the actor's modules): nothing to move.
@@ -385,11 +384,23 @@ class PPOTrainer:
             woke = self.engine.wake_if_room(["weights"])
         self.phases.record("reshard/weights_woken_during_update", float(woke))
 
-    def _wake_kv_cache(self) -> None:
-        """The engine's KV cache back, after its weights are in and the actor's put away
-        (`RolloutEngine.wake`): peak memory never holds two models plus a KV cache."""
-        self.engine.wake(["kv_cache"])
+    def _wake_kv_cache(self, phase: str) -> None:
+        """The engine's KV cache back (in `phase`), after its weights are in and the actor's
+        put away (`RolloutEngine.wake`): peak memory never holds two models plus a KV cache."""
+        self._wake_engine(phase, "kv_cache")
         self._record_device_used("engine_awake")
+
+    def _wake_engine(self, phase: str, tag: str) -> None:
+        """Wake the engine's `tag` in parts of `phase`: first the room for it (torch's cached
+        memory given back, where the device is short: `timing_parts_s/<phase>/make_room_for_
+        <tag>`), then the wake (`wake_<tag>`). Apart, so that the phase's `_on_device`
+        peaks see the cache's release and the engine's memory mapped in intervals of their
+        own (`PhaseTimer`); in one, the peak before the release would lose nothing of the
+        memory asleep (the least read, the one after the wake)."""
+        with self.phases.part(phase, f"make_room_for_{tag}"):
+            self.engine.make_room([tag])
+        with self.phases.part(phase, f"wake_{tag}"):
+            self.engine.wake([tag])
 
     def _record_device_used(self, state: str) -> None:
         """Device memory in use (the driver's figure) with the engine in `state`
@@ -525,10 +536,9 @@ class PPOTrainer:
             return {}
         with self.roles.actor.on_device():
             self._sync_engine(version=self.step, phase="evaluate")
-            # A part of its own: the evaluate phase's `_on_device` peaks need a read between
-            # this wake and the sleep that ends the evaluation (`PhaseTimer.part`).
-            with self.phases.part("evaluate", "wake_kv_cache"):
-                self._wake_kv_cache()
+            # In parts of its own: the evaluate phase's `_on_device` peaks need boundaries
+            # between this wake and the sleep that ends the evaluation (`PhaseTimer`).
+            self._wake_kv_cache("evaluate")
         totals = torch.zeros(3, dtype=torch.float64)  # reward sum, length sum, count
         batches = eval_batches(
             len(val), self.config.data.val_batch_size, self.dp_rank, self.dp_size

@@ -135,13 +135,25 @@ def _wake_order_body(rank, world_size, tmp_path, overrides, room, expected):
         # The update's memory peaks are taken before the wake changes what sleeps.
         phases = trainer.phases
         phases.close_peaks = recorded(phases.close_peaks, lambda *a: "close_peaks " + a[0])
+        # Where the phases' memory accounting ends an interval, and where room is made.
+        phases._boundary = recorded(phases._boundary, lambda *a, **k: "|")
+        engine.make_room = recorded(engine.make_room, lambda tags: "make_room " + ",".join(tags))
         flags, overlap = [], []
         for _ in range(2):
             metrics = trainer.train_step()
             trainer.step += 1
             flags.append(metrics.get("reshard/weights_woken_during_update"))
             overlap.append("timing_overlap_s/update_actor/wake_engine_weights" in metrics)
-        collapsed = [e for i, e in enumerate(events) if not (e == "step" == events[i - 1])]
+        # Room is made for a wake in an interval of its own: a boundary after it, and one
+        # before what the engine really wakes (so that torch's cache given back and the
+        # engine's memory mapped never share one).
+        for i, event in enumerate(events):
+            if event.startswith("make_room"):
+                assert events[i + 1] == "|", events[i - 2 : i + 3]
+            if event.startswith("wake"):
+                assert events[i - 1] == "|" or events[i - 1].startswith("close_peaks"), events
+        steps = [e for e in events if e != "|" and not e.startswith("make_room")]
+        collapsed = [e for i, e in enumerate(steps) if not (e == "step" == steps[i - 1])]
         assert collapsed == expected, collapsed
         woke_early = not overrides
         assert flags == [float(room) if woke_early else None] * 2, flags

@@ -62,7 +62,7 @@ def _train_and_export(rank: int, world_size: int, tmp_path: Path) -> None:
         sampling = trainer._sampling(0, evaluation=True)
         assert sampling.temperature == 0
         trainer._sync_engine(version=trainer.step)  # as evaluation does
-        trainer._wake_kv_cache()
+        trainer._wake_kv_cache("wake_kv_cache")
         rollout = trainer.engine.generate(prompts, sampling, output_layout="full")
         if rank == 0:
             rows = [

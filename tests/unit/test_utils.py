@@ -148,7 +148,8 @@ def test_transformer_shape_of_model_facts():
 def fake_cuda(monkeypatch, **state) -> dict:
     """CUDA, faked: the memory figures the timer reads come from `state` (bytes), which the
     test changes as it goes; `state["resets"]` counts the peak resets, `state["syncs"]` the
-    synchronisations. An 80 GiB device."""
+    synchronisations; `state["on_reset"]`, if set, runs at the next reset (the peaks since a
+    reset start from what is allocated then). An 80 GiB device."""
     state["resets"] = 0
     state["syncs"] = 0
     cuda = torch.cuda
@@ -157,16 +158,21 @@ def fake_cuda(monkeypatch, **state) -> dict:
     monkeypatch.setattr(cuda, "max_memory_allocated", lambda *a: state["allocated"])
     monkeypatch.setattr(cuda, "max_memory_reserved", lambda *a: state["reserved"])
     monkeypatch.setattr(cuda, "mem_get_info", lambda *a: (state["free"], 80 * 2**30))
-    monkeypatch.setattr(
-        cuda, "reset_peak_memory_stats", lambda *a: state.update(resets=state["resets"] + 1)
-    )
+
+    def reset(*_) -> None:
+        state["resets"] += 1
+        after_reset = state.pop("on_reset", None)
+        if after_reset is not None:
+            after_reset()
+
+    monkeypatch.setattr(cuda, "reset_peak_memory_stats", reset)
     return state
 
 
 def test_phase_memory_figures_on_a_gpu_are_the_allocators_and_the_drivers(monkeypatch):
     """With CUDA (faked here: the figures come from the functions the timer must read), each
     phase reports the allocator's peak allocated and reserved and the driver's in-use
-    figure at its end, the larger over repeated entries; parts add time, not memory."""
+    figure at its end, the larger over repeated entries; a part's memory is its phase's."""
     from rl_megatron.utils.timers import device_used_gb
 
     gib = 2**30
@@ -180,7 +186,6 @@ def test_phase_memory_figures_on_a_gpu_are_the_allocators_and_the_drivers(monkey
         pass
     timer.record("memory_gb/engine_asleep_device_used", device_used_gb())
     m = timer.pop()
-    assert state["resets"] == 2  # per phase entry, not per part
     assert m["memory_gb/update_actor_peak"] == 7.0
     assert m["memory_gb/update_actor_reserved_peak"] == 9.0
     assert m["memory_gb/update_actor_device_used"] == 30.0
@@ -282,6 +287,32 @@ def test_peaks_closed_before_a_wake_keep_the_memory_asleep_before_it(monkeypatch
     assert m["memory_gb/update_actor_device_used"] == 54.0
 
 
+def test_a_wake_after_giving_torchs_cache_back_counts_each_interval_apart(monkeypatch):
+    """The KV cache's wake (H200, 1.5B, sixteenth run): torch reserved 195 GiB at the phase's
+    start, 66 of it vLLM's KV cache asleep; torch's cache given back (a part: `make_room`),
+    then the KV cache mapped (another part). Each interval's peak less the lesser memory
+    asleep at its ends: 195 − 66 before the release, 96 − 0 after it; the phase reports 129.
+    One interval for the whole phase would have subtracted 0 (asleep at the end) from 195,
+    more than the 140 GiB device holds."""
+    gib = 2**30
+    state = fake_cuda(monkeypatch, allocated=190 * gib, reserved=195 * gib, free=10 * gib)
+    asleep = {"gib": 66}
+    timer = PhaseTimer(off_device_bytes=lambda: asleep["gib"] * gib)
+    with timer.time("wake_kv_cache"):
+        with timer.part("wake_kv_cache", "make_room_for_kv_cache"):
+            # Released: the peaks stay those from before until the boundary resets them.
+            state["on_reset"] = lambda: state.update(
+                allocated=95 * gib, reserved=96 * gib, free=110 * gib
+            )
+        with timer.part("wake_kv_cache", "wake_kv_cache"):
+            asleep["gib"], state["free"] = 0, 44 * gib
+    m = timer.pop()
+    assert m["memory_gb/wake_kv_cache_reserved_peak"] == 195.0
+    assert m["memory_gb/wake_kv_cache_reserved_peak_on_device"] == 129.0
+    assert m["memory_gb/wake_kv_cache_peak_on_device"] == 124.0
+    assert m["memory_gb/wake_kv_cache_device_used"] == 36.0
+
+
 def test_close_peaks_does_not_synchronise_and_the_end_still_reads_the_driver(monkeypatch):
     """`close_peaks` reads the allocator's peaks of what the host has queued, without waiting
     for the device; the phase's end synchronises once, as before, and records the driver's
@@ -290,9 +321,9 @@ def test_close_peaks_does_not_synchronise_and_the_end_still_reads_the_driver(mon
     state = fake_cuda(monkeypatch, allocated=20 * gib, reserved=24 * gib, free=50 * gib)
     timer = PhaseTimer(off_device_bytes=lambda: 2 * gib)
     with timer.time("update_actor"):
-        syncs, resets = state["syncs"], state["resets"]
+        syncs = state["syncs"]
         timer.close_peaks("update_actor")
-        assert (state["syncs"], state["resets"]) == (syncs, resets)
+        assert state["syncs"] == syncs
         state.update(free=40 * gib)
     assert state["syncs"] == syncs + 1  # the end's
     state.update(allocated=12 * gib, reserved=14 * gib, free=60 * gib)
