@@ -310,7 +310,12 @@ def run_trainer(
             row = {
                 k: float(v)
                 for k, v in metrics.items()
-                if k.startswith(("timing_s/", "memory_gb/", "perf/", "rollout/", "bench/"))
+                if k.startswith(
+                    (
+                        *("timing_s/", "timing_parts_s/", "timing_overlap_s/", "reshard/"),
+                        *("memory_gb/", "perf/", "rollout/", "bench/"),
+                    )
+                )
                 or k in ("reward/mean", "actor/grad_norm", "actor/pg_loss", "critic/loss")
             }
             row.update(
