@@ -76,6 +76,16 @@ step rollout_ab_085b_long 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype 
   --repeats 6 --calls-per-round 2 --gpu-memory-utilization 0.3 \
   --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
   --out-json "$RES/rollout_ab_h200_085b_long_$TAG.json"
+# Rounds long enough for the worst-round bound, batch 64 only. The sixteenth run's calls of
+# the same work took 0.63-1.27 s (the decode is CPU-bound; the GPU clock never moved), a
+# spread of ~14 % per call: a round's ratio of sums over K calls of each spreads ~20 %/sqrt(K),
+# so 0.95x at the worst of a few rounds needs K ~ 16. Time: start-up ~270 s + 2 modes x
+# (1 warm-up call each + 3 rounds x 16 calls x 2 engines) x ~0.85 s = ~440 s. Not yet run.
+step rollout_ab_085b_k16 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfloat16 \
+  --batches 64 --prompt-len 128 --max-new 256 --modes greedy,greedy_aa \
+  --repeats 3 --calls-per-round 16 --gpu-memory-utilization 0.3 \
+  --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
+  --out-json "$RES/rollout_ab_h200_085b_k16_$TAG.json"
 
 # The trainer's weight-sync phase vs a device copy of the same bytes (issue 21: <= 3x).
 step sync_ab_085b 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \
