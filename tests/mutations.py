@@ -504,7 +504,7 @@ MUTATIONS = [
     (
         "vLLM engine: a sleep wakes only the KV cache a level-0 sleep unmapped",
         "rl_megatron/rollout/vllm_engine.py",
-        "asleep = [t for t in WAKE_TAGS if t not in self._awake]",
+        "asleep = self._asleep()",
         'asleep = ["kv_cache"] if self._kv_cache_unmapped else []',
         "tests/unit/test_vllm_sleep_levels.py",
     ),

@@ -82,6 +82,10 @@ class RolloutEngine(abc.ABC):
     def awake_tags(self) -> frozenset[str]:
         return frozenset(self._awake)
 
+    def _asleep(self, tags: Sequence[str] = WAKE_TAGS) -> list[str]:
+        """Those of `tags` that sleep now, in their order."""
+        return [t for t in tags if t not in self._awake]
+
     def mapped_bytes(self) -> int | None:
         """Device memory the engine's own allocator holds mapped now (weights, KV cache),
         where it has one that says (vLLM's, in sleep mode); None otherwise."""
@@ -238,7 +242,7 @@ class RolloutEngine(abc.ABC):
         bad = [t for t in tags if t not in WAKE_TAGS]
         if bad:
             raise ValueError(f"unknown wake tag {bad[0]!r}; expected one of {WAKE_TAGS}")
-        todo = [t for t in tags if t not in self._awake]
+        todo = self._asleep(tags)
         if todo:
             self._wake(todo)
             self._awake.update(todo)
@@ -248,7 +252,7 @@ class RolloutEngine(abc.ABC):
         gives torch's cached memory back when the driver's free memory is short of them.
         `wake` does it too; the trainer calls this first, timed apart, so that its memory
         figures see the release and the wake in intervals of their own (`PhaseTimer`)."""
-        todo = [t for t in tags if t not in self._awake]
+        todo = self._asleep(tags)
         if todo:
             self._make_room(todo)
 
@@ -261,7 +265,7 @@ class RolloutEngine(abc.ABC):
         the weight sync has nothing left to wake. Giving torch's cache back (`wake` does
         when memory is short) would wait for that work, so without room nothing happens
         here and the wake waits for its turn."""
-        todo = [t for t in tags if t not in self._awake]
+        todo = self._asleep(tags)
         if todo and not self._has_room(todo):
             return False
         self.wake(todo)

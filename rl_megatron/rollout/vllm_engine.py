@@ -77,7 +77,6 @@ import torch.distributed as dist
 from rl_megatron.config import TRAINER_SET_LLM_ARGS
 from rl_megatron.rollout.batch import FinishReason, RolloutBatch
 from rl_megatron.rollout.engine import (
-    WAKE_TAGS,
     NamedTensors,
     OutputLayout,
     RolloutEngine,
@@ -483,7 +482,7 @@ class VllmEngine(RolloutEngine):
         # vLLM's sleep unmaps every allocation once, and only from fully awake (its executor
         # ignores a sleep while any tag sleeps): whatever sleeps wakes first, e.g. the KV
         # cache after a level-0 sleep, or after a wake of the weights alone (`wake_if_room`).
-        asleep = [t for t in WAKE_TAGS if t not in self._awake]
+        asleep = self._asleep()
         if asleep:
             self._wake(asleep)
         # vLLM drops its prefix cache whenever it discards the KV cache (its `sleep`).
