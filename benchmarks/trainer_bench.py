@@ -49,6 +49,10 @@ leans towards A; in a launch-bound one (an MoE without grouped GEMM) it does not
 N more rounds of the plain loop against itself (`control_plain_vs_plain`): the same work in
 both slots, whose spread is the host's alone (the eleventh H200 run's update A/B spread
 0.77–1.17 with its median at 0.94).
+`--plain-update-batches` feeds B the update's own micro-batches instead of random tokens
+(the like-for-like comparison for an MoE, whose speed depends on the tokens it routes);
+`--update-calls-per-round K` makes every round K calls of each side, interleaved inside it
+(`ab.round_order`), its ratio from their sums: a longer round averages the host's noise.
 `--update-diagnostics N` (with `--interleave-update`) then splits that ratio into single
 factors in N more rounds (`update_diagnostics.py`): the plain loop on the update's own
 micro-batches (`data`), on the actor's own model, optimizer and config (`model`), and the
@@ -116,7 +120,7 @@ from ab import interleave, target_record
 from bench_utils import allocated_gb, free_memory, gib, sync, trainer_gc_policy
 from headline import UPDATE_VS_PLAIN_TARGET  # issues 8 and 19: one home for the target
 from phase_probes import GC_PAUSES, probed_phases
-from plain_loop import PlainLoop, plain_loop
+from plain_loop import PlainLoop, plain_loop, plain_micro_batches
 from update_diagnostics import recorded_micro_batches, update_diagnostics
 from update_traces import (
     actor_update_sync_sites,
@@ -393,17 +397,29 @@ def update_vs_plain_ab(trainer, config, args, optimizer_steps: int) -> dict:
     )
     loop = PlainLoop(config, trainer.info, args)
     loop.iteration()  # its warm-up: kernel selection, optimizer state
+    # B's micro-batches: random tokens of the configured shape, or (--plain-update-batches)
+    # the update's own, replayed: an MoE's speed depends on the tokens it routes, so for
+    # one the like-for-like comparison is the same tokens through the same shapes.
+    if args.plain_update_batches:
+        steps = [plain_micro_batches(m) for m in micro_batches]
+    else:
+        steps = [None] * optimizer_steps
 
     def plain():
-        return [loop.iteration() for _ in range(optimizer_steps)]
+        return [loop.iteration(m) for m in steps]
 
     diagnostics = None
     try:
         with trainer_gc_policy(config.trainer.manual_gc):
-            r = interleave(update, plain, args.interleave_update, warmup=1, sync=sync)
+            calls = args.update_calls_per_round
+            r = interleave(
+                update, plain, args.interleave_update, warmup=1, sync=sync, calls_per_round=calls
+            )
             # The control: the plain loop against itself, as many rounds. The same work in
             # both slots, so its spread is the host's, the floor under the A/B's.
-            control = interleave(plain, plain, args.interleave_update, warmup=0, sync=sync)
+            control = interleave(
+                plain, plain, args.interleave_update, warmup=0, sync=sync, calls_per_round=calls
+            )
             if args.update_diagnostics:
                 diagnostics = update_diagnostics(update, loop, trainer, config, args, micro_batches)
     finally:
@@ -412,9 +428,10 @@ def update_vs_plain_ab(trainer, config, args, optimizer_steps: int) -> dict:
     shape = f"{m.num_layers}L h{m.hidden_size}"
     if m.num_experts:
         shape += f", {m.num_experts} experts top-{m.moe_router_topk}"
+    tokens = "the update's own micro-batches" if args.plain_update_batches else "random tokens"
     record = target_record(
-        f"{config.algorithm.adv_estimator} actor update ÷ plain megatron-core loop, "
-        f"interleaved, time for {optimizer_steps} optimizer steps ({shape})",
+        f"{config.algorithm.adv_estimator} actor update ÷ plain megatron-core loop on "
+        f"{tokens}, interleaved, time for {optimizer_steps} optimizer steps ({shape})",
         r,
         UPDATE_VS_PLAIN_TARGET,
         UPDATE_VS_PLAIN_TARGET,
@@ -423,7 +440,8 @@ def update_vs_plain_ab(trainer, config, args, optimizer_steps: int) -> dict:
     )
     if dist.get_rank() == 0:
         print(
-            f"update ÷ plain (interleaved, {args.interleave_update} rounds): median "
+            f"update ÷ plain (interleaved, {args.interleave_update} rounds of "
+            f"{args.update_calls_per_round} calls each): median "
             f"{r.ratio_median:.3f} [{r.ratio_min:.3f}, {r.ratio_max:.3f}]; control, plain ÷ "
             f"plain: median {control.ratio_median:.3f} [{control.ratio_min:.3f}, "
             f"{control.ratio_max:.3f}]",
@@ -432,6 +450,7 @@ def update_vs_plain_ab(trainer, config, args, optimizer_steps: int) -> dict:
     out = {
         "ab": r.as_dict(),
         "control_plain_vs_plain": control.as_dict(),
+        "plain_tokens": "update_batches" if args.plain_update_batches else "random",
         "optimizer_steps": optimizer_steps,
         "target": record,
     }
@@ -579,6 +598,20 @@ def main(argv: list[str] | None = None) -> int:
         help="with --interleave-update: N more rounds splitting the update ÷ plain gap into "
         "single factors (data, model, role code)",
     )
+    parser.add_argument(
+        "--plain-update-batches",
+        action="store_true",
+        help="with --interleave-update: the plain loop on the update's own micro-batches "
+        "(same tokens), not random ones",
+    )
+    parser.add_argument(
+        "--update-calls-per-round",
+        type=int,
+        default=1,
+        metavar="K",
+        help="K calls of each side in every --interleave-update / --update-diagnostics "
+        "round, interleaved inside it (a round's ratio from its sums)",
+    )
     parser.add_argument("--run-dir", default="runs/trainer_bench")
     parser.add_argument("--tiny", action="store_true", help="tiny_cpu model: CPU smoke test")
     parser.add_argument("--out-json", type=Path, default=None)
@@ -586,6 +619,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.update_diagnostics and not args.interleave_update:
         parser.error("--update-diagnostics needs --interleave-update")
+    if args.plain_update_batches and not args.interleave_update:
+        parser.error("--plain-update-batches needs --interleave-update")
+    if args.update_calls_per_round < 1:
+        parser.error(f"--update-calls-per-round must be >= 1, got {args.update_calls_per_round}")
     if args.tiny:
         args.plain_iters, args.plain_warmup = min(args.plain_iters, 2), min(args.plain_warmup, 1)
     if args.out_json is None and os.environ.get("OUT"):

@@ -93,14 +93,22 @@ def update_diagnostics(update, loop: PlainLoop, trainer, config, args, micro_bat
         "plain_update_batches": lambda: [loop.iteration(m) for m in steps],
         "plain": lambda: [loop.iteration() for _ in steps],
     }
-    seconds, orders, probes = interleave_slots(slots, args.update_diagnostics)
+    seconds, orders, probes = interleave_slots(
+        slots, args.update_diagnostics, calls_per_round=args.update_calls_per_round
+    )
     factors = {}
     for name, (a, b, what) in FACTORS.items():
         first = [o.index(a) < o.index(b) for o in orders]
-        ab = ABResult(a_s=seconds[a], b_s=seconds[b], a_first=first)
+        ab = ABResult(
+            a_s=seconds[a],
+            b_s=seconds[b],
+            a_first=first,
+            calls_per_round=args.update_calls_per_round,
+        )
         factors[name] = {"a": a, "b": b, "what": what, **ab.as_dict()}
     out = {
         "rounds": args.update_diagnostics,
+        "calls_per_round": args.update_calls_per_round,
         "orders": orders,
         "slots": {
             name: {"s": seconds[name], "median_s": statistics.median(seconds[name]), **probes[name]}
@@ -115,7 +123,11 @@ def update_diagnostics(update, loop: PlainLoop, trainer, config, args, micro_bat
         },
     }
     if dist.get_rank() == 0:
-        print(f"update ÷ plain, single factors ({args.update_diagnostics} rounds):", flush=True)
+        print(
+            f"update ÷ plain, single factors ({args.update_diagnostics} rounds of "
+            f"{args.update_calls_per_round} calls of each slot):",
+            flush=True,
+        )
         for name, f in factors.items():
             print(
                 f"  {name:>9}: {f['a']} ÷ {f['b']}: median {f['ratio_median']:.3f} "
@@ -148,16 +160,23 @@ def recorded_micro_batches(role):
         del role._micro_batches  # the class's method again
 
 
-def interleave_slots(slots: dict, repeats: int, warmup: int = 1):
-    """`ab.interleave` for more than two calls, each round running every slot once.
+def interleave_slots(slots: dict, repeats: int, warmup: int = 1, calls_per_round: int = 1):
+    """`ab.interleave` for more than two calls, each round running every slot
+    `calls_per_round` times.
 
-    Timed round r runs the slots in their order rotated by r // 2, reversed when r is odd,
-    so that over an even number of rounds every pair of slots runs in either order equally
-    often and every slot takes every place; warm-up rounds use round 0's order. Every call
-    runs between two `sync()`s. Returns per slot its seconds in each timed round, each
-    timed round's order, and per slot the garbage-collector pauses and CUDA allocator calls
-    (`phase_probes`) summed over the timed rounds.
+    Timed round r opens with the slots in their order rotated by r // 2, reversed when r
+    is odd, so that over an even number of rounds every pair of slots runs in either order
+    equally often and every slot takes every place; warm-up rounds use round 0's order and
+    run each slot once. With K calls per round the round runs that order, then it reversed,
+    then it again, and so on (K passes): with K even every slot's calls sum to the same
+    positions, so a drift of the host's speed linear in time cancels inside the round (as
+    `ab.round_order`'s A B B A does for two calls); a slot's time in a round is the sum of
+    its K calls. Every call runs between two `sync()`s. Returns per slot its seconds in each
+    timed round, each timed round's opening order, and per slot the garbage-collector pauses
+    and CUDA allocator calls (`phase_probes`) summed over the timed rounds.
     """
+    if calls_per_round < 1:
+        raise ValueError(f"calls_per_round must be >= 1, got {calls_per_round}")
     names = list(slots)
     seconds: dict[str, list[float]] = {n: [] for n in names}
     probes = {n: {"gc_pause_s": 0.0} for n in names}
@@ -168,20 +187,24 @@ def interleave_slots(slots: dict, repeats: int, warmup: int = 1):
         order = names[j:] + names[:j]
         if r % 2:
             order.reverse()
-        for name in order:
-            gc_before, alloc_before = GC_PAUSES.snapshot()[1], allocator_counts()
-            sync()
-            start = time.perf_counter()
-            slots[name]()
-            sync()
-            took = time.perf_counter() - start
-            if k < warmup:
-                continue
-            seconds[name].append(took)
-            probes[name]["gc_pause_s"] += GC_PAUSES.snapshot()[1] - gc_before
-            for key, count in allocator_counts().items():
-                probes[name][key] = probes[name].get(key, 0) + count - alloc_before[key]
+        passes = 1 if k < warmup else calls_per_round
+        took_in_round = dict.fromkeys(names, 0.0)
+        for p in range(passes):
+            for name in order if p % 2 == 0 else order[::-1]:
+                gc_before, alloc_before = GC_PAUSES.snapshot()[1], allocator_counts()
+                sync()
+                start = time.perf_counter()
+                slots[name]()
+                sync()
+                took_in_round[name] += time.perf_counter() - start
+                if k < warmup:
+                    continue
+                probes[name]["gc_pause_s"] += GC_PAUSES.snapshot()[1] - gc_before
+                for key, count in allocator_counts().items():
+                    probes[name][key] = probes[name].get(key, 0) + count - alloc_before[key]
         if k >= warmup:
+            for name in names:
+                seconds[name].append(took_in_round[name])
             orders.append(order)
     return seconds, orders, probes
 

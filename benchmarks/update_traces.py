@@ -125,8 +125,11 @@ def python_profile(call, count: int, out_dir: Path, stem: str, before=None, writ
 
 def kept_actor_update(trainer, during=contextlib.nullcontext):
     """One more training step; its actor-update phase kept as `update()`, which runs it
-    again (the same batch into the same role), and what `during()` yielded around the
-    step's own run of it (e.g. `update_diagnostics.recorded_micro_batches`)."""
+    again (the same batch into the same role) inside the trainer's `update_actor` phase
+    timer, as the step does (its last optimizer step closes the phase's memory figures
+    before it wakes the engine's weights: `rollout.wake_weights_during_update`), and what
+    `during()` yielded around the step's own run of it (e.g.
+    `update_diagnostics.recorded_micro_batches`)."""
     kept = {}
 
     def keep(update):
@@ -135,7 +138,12 @@ def kept_actor_update(trainer, during=contextlib.nullcontext):
             return update()
 
     step_with_actor_update(trainer, keep)
-    return kept["update"], kept["seen"]
+
+    def again():
+        with trainer.phases.time("update_actor"):
+            return kept["update"]()
+
+    return again, kept["seen"]
 
 
 def step_with_actor_update(trainer, around) -> None:

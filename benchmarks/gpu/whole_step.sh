@@ -27,6 +27,15 @@ step moe_trainer 520 $TR1 benchmarks/trainer_bench.py --config yaml_configs/benc
   --algorithms grpo --warmup-steps 1 --steps 2 --no-plain-masked --interleave-update 8 \
   --update-diagnostics 8 --out-json "$RES/trainer_h200_moe_$TAG.json" \
   rollout.max_response_length=64 model.max_position_embeddings=128
+# The target's like-for-like form for an MoE (the fifteenth run's `same_tokens` factor):
+# the plain loop on the update's own micro-batches, in rounds of four calls of each side
+# (a call of ~3.5 s spread ±12 % between neighbouring rounds on the H200; the plain loop
+# against itself too). No diagnostics: their factors were measured in three runs.
+step moe_trainer_same_tokens 520 $TR1 benchmarks/trainer_bench.py \
+  --config yaml_configs/bench_h200_moe.yaml --algorithms grpo --warmup-steps 1 --steps 2 \
+  --no-plain-masked --interleave-update 4 --update-calls-per-round 4 --plain-update-batches \
+  --out-json "$RES/trainer_h200_moe_same_tokens_$TAG.json" \
+  rollout.max_response_length=64 model.max_position_embeddings=128
 # Three more calls profiled (--profile-dir): where the host time around 2 048 expert
 # copies goes, op by op; and the sync with its copies replayed as CUDA graphs against the
 # same sync issuing them directly, interleaved (graphs_vs_direct).

@@ -9,6 +9,7 @@ import itertools
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -66,14 +67,27 @@ def test_kept_actor_update_reruns_the_actor_phase_and_returns_what_during_saw():
 
         def __init__(self) -> None:
             self.ran: list[str] = []
+            self.open: list[str] = []  # the phases open now
+            trainer = self
+
+            class Phases:
+                @contextlib.contextmanager
+                def time(self, phase):
+                    trainer.open.append(phase)
+                    yield
+                    trainer.open.remove(phase)
+
+            self.phases = Phases()
 
         def _update(self, role, batch, loss_fn, name, **kwargs):
-            self.ran.append(f"{name}:{batch}")
+            self.ran.append(f"{name}:{batch}:{','.join(self.open)}")
             return name
 
         def train_step(self) -> None:
-            self._update(None, self.step, None, "critic")
-            self._update(None, self.step, None, "actor")
+            with self.phases.time("update_critic"):
+                self._update(None, self.step, None, "critic")
+            with self.phases.time("update_actor"):
+                self._update(None, self.step, None, "actor")
 
     trainer = Trainer()
     seen: list[str] = []
@@ -85,6 +99,35 @@ def test_kept_actor_update_reruns_the_actor_phase_and_returns_what_during_saw():
 
     update, value = update_traces.kept_actor_update(trainer, during)
     assert value is seen and seen == ["closed"] and trainer.step == 1
-    assert trainer.ran == ["critic:0", "actor:0"]
-    assert update() == "actor" and trainer.ran[-1] == "actor:0"  # the same batch again
+    assert trainer.ran == ["critic:0:update_critic", "actor:0:update_actor"]
+    # The same batch again, inside the phase (its last step may close the phase's peaks).
+    assert update() == "actor" and trainer.ran[-1] == "actor:0:update_actor"
+    assert trainer.open == []
     assert trainer._update.__func__ is Trainer._update  # the patch is gone
+
+
+def test_interleave_slots_rounds_of_several_calls_sum_them_and_cancel_a_drift(monkeypatch):
+    """K calls of each slot per round: passes alternate the round's order and its
+    reverse, a slot's round time is the sum of its K calls, warm-ups stay one call each,
+    and a host slowing linearly in time adds the same to every slot (K even)."""
+    now, calls = [0.0], []
+
+    def slot(name):
+        calls.append(name)
+        now[0] += 1.0 + 0.1 * len(calls)  # every call slower than the one before
+
+    monkeypatch.setattr(ud.time, "perf_counter", lambda: now[0])
+    slots = {name: functools.partial(slot, name) for name in "abc"}
+    seconds, orders, _ = ud.interleave_slots(slots, repeats=2, warmup=1, calls_per_round=2)
+    assert calls[:3] == list("abc")  # warm-up: one call each
+    assert calls[3:9] == list("abccba") and orders[0] == list("abc")
+    assert calls[9:15] == list("cbaabc") and orders[1] == list("cba")
+    assert seconds["a"] == pytest.approx([2.0 + 0.1 * (4 + 9), 2.0 + 0.1 * (12 + 13)])
+    for name in "bc":  # the drift cancels: every slot the same sum in each round
+        assert seconds[name] == pytest.approx(seconds["a"])
+    # One call per round would not cancel it: the first slot of a round is faster.
+    now[0], calls[:] = 0.0, []
+    single, _, _ = ud.interleave_slots(slots, repeats=2, warmup=1)
+    assert single["a"][0] < single["c"][0]
+    with pytest.raises(ValueError, match="calls_per_round must be >= 1, got 0"):
+        ud.interleave_slots(slots, repeats=2, calls_per_round=0)
