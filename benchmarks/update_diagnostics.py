@@ -2,8 +2,9 @@
 (issue 19): `trainer_bench.py --update-diagnostics N` splits the update ÷ plain ratio of
 `--interleave-update` into single factors, measured in the same process and rounds.
 
-Four slots, each round running every slot once (`interleave_slots`, `ab.interleave`'s
-rounds for more than two calls), each slot the same optimizer steps:
+Four slots, each round running every slot once, or K times with
+`--update-calls-per-round K` (`interleave_slots`, `ab.interleave`'s rounds for more than
+two calls), each slot the same optimizer steps:
 
 * `update`: the kept actor-update phase (`update_traces.step_with_actor_update`);
 * `plain_on_actor`: the plain loop (`plain_loop.PlainLoop`) on the actor's own DDP chunks,

@@ -89,12 +89,20 @@ step rollout_ab_085b_long 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype 
 # the same work took 0.63-1.27 s (the decode is CPU-bound; the GPU clock never moved), a
 # spread of ~14 % per call: a round's ratio of sums over K calls of each spreads ~20 %/sqrt(K),
 # so 0.95x at the worst of a few rounds needs K ~ 16. Time: start-up ~270 s + 2 modes x
-# (1 warm-up call each + 3 rounds x 16 calls x 2 engines) x ~0.85 s = ~440 s. Not yet run.
+# (1 warm-up call each + 3 rounds x 16 calls x 2 engines) x ~0.85 s = ~440 s (seventeenth
+# run: 435 s; the control's rounds 0.96-1.07).
 step rollout_ab_085b_k16 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfloat16 \
   --batches 64 --prompt-len 128 --max-new 256 --modes greedy,greedy_aa \
   --repeats 3 --calls-per-round 16 --gpu-memory-utilization 0.3 \
   --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
   --out-json "$RES/rollout_ab_h200_085b_k16_$TAG.json"
+# The same at batch 256, in rounds of 8 (a call ~2.2 s): start-up ~270 s + 2 modes x
+# (1 + 3 x 8 x 2) x 2.2 s = ~490 s. Not yet run.
+step rollout_ab_085b_b256_k8 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfloat16 \
+  --batches 256 --prompt-len 128 --max-new 256 --modes greedy,greedy_aa \
+  --repeats 3 --calls-per-round 8 --gpu-memory-utilization 0.3 \
+  --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
+  --out-json "$RES/rollout_ab_h200_085b_b256_k8_$TAG.json"
 
 # The trainer's weight-sync phase vs a device copy of the same bytes (issue 21: <= 3x).
 step sync_ab_085b 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \
