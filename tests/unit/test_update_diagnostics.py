@@ -131,3 +131,75 @@ def test_interleave_slots_rounds_of_several_calls_sum_them_and_cancel_a_drift(mo
     assert single["a"][0] < single["c"][0]
     with pytest.raises(ValueError, match="calls_per_round must be >= 1, got 0"):
         ud.interleave_slots(slots, repeats=2, calls_per_round=0)
+
+
+@pytest.mark.parametrize("same_tokens", [True, False])
+def test_update_vs_plain_ab_feeds_b_and_counts_calls_as_asked(monkeypatch, same_tokens):
+    """`trainer_bench.update_vs_plain_ab`: with --plain-update-batches the plain loop gets
+    the update's own micro-batches (as `plain_micro_batches` makes them), else random
+    ones (None); --update-calls-per-round K reaches the A/B and its control."""
+    import argparse
+    import contextlib
+    from types import SimpleNamespace
+
+    import trainer_bench as tb
+    from plain_loop import plain_micro_batches
+
+    ids = torch.arange(12).view(2, 6)
+    recorded = [
+        [{"input_ids": ids, "position_ids": ids}],
+        [{"input_ids": ids + 1, "position_ids": ids}],
+    ]
+    updates, fed = [], []
+
+    class Loop:
+        def __init__(self, *args, **kwargs):
+            pass
+
+        def iteration(self, micro_batches=None):
+            fed.append(micro_batches)
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(
+        tb, "kept_actor_update", lambda trainer, during: (lambda: updates.append(1), recorded)
+    )
+    monkeypatch.setattr(tb, "PlainLoop", Loop)
+    monkeypatch.setattr(tb, "sync", lambda: None)
+    monkeypatch.setattr(tb, "trainer_gc_policy", lambda manual: contextlib.nullcontext())
+    monkeypatch.setattr(tb.dist, "get_rank", lambda: 0)
+    config = SimpleNamespace(
+        model=SimpleNamespace(num_layers=2, hidden_size=8, num_experts=4, moe_router_topk=2),
+        algorithm=SimpleNamespace(adv_estimator="grpo"),
+        trainer=SimpleNamespace(manual_gc=False),
+    )
+    args = argparse.Namespace(
+        interleave_update=3,
+        update_calls_per_round=2,
+        plain_update_batches=same_tokens,
+        update_diagnostics=0,
+        out_json=None,
+    )
+    out = tb.update_vs_plain_ab(SimpleNamespace(info=None), config, args, optimizer_steps=2)
+    # A/B: a warm-up round of one call each, then 3 rounds of 2 calls; the control: 3
+    # rounds of 2 calls of the plain loop in each slot; the loop's own warm-up first.
+    assert len(updates) == 1 + 3 * 2
+    plain_calls = 1 + 3 * 2 + 3 * 2 * 2
+    assert len(fed) == 1 + 2 * plain_calls  # each plain call: both optimizer steps
+    assert fed[0] is None  # the loop's warm-up: random tokens
+    if same_tokens:
+        want = [plain_micro_batches(m) for m in recorded]
+        for i, got in enumerate(fed[1:]):
+            expected = want[i % 2]
+            assert torch.equal(got[0]["input_ids"], expected[0]["input_ids"])
+            assert torch.equal(got[0]["labels"], expected[0]["labels"])
+        assert out["plain_tokens"] == "update_batches"
+        assert "the update's own micro-batches" in out["target"]["name"]
+    else:
+        assert fed[1:] == [None] * (2 * plain_calls)
+        assert out["plain_tokens"] == "random" and "random tokens" in out["target"]["name"]
+    assert (
+        out["ab"]["calls_per_round"] == 2 and out["control_plain_vs_plain"]["calls_per_round"] == 2
+    )
+    assert out["ab"]["repeats"] == 3 and out["target"]["calls_per_round"] == 2
