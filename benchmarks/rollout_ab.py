@@ -150,6 +150,15 @@ PROFILED = {
     "from_sequences": "rollout/batch.py",
     "all_gather_object": "distributed/distributed_c10d.py",
     "generate": "entrypoints/llm.py",
+    # vLLM's own loop, in-process (the trainer's engine: `external_launcher`): one engine
+    # step, the core's part of it, and the output handling that a standalone `LLM` does in
+    # its front-end process while its engine core runs the next step in another.
+    "step": "v1/engine/llm_engine.py",
+    "get_output": "v1/engine/core_client.py",
+    "step_with_batch_queue": "v1/engine/core.py",
+    "schedule": "v1/core/sched/scheduler.py",
+    "update_from_output": "v1/core/sched/scheduler.py",
+    "process_outputs": "v1/engine/output_processor.py",
 }
 
 

@@ -90,9 +90,10 @@ step rollout_ab_085b_long 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype 
 # spread of ~14 % per call: a round's ratio of sums over K calls of each spreads ~20 %/sqrt(K),
 # so 0.95x at the worst of a few rounds needs K ~ 16. Time: start-up ~270 s + 2 modes x
 # (1 warm-up call each + 3 rounds x 16 calls x 2 engines) x ~0.85 s = ~440 s (seventeenth
-# run: 435 s; the control's rounds 0.96-1.07).
+# run: 435 s; the control's rounds 0.96-1.07). --profile: one more call of each, under
+# cProfile, with vLLM's in-process loop split (schedule, update_from_output, process_outputs).
 step rollout_ab_085b_k16 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfloat16 \
-  --batches 64 --prompt-len 128 --max-new 256 --modes greedy,greedy_aa \
+  --batches 64 --prompt-len 128 --max-new 256 --modes greedy,greedy_aa --profile \
   --repeats 3 --calls-per-round 16 --gpu-memory-utilization 0.3 \
   --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
   --out-json "$RES/rollout_ab_h200_085b_k16_$TAG.json"
