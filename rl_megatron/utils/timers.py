@@ -107,6 +107,11 @@ class PhaseTimer:
         Why not at the end: that wake would end the phase's last interval with less memory
         asleep, and the interval's peak, reached before the wake, would be over-stated by
         what it mapped."""
+        if phase not in self._open:
+            raise RuntimeError(
+                f"close_peaks({phase!r}): the phase is not open (call it inside "
+                f"`time({phase!r})`, once)"
+            )
         self._boundary()
         self._record_peaks(phase)
 

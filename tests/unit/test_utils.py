@@ -357,3 +357,15 @@ def test_overlapped_host_work_is_timed_without_synchronising(monkeypatch):
     assert m["timing_overlap_s/update_actor/wake_engine_weights"] == 0.75
     assert m["timing_s/update_actor"] == 1.75
     assert not any(k.startswith("timing_parts_s/") for k in m)
+
+
+def test_close_peaks_outside_its_phase_is_a_clear_error():
+    """The benchmark's replayed update once ran outside `update_actor` and failed with a
+    bare KeyError: the error names the phase and what to do."""
+    timer = PhaseTimer()
+    with pytest.raises(RuntimeError, match=r"close_peaks\('update_actor'\): the phase is not open"):
+        timer.close_peaks("update_actor")
+    with timer.time("update_actor"):
+        timer.close_peaks("update_actor")
+        with pytest.raises(RuntimeError, match="not open"):
+            timer.close_peaks("update_actor")  # twice
