@@ -39,9 +39,11 @@ Per batch size b (all with `ignore_eos`, so each call makes exactly b·n·max_ne
   `torch.randint(..., generator=gen).item()` per row), and FlashInfer's sampler, which has
   no per-request generators, is not used.)
 * `greedy_llm`: A = the in-trainer engine's own `vllm.LLM.generate` (in this process, the
-  trainer's wrapper left out) with B's plain greedy parameters, B as in `greedy`. Where a
-  `greedy` miss comes from: the wrapper (this ratio near 1) or vLLM run in-process rather
-  than in an engine-core process of its own (this ratio as low). Information, no target.
+  trainer's wrapper left out) with B's plain greedy parameters, B as in `greedy`: vLLM's
+  own in-process loop, whose per-step output handling (`OutputProcessor`) runs in this
+  thread; the trainer's engine drives the engine core itself instead
+  (`rollout/vllm_core_loop.py`), so `greedy` against this says what that is worth.
+  Information, no target.
 * `greedy_aa`: A = B = the standalone, plain greedy: the same call against itself, so its
   spread is the host's own noise, which bounds what any worst-round target can resolve
   here. Information, no target.
@@ -150,9 +152,12 @@ PROFILED = {
     "from_sequences": "rollout/batch.py",
     "all_gather_object": "distributed/distributed_c10d.py",
     "generate": "entrypoints/llm.py",
-    # vLLM's own loop, in-process (the trainer's engine: `external_launcher`): one engine
-    # step, the core's part of it, and the output handling that a standalone `LLM` does in
-    # its front-end process while its engine core runs the next step in another.
+    # The trainer's loop on vLLM's in-process engine core (`CoreLoop`), and vLLM's own
+    # in-process loop that it replaced (`LLM.generate` in this process): one engine step,
+    # the core's part of it, and the output handling that a standalone `LLM` does in its
+    # front-end process while its engine core runs the next step in another.
+    "run": "rollout/vllm_core_loop.py",
+    "_add": "rollout/vllm_core_loop.py",
     "step": "v1/engine/llm_engine.py",
     "get_output": "v1/engine/core_client.py",
     "step_with_batch_queue": "v1/engine/core.py",
@@ -296,11 +301,10 @@ def profile_wrapper(engine, prompts, args) -> dict[str, Any]:
             if suffix and path.endswith(suffix):
                 functions[func] = {"calls": calls_n, "tottime_s": tottime, "cumtime_s": cumtime}
         top = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:15]
-        if "_generate" in functions and "generate" in functions:
+        if "_generate" in functions and "run" in functions:
             # Host time of the wrapper around vLLM: prompts, params, conversion, batch.
-            functions["wrapper_outside_llm_generate"] = {
-                "cumtime_s": functions["_generate"]["cumtime_s"]
-                - functions["generate"]["cumtime_s"]
+            functions["wrapper_outside_core_loop"] = {
+                "cumtime_s": functions["_generate"]["cumtime_s"] - functions["run"]["cumtime_s"]
             }
         out[name] = {
             "wall_s": wall,

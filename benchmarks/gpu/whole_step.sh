@@ -104,6 +104,21 @@ step rollout_ab_085b_b256_k8 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dty
   --repeats 3 --calls-per-round 8 --gpu-memory-utilization 0.3 \
   --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
   --out-json "$RES/rollout_ab_h200_085b_b256_k8_$TAG.json"
+# The trainer's engine drives vLLM's in-process engine core itself (rollout/vllm_core_loop.py)
+# instead of stepping vLLM's LLMEngine, whose per-step output handling ran in the decode's
+# one thread. greedy = that loop against the standalone (the target); greedy_llm = vLLM's
+# own in-process loop (the trainer's path until then) against the same standalone, for the
+# before/after in one process. Rounds as in rollout_ab_085b_k16 / _b256_k8 (~450 / ~490 s).
+step rollout_core_b64 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfloat16 \
+  --batches 64 --prompt-len 128 --max-new 256 --modes greedy,greedy_llm --profile \
+  --repeats 3 --calls-per-round 16 --gpu-memory-utilization 0.3 \
+  --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
+  --out-json "$RES/rollout_core_h200_085b_b64_$TAG.json"
+step rollout_core_b256 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfloat16 \
+  --batches 256 --prompt-len 128 --max-new 256 --modes greedy,greedy_llm \
+  --repeats 3 --calls-per-round 8 --gpu-memory-utilization 0.3 \
+  --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
+  --out-json "$RES/rollout_core_h200_085b_b256_$TAG.json"
 
 # The trainer's weight-sync phase vs a device copy of the same bytes (issue 21: <= 3x).
 step sync_ab_085b 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \

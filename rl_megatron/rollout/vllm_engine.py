@@ -84,6 +84,7 @@ from rl_megatron.rollout.engine import (
 )
 from rl_megatron.rollout.replicas import ReplicaLayout
 from rl_megatron.rollout.sampling import SamplingParams, fit_prompts
+from rl_megatron.rollout.vllm_core_loop import CoreLoop
 from rl_megatron.rollout.vllm_cpu_shm import run_shm_names
 from rl_megatron.rollout.vllm_io import convert_sample, sample_routing, to_vllm_sampling_params
 
@@ -389,6 +390,7 @@ class VllmEngine(RolloutEngine):
         with run_shm_names() if on_cpu else contextlib.nullcontext() as shm_ident:
             self._llm = vllm.LLM(**kwargs)
         self.shm_ident: str | None = shm_ident  # prefix of this run's /dev/shm names (CPU)
+        self._core_loop = CoreLoop(self._llm)
 
         model_config = self._llm.llm_engine.model_config
         self.max_model_len: int = model_config.max_model_len
@@ -619,15 +621,13 @@ class VllmEngine(RolloutEngine):
                 )
                 for i in todo
             ]
-        requests = [{"prompt_token_ids": prompts[i]} for i in todo]
+        if not isinstance(params, list):
+            params = [params] * len(todo)
         self._prefix_cache_dirty = True
-        outputs = self._llm.generate(requests, params, use_tqdm=False)
-        for i, request_output in zip(todo, outputs):
-            samples = sorted(request_output.outputs, key=lambda c: c.index)
-            if len(samples) != sampling.n:
-                raise RuntimeError(
-                    f"vLLM returned {len(samples)} samples for prompt {i}, expected {sampling.n}"
-                )
+        # Not `LLM.generate`: its per-step output handling would run in this thread
+        # (vllm_core_loop.py says why that costs at small batches).
+        results = self._core_loop.run([prompts[i] for i in todo], params)
+        for i, samples in zip(todo, results):
             out[i] = [convert_sample(i, c, calculate_log_probs=with_lp) for c in samples]
             if self.args.return_routed_experts:
                 self._routing[i] = [sample_routing(i, c) for c in samples]

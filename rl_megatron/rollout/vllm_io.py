@@ -14,6 +14,7 @@ import torch
 
 from rl_megatron.rollout.batch import FinishReason
 from rl_megatron.rollout.sampling import SamplingParams
+from rl_megatron.rollout.vllm_core_loop import CoreSample
 
 
 def to_vllm_sampling_params(
@@ -44,43 +45,38 @@ def to_vllm_sampling_params(
         # 0: the sampled token's log-prob only. None: none, so vLLM builds nothing for them
         # on each decode step (benchmarks/rollout_bench.py times both).
         logprobs=0 if calculate_log_probs else None,
-        # Flat lists instead of a dict and a Logprob object per generated token: vLLM
-        # builds these in Python on every decode step.
+        # Flat lists instead of a dict and a Logprob object per generated token, where
+        # `LLM.generate` builds them (benchmarks' standalone; the trainer's `CoreLoop`
+        # reads the engine core's arrays and builds neither).
         flat_logprobs=True,
         detokenize=False,
     )
 
 
 def convert_sample(
-    prompt_index: int, c: Any, *, calculate_log_probs: bool = True
+    prompt_index: int, sample: CoreSample, *, calculate_log_probs: bool = True
 ) -> tuple[list[int], list[float] | None, FinishReason]:
-    """One vLLM `CompletionOutput` as (tokens, sampled log-probs, finish reason).
+    """One finished sample of `CoreLoop.run` as (tokens, sampled log-probs, finish reason).
 
     calculate_log_probs: whether they were requested; False: the log-probs are None.
     """
-    tokens = list(c.token_ids)
+    tokens = sample.token_ids
     log_probs = None
     if calculate_log_probs:
-        if c.logprobs is None or len(c.logprobs) != len(tokens):
+        if sample.log_probs is None or len(sample.log_probs) != len(tokens):
             raise RuntimeError(
                 f"vLLM returned no log-prob for every sampled token of prompt {prompt_index}"
             )
-        log_probs = sampled_log_probs(c.logprobs, tokens)
-    reason = c.finish_reason or "abort"
-    return tokens, log_probs, FinishReason.parse(reason)
+        log_probs = sample.log_probs
+    if sample.finish_reason == "error":
+        raise RuntimeError(
+            f"vLLM failed the request of prompt {prompt_index} (finish reason 'error': an "
+            f"internal error of the engine, e.g. a KV-cache load)"
+        )
+    return tokens, log_probs, FinishReason.parse(sample.finish_reason or "abort")
 
 
-def sampled_log_probs(logprobs: Any, tokens: list[int]) -> list[float]:
-    """Each sampled token's log-prob, from vLLM's per-position log-probs of the sample."""
-    starts = getattr(logprobs, "start_indices", None)
-    if starts is not None:  # FlatLogprobs: each position's entries begin with the sampled one
-        ids, values = logprobs.token_ids, logprobs.logprobs
-        if all(ids[start] == token for start, token in zip(starts, tokens)):
-            return [float(values[start]) for start in starts]
-    return [float(step[token].logprob) for step, token in zip(logprobs, tokens)]
-
-
-def sample_routing(prompt_index: int, c: Any) -> torch.Tensor:
+def sample_routing(prompt_index: int, c: CoreSample) -> torch.Tensor:
     """The experts vLLM routed a sample's tokens to (`enable_return_routed_experts`):
     `[n, L, k]` for the first n = prompt + response − 1 tokens (vLLM never forwards the
     last sampled token; vllm/distributed/aux_output_connector/connector.py), layers in

@@ -378,29 +378,3 @@ def test_engine_sleep_level_0_keeps_the_weights():
     eng.wake()
     assert eng.generate([[5]], SamplingParams()).weight_version == 2
     assert eng.calls == ["begin", "finish", "sleep0", "begin", "finish", "wake:kv_cache"]
-
-
-def test_sampled_log_probs_from_flat_and_per_position_logprobs():
-    """vLLM's flat log-probs (one list for all positions) and its dict per position give the
-    sampled tokens' log-probs; a flat layout not led by the sampled token is read per position."""
-    from types import SimpleNamespace
-
-    from rl_megatron.rollout.vllm_io import sampled_log_probs
-
-    tokens = [5, 7, 5]
-    per_position = [
-        {5: SimpleNamespace(logprob=-0.5)},
-        {7: SimpleNamespace(logprob=-1.25), 2: SimpleNamespace(logprob=-0.1)},
-        {5: SimpleNamespace(logprob=-2.0)},
-    ]
-    assert sampled_log_probs(per_position, tokens) == [-0.5, -1.25, -2.0]
-
-    class Flat(list):  # FlatLogprobs' layout; indexing gives the dict of a position
-        start_indices = [0, 1, 3]
-        token_ids = [5, 7, 2, 5]
-        logprobs = [-0.5, -1.25, -0.1, -2.0]
-
-    assert sampled_log_probs(Flat(per_position), tokens) == [-0.5, -1.25, -2.0]
-    Flat.token_ids = [5, 2, 7, 5]  # the second position led by another token
-    Flat.logprobs = [-0.5, -0.1, -1.25, -2.0]
-    assert sampled_log_probs(Flat(per_position), tokens) == [-0.5, -1.25, -2.0]

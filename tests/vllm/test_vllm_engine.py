@@ -186,6 +186,19 @@ def test_n_samples_per_prompt(run, ref):
     assert run[0]["sampled"] == run[1]["sampled"]
 
 
+def test_samples_are_those_of_vllms_own_generate(run):
+    """The engine drives vLLM's engine core itself (`CoreLoop`), not `LLM.generate`: the
+    same seeded requests through `LLM.generate` sample the same tokens with the same
+    log-probs, sample by sample (n = 3 fanned out with seeds seed + j as vLLM does)."""
+    for res in run:
+        own = res["sampled_llm_generate"]["rows"]
+        ours = [r for r in res["sampled"]["rows"] if r["group"] in {o["group"] for o in own}]
+        assert len(own) == len(ours) >= 3
+        for a, b in zip(ours, own):
+            assert (a["group"], a["response"]) == (b["group"], b["response"])
+            assert max(abs(x - y) for x, y in zip(a["log_probs"], b["log_probs"])) < 1e-6
+
+
 def test_without_log_probs_the_samples_are_the_same(run, ref):
     """`rollout.calculate_log_probs=false`: vLLM is asked for no log-probs; the seeded
     samples (and a rejected prompt's row) are exactly those of the call with them."""

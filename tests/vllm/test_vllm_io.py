@@ -1,18 +1,17 @@
 """Conversions to and from vLLM's objects (rollout/vllm_io.py), on the real vLLM classes.
 
 In-process and quick (no engine): `vllm.SamplingParams` validates what we build, and
-`CompletionOutput` / `FlatLogprobs` are what `LLM.generate` hands back.
+`CoreSample` is what the trainer's `CoreLoop` hands back.
 """
 
 from __future__ import annotations
 
 import pytest
 import vllm
-from vllm.logprobs import FlatLogprobs, Logprob
-from vllm.outputs import CompletionOutput
 
 from rl_megatron.rollout.batch import FinishReason
 from rl_megatron.rollout.sampling import SamplingParams
+from rl_megatron.rollout.vllm_core_loop import CoreSample
 from rl_megatron.rollout.vllm_io import convert_sample, to_vllm_sampling_params
 
 # No skip when vLLM is missing (as test_vllm_engine.py): `make test` installs the CPU build.
@@ -32,29 +31,21 @@ def test_sampling_params_ask_for_log_probs_only_when_calculated():
     assert (off.n, off.top_k, off.max_tokens, off.seed) == (3, 5, 9, 11)
 
 
-def completion(token_ids: list[int], logprobs, finish_reason: str | None = "length"):
-    return CompletionOutput(
-        index=0,
-        text="",
-        token_ids=token_ids,
-        cumulative_logprob=None,
-        logprobs=logprobs,
-        finish_reason=finish_reason,
-    )
-
-
 def test_convert_sample_with_and_without_log_probs():
-    flat = FlatLogprobs()
-    for token, value in ((5, -0.5), (7, -1.25), (2, -2.0)):
-        flat.append({token: Logprob(logprob=value, rank=1, decoded_token=None)})
-    tokens, log_probs, reason = convert_sample(0, completion([5, 7, 2], flat, "stop"))
+    sample = CoreSample([5, 7, 2], [-0.5, -1.25, -2.0], "stop")
+    tokens, log_probs, reason = convert_sample(0, sample)
     assert (tokens, log_probs, reason) == ([5, 7, 2], [-0.5, -1.25, -2.0], FinishReason.STOP)
 
     # Not requested: vLLM returns none, and none are needed.
-    out = convert_sample(3, completion([5, 7], None), calculate_log_probs=False)
+    out = convert_sample(3, CoreSample([5, 7], None, "length"), calculate_log_probs=False)
     assert out == ([5, 7], None, FinishReason.LENGTH)
-    out = convert_sample(3, completion([], None, None), calculate_log_probs=False)
+    out = convert_sample(3, CoreSample([], None, None), calculate_log_probs=False)
     assert out == ([], None, FinishReason.ABORT)
-    # Requested but missing is vLLM's bug, named with the prompt.
+    # Requested but missing, or one short, is vLLM's bug, named with the prompt.
     with pytest.raises(RuntimeError, match="no log-prob for every sampled token of prompt 3"):
-        convert_sample(3, completion([5, 7], None))
+        convert_sample(3, CoreSample([5, 7], None, "length"))
+    with pytest.raises(RuntimeError, match="no log-prob for every sampled token of prompt 3"):
+        convert_sample(3, CoreSample([5, 7], [-0.5], "length"))
+    # The engine's own failure of a request is an error, not a short response.
+    with pytest.raises(RuntimeError, match="vLLM failed the request of prompt 4"):
+        convert_sample(4, CoreSample([5], None, "error"), calculate_log_probs=False)

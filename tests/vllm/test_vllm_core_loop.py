@@ -1,0 +1,155 @@
+"""`CoreLoop` (rollout/vllm_core_loop.py) on a scripted in-process engine core.
+
+No model: the engine core below hands back scripted `EngineCoreOutputs` step by step, so
+the loop's own bookkeeping is checked value by value (the fan-out of n samples, the
+accumulation over steps, log-probs, expert routing, the abort on an error). That it
+samples what `LLM.generate` samples on a real engine is tests/vllm/test_vllm_engine.py's.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import vllm
+
+from rl_megatron.rollout.vllm_core_loop import CoreLoop, in_process_client
+
+# No skip when vLLM is missing (as test_vllm_engine.py): `make test` installs the CPU build.
+pytestmark = pytest.mark.vllm
+
+
+def core_output(rid, tokens, *, logprobs=None, routed=None, finish=None):
+    lp = None
+    if logprobs is not None:  # LogprobsLists' layout: column 0 is the sampled token
+        lp = SimpleNamespace(
+            logprobs=np.array([[v, -9.0] for v in logprobs]),
+            logprob_token_ids=np.array([[t, 0] for t in tokens]),
+        )
+    return SimpleNamespace(
+        request_id=rid,
+        new_token_ids=list(tokens),
+        new_logprobs=lp,
+        routed_experts=routed,
+        finished=finish is not None,
+        finish_reason=finish,
+    )
+
+
+class ScriptedCore:
+    """An `InprocClient` whose steps return the outputs `script(requests)` lists."""
+
+    def __init__(self, script):
+        self.engine_core = object()  # the in-process marker `in_process_client` checks
+        self.script, self.requests, self.aborted, self.steps = script, [], [], None
+
+    def add_request(self, request):
+        self.requests.append(request)
+
+    def get_output(self):
+        if self.steps is None:
+            self.steps = iter(self.script(self.requests))
+        return SimpleNamespace(outputs=next(self.steps))
+
+    def abort_requests(self, ids):
+        self.aborted.extend(ids)
+
+
+class InputProcessor:
+    def process_inputs(self, request_id, prompt, params, supported_tasks):
+        assert prompt == {"type": "token", "prompt_token_ids": prompt["prompt_token_ids"]}
+        assert supported_tasks == ("generate",)
+        return SimpleNamespace(
+            request_id=request_id,
+            prompt_token_ids=prompt["prompt_token_ids"],
+            sampling_params=params.clone(),
+            params=None,
+        )
+
+    @staticmethod
+    def assign_request_id(request):
+        request.params = request.sampling_params
+        request.request_id = f"{request.request_id}-abcd"
+
+
+def make_loop(script):
+    core = ScriptedCore(script)
+    engine = SimpleNamespace(
+        engine_core=core,
+        input_processor=InputProcessor(),
+        get_supported_tasks=lambda: ("generate",),
+    )
+    return CoreLoop(SimpleNamespace(llm_engine=engine)), core
+
+
+def test_fans_out_n_samples_with_vllms_seeds_and_gathers_steps():
+    def script(reqs):
+        a0, a1, b = (r.request_id for r in reqs)
+        return [
+            [],  # a step that only scheduled
+            [core_output(a0, [5], logprobs=[-0.5]), core_output(b, [7], logprobs=[-0.25])],
+            [
+                core_output(a1, [6, 8], logprobs=[-1.0, -2.0], finish="length"),
+                core_output("stale-request", [1]),  # an earlier call's: ignored
+                core_output(a0, [9], logprobs=[-0.75], finish="stop"),
+            ],
+            [core_output(b, [4], logprobs=[-3.0], finish="length")],
+        ]
+
+    loop, core = make_loop(script)
+    seeded = vllm.SamplingParams(n=2, seed=40, max_tokens=2, logprobs=0)
+    single = vllm.SamplingParams(n=1, seed=None, max_tokens=2, logprobs=0)
+    out = loop.run([[1, 2], [3]], [seeded, single])
+
+    # vLLM's fan-out: child j of an n-sample prompt is "j_<id>" with seed + j and n = 1.
+    assert [r.request_id for r in core.requests] == ["0_rl-0-abcd", "1_rl-0-abcd", "rl-1-abcd"]
+    assert [r.sampling_params.seed for r in core.requests] == [40, 41, None]
+    assert [r.sampling_params.n for r in core.requests] == [1, 1, 1]
+    assert [r.prompt_token_ids for r in core.requests] == [[1, 2], [1, 2], [3]]
+    assert seeded.seed == 40 and seeded.n == 2  # the caller's params are left alone
+
+    assert [[s.token_ids for s in p] for p in out] == [[[5, 9], [6, 8]], [[7, 4]]]
+    assert [[s.log_probs for s in p] for p in out] == [
+        [[-0.5, -0.75], [-1.0, -2.0]],
+        [[-0.25, -3.0]],
+    ]
+    assert [[s.finish_reason for s in p] for p in out] == [["stop", "length"], ["length"]]
+    assert core.aborted == []
+
+
+def test_without_log_probs_none_are_kept_and_routing_is_concatenated():
+    def script(reqs):
+        (rid,) = (r.request_id for r in reqs)
+        first, second = np.zeros((3, 2, 1), np.int16), np.ones((1, 2, 1), np.int16)
+        return [
+            [core_output(rid, [5], routed=first)],
+            [core_output(rid, [6], routed=second, finish="length")],
+        ]
+
+    loop, _ = make_loop(script)
+    (samples,) = loop.run([[1, 2, 3]], [vllm.SamplingParams(max_tokens=2)])
+    (sample,) = samples
+    assert sample.log_probs is None and sample.token_ids == [5, 6]
+    assert sample.routed_experts.tolist() == [[[0], [0]]] * 3 + [[[1], [1]]]
+
+
+def test_an_error_mid_run_aborts_the_unfinished_requests():
+    def script(reqs):
+        a, b = (r.request_id for r in reqs)
+        yield [core_output(a, [5], finish="length")]
+        raise RuntimeError("model failed")
+
+    loop, core = make_loop(script)
+    params = vllm.SamplingParams(max_tokens=1)
+    with pytest.raises(RuntimeError, match="model failed"):
+        loop.run([[1], [2]], [params, params])
+    assert core.aborted == [core.requests[1].request_id]
+
+
+def test_refuses_an_engine_core_in_another_process_and_mismatched_params():
+    with pytest.raises(RuntimeError, match="does not run in this process.*external_launcher"):
+        in_process_client(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=object())))
+    loop, _ = make_loop(lambda reqs: [])
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
+        loop.run([[1], [2]], [vllm.SamplingParams()])
