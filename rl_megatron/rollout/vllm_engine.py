@@ -48,6 +48,9 @@ the engine by `trainer/build.py`) reshards this rank's training shards straight 
 own shards of vLLM's parameters, through the begin / finish steps above; no rank ever
 holds a full HF tensor.
 
+Generation steps vLLM's in-process engine core directly (`vllm_core_loop.CoreLoop`), not
+`LLM.generate`, whose per-step output handling would run in this thread.
+
 The model lives in the in-process worker:
 `llm.llm_engine.model_executor.driver_worker` (a `WorkerWrapperBase`) → `.worker` →
 `.model_runner.model`; `LLM.collective_rpc(fn)` calls `fn(driver_worker, ...)` in this
