@@ -11,8 +11,8 @@ slowest tests once per mutation. The faults are issue 17's list (the one-line fa
 once passed the whole suite), the bugs the reference step found, and issue 20's wiring
 (rollout correction, GSPO / CISPO, DAPO, the critic's aggregation, the KL estimators),
 issue 22's (log-probs from the hidden states, context parallelism), the Megatron
-engine's routing record (routing replay), and issue 21's engine sleep levels and batch
-padding.
+engine's routing record (routing replay), and issue 21's engine sleep levels, batch
+padding and vLLM core loop.
 """
 
 from __future__ import annotations
@@ -507,6 +507,27 @@ MUTATIONS = [
         "asleep = self._asleep()",
         'asleep = ["kv_cache"] if self._kv_cache_unmapped else []',
         "tests/unit/test_vllm_sleep_levels.py",
+    ),
+    (
+        "vLLM core loop: every sample of a prompt drawn with the prompt's seed",
+        "rl_megatron/rollout/vllm_core_loop.py",
+        "child_params.seed = params.seed + j",
+        "child_params.seed = params.seed",
+        "tests/vllm/test_vllm_engine.py::test_samples_are_those_of_vllms_own_generate",
+    ),
+    (
+        "vLLM core loop: an error aborts the finished requests too",
+        "rl_megatron/rollout/vllm_core_loop.py",
+        "if s.finish_reason is None]",
+        "]",
+        "tests/vllm/test_vllm_core_loop.py",
+    ),
+    (
+        "vLLM core loop: a step's tokens replace the earlier ones",
+        "rl_megatron/rollout/vllm_core_loop.py",
+        "sample.token_ids.extend(out.new_token_ids)",
+        "sample.token_ids[:] = out.new_token_ids",
+        "tests/vllm/test_vllm_core_loop.py",
     ),
     (
         "rollout batch: prompts right-aligned",
