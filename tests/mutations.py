@@ -511,8 +511,8 @@ MUTATIONS = [
     (
         "vLLM core loop: every sample of a prompt drawn with the prompt's seed",
         "rl_megatron/rollout/vllm_core_loop.py",
-        "child_params.seed = params.seed + j",
-        "child_params.seed = params.seed",
+        "child.sampling_params.seed = params.seed + j",
+        "child.sampling_params.seed = params.seed",
         "tests/vllm/test_vllm_engine.py::test_samples_are_those_of_vllms_own_generate",
     ),
     (

@@ -124,16 +124,19 @@ class CoreLoop:
         )
         self._engine.input_processor.assign_request_id(request)
         params = request.params  # vLLM's validated clone
-        n = params.n
-        out = []
-        for j in range(n):
-            child = request if n == 1 else copy(request)
-            if n > 1:
+        children = [request]
+        if params.n > 1:
+            children = []
+            for j in range(params.n):
+                child = copy(request)
                 child.request_id = f"{j}_{request.request_id}"
-                child.sampling_params = child_params = copy(params)
-                child_params.n = 1
+                child.sampling_params = copy(params)
+                child.sampling_params.n = 1
                 if params.seed is not None:
-                    child_params.seed = params.seed + j
+                    child.sampling_params.seed = params.seed + j
+                children.append(child)
+        out = []
+        for child in children:
             sample = CoreSample(log_probs=[] if params.logprobs is not None else None)
             samples[child.request_id] = sample
             out.append(sample)

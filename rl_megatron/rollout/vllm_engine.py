@@ -612,20 +612,16 @@ class VllmEngine(RolloutEngine):
         todo = [i for i in share if not rejected[i]]
         if not todo:
             return out
-        if sampling.seed is None:
-            params: Any = to_vllm_sampling_params(
-                sampling, stop_ids, None, calculate_log_probs=with_lp
+        # Seeds follow the prompt's index in the caller's list, not the replica.
+        params = [
+            to_vllm_sampling_params(
+                sampling,
+                stop_ids,
+                None if sampling.seed is None else sampling.seed + i * sampling.n,
+                calculate_log_probs=with_lp,
             )
-        else:
-            # Seeds follow the prompt's index in the caller's list, not the replica.
-            params = [
-                to_vllm_sampling_params(
-                    sampling, stop_ids, sampling.seed + i * sampling.n, calculate_log_probs=with_lp
-                )
-                for i in todo
-            ]
-        if not isinstance(params, list):
-            params = [params] * len(todo)
+            for i in todo
+        ]
         self._prefix_cache_dirty = True
         # Not `LLM.generate`: its per-step output handling would run in this thread
         # (vllm_core_loop.py says why that costs at small batches).

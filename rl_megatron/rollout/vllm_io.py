@@ -81,7 +81,7 @@ def sample_routing(prompt_index: int, c: CoreSample) -> torch.Tensor:
     `[n, L, k]` for the first n = prompt + response − 1 tokens (vLLM never forwards the
     last sampled token; vllm/distributed/aux_output_connector/connector.py), layers in
     model order."""
-    routing = getattr(c, "routed_experts", None)
+    routing = c.routed_experts
     if routing is None:
         raise RuntimeError(
             f"vLLM returned no routed experts for a sample of prompt {prompt_index}; this "
