@@ -4,8 +4,8 @@ The same random Llama checkpoint, prompts and greedy settings as `rollout_bench.
 shape flags it takes); per batch size, one warm-up call, one timed call and one profiled
 call, with and without the engine's CUDA graphs. Each profiled call's top kernels by
 device time and top ops by host time go to `--out-dir/decode_graphs{0,1}_b{batch}.txt`.
-This is how the sixth GPU run found megatron-core re-rotating the whole KV cache at every
-decode step (RESULTS.md).
+This is how megatron-core was found re-rotating the whole KV cache at every decode step
+(runs/2026-11-30-h200x2-run06-measurement-default-rollout.md).
 
     torchrun --standalone --nproc_per_node 1 benchmarks/decode_profile.py \
         --layers 16 --hidden 2048 --heads 32 --kv-heads 8 --ffn 5632 --vocab 32000 \

@@ -92,7 +92,8 @@ GPU, one H200 (vLLM 0.26), 0.85B Llama shape:
         --out-json benchmarks/results/rollout_ab_h200.json
 
 Wall time on an H200 (estimate, not measured): checkpoint ~10 s; standalone start 30–60 s
-with warm kernel caches (133 s measured on a fresh machine, RESULTS.md fourth run),
+with warm kernel caches (133 s measured on a fresh machine,
+runs/2026-11-30-h200x2-run04-vllm-in-trainer-pp2.md),
 in-trainer start 20–45 s; generation: 6 rounds (1 warm-up + 5) = 12 calls per mode and
 batch; greedy 64 / 256 at ~0.6 / 1.3 s a call → ~25 s; sampled n=4 (256 / 1024 sequences,
 the 1024 past the largest CUDA graph, eager on both sides) at ~1.5 / 4–5 s a call, two

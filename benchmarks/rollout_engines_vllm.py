@@ -67,8 +67,8 @@ def build_standalone(ckpt: Path, args) -> tuple[Any, dict[str, Any]]:
     # Its engine-core process sets up a one-rank group over a TCP store at the host's
     # address; the loopback is right for a one-rank engine. That process inherits
     # torchrun's environment, and TORCHELASTIC_USE_AGENT_STORE makes torch connect to the
-    # store as a client only, so no one serves it and the start hung (RESULTS.md: third
-    # and fourth runs) until the variable was left out of the child's environment.
+    # store as a client only, so no one serves it and the start hung (runs/2026-11-29-h200x2-run03-
+    # graphs-floors-gpu-tests.md and runs/2026-11-30-h200x2-run04-vllm-in-trainer-pp2.md) until the variable was left out of the child's environment.
     os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
     agent_store = os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
     start = time.perf_counter()

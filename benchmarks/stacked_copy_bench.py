@@ -15,7 +15,7 @@ each issued directly and replayed from a CUDA graph (`*_graph`), and `sync_graph
 graph the weight sync replays for one multi-tensor copy of these pairs
 (`copy_program.graph_of`: pairs of 4 MiB and more one `copy_` each, the rest in one
 `_foreach_copy_`); in rounds (every way once a round), the median of the rounds after
-three warm-ups. What `copy_program.Concat` is built on (RESULTS.md, twelfth GPU run).
+three warm-ups. What `copy_program.Concat` is built on (runs/2026-12-02-h200-run12-moe-resharding.md).
 
 `--shape dense-0.85b`: the dense 0.85B Llama shape's whole tensors instead (16 layers of
 QKV, O, gate-up and down projections, two norms; embeddings and output layer), one source

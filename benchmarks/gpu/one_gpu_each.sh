@@ -17,7 +17,7 @@ gpu0() {
     --run-dir runs/trainer_bench_7b_half --out-json "$RES/trainer_h200_7b_half_$TAG.json" \
     "${HALF_7B[@]}"
   # Rollout without vLLM (transformers eager and static+compile, the Megatron engine with
-  # and without CUDA graphs) was measured in the third run; ROLLOUT_MEGATRON=1 repeats it.
+  # and without CUDA graphs) was measured in runs/2026-11-29-h200x2-run03-*.md; ROLLOUT_MEGATRON=1 repeats it.
   if [ "${ROLLOUT_MEGATRON:-0}" = 1 ]; then
     step rollout_megatron 300 $TR1 benchmarks/rollout_bench.py $SHAPE_085B --dtype bfloat16 \
       --batches 64,256 --prompt-len 128 --max-new 256 \
@@ -45,7 +45,7 @@ gpu1() {
   fi
 }
 # On a one-GPU machine (nvidia-h200), or with SERIAL=1, the chains run one after the
-# other: the host-bound measurements lose up to 10 % beside another chain (RESULTS.md, run 5).
+# other: the host-bound measurements lose up to 10 % beside another chain (runs/2026-11-30-h200x2-run05-update-host-waits.md).
 if [ "${SERIAL:-0}" != 1 ] && [ "$(nvidia-smi -L | wc -l)" -ge 2 ]; then
   gpu0 &
   CHAIN0=$!

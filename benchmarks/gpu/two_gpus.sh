@@ -22,7 +22,7 @@ for algo in grpo gae; do
     --config yaml_configs/bench_h200x2_7b_pp2.yaml --algorithms $algo --steps 1 --no-plain \
     --out-json "$RES/trainer_h200x2_7b_pp2_$algo.json"
 done
-# Resharding across the GPUs was measured in the third run; RESHARD_2GPU=1 repeats it.
+# Resharding across the GPUs was measured in runs/2026-11-29-h200x2-run03-*.md; RESHARD_2GPU=1 repeats it.
 [ "${RESHARD_2GPU:-0}" = 1 ] && for model in llama-1b llama2-7b; do
   step "reshard_2gpu_$model" 50 $TR2 benchmarks/reshard_bench.py --model $model \
     --dtype bfloat16 --bucket-mb 512 --repeats 10 --layouts "1,1,2 1,2,1 2,1,1" \

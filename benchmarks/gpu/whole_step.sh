@@ -19,7 +19,7 @@ step reshard_tests 240 python3 -m pytest -q -rs -p no:cacheprovider tests/unit/t
 # the experts against a device copy of the same bytes.
 # Responses of 64 (the config's 128 took ~70 s of eager MoE decode per step; the update's
 # comparison with the plain loop is on whatever lengths the step makes), then the update
-# and the plain loop as eight interleaved A/B rounds (the tenth run profiled them instead:
+# and the plain loop as eight interleaved A/B rounds (runs/2026-12-01-h200-run10-sync-kept-mapped.md profiled them:
 # add --profile-dir "$RES" --profile-update, ~80 s more).
 # --update-diagnostics 8: eight more rounds splitting update ÷ plain into its factors
 # (update_diagnostics.py: our role code, the model instance, the data; ~95 s more).
@@ -27,7 +27,7 @@ step moe_trainer 520 $TR1 benchmarks/trainer_bench.py --config yaml_configs/benc
   --algorithms grpo --warmup-steps 1 --steps 2 --no-plain-masked --interleave-update 8 \
   --update-diagnostics 8 --out-json "$RES/trainer_h200_moe_$TAG.json" \
   rollout.max_response_length=64 model.max_position_embeddings=128
-# The target's like-for-like form for an MoE (the fifteenth run's `same_tokens` factor):
+# The target's like-for-like form for an MoE (`same_tokens` factor, runs/2026-12-02-h200-run15-8b-step.md):
 # the plain loop on the update's own micro-batches, in rounds of four calls of each side
 # (a call of ~3.5 s spread ±12 % between neighbouring rounds on the H200; the plain loop
 # against itself too). No diagnostics: their factors were measured in three runs.
@@ -49,7 +49,7 @@ step reshard_1b 120 $TR1 benchmarks/reshard_bench.py --model llama-1b --dtype bf
   --bucket-mb 512 --repeats 10 --rollout-tp 1 --out-json "$RES/reshard_h200_llama-1b_$TAG.json"
 
 # In-trainer vLLM vs standalone vLLM, 0.85B (issue 21: >= 0.98x median, >= 0.95x worst).
-# Eight rounds: four spread by up to 26 % (ninth run). Start-up is most of the time; the
+# Eight rounds: four spread by up to 26 % (runs/2026-12-01-h200-run09-whole-step-moe.md). Start-up is most of the time; the
 # JSON is written after every mode, so a cut run keeps its rows.
 step rollout_ab_085b 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfloat16 \
   --batches 64,256 --prompt-len 128 --max-new 256 --samples 4 --modes greedy,greedy_llm,sampled \
@@ -72,9 +72,9 @@ step rollout_ab_085b_pinned 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtyp
   --out-json "$RES/rollout_ab_h200_085b_pinned_$TAG.json"
 # Greedy and its control as in rollout_ab_085b_greedy, in rounds of two calls of each
 # engine (A B B A, then B A A B; a round's ratio is sum(B) / sum(A), ab.py): one call of
-# ~1 s spreads ±25 % here (thirteenth run's control: worst round 0.80x), and an even count
-# of calls per round cancels a drift linear in time. Time, from the thirteenth run's JSON
-# (the eleventh's slower calls in brackets): start-up 235 s (standalone 187, in-trainer 48)
+# ~1 s spreads ±25 % here (rollout_ab_h200_085b_greedy_run13.json's control: worst round 0.80x), and an even count
+# of calls per round cancels a drift linear in time. Time, from rollout_ab_h200_085b_greedy_run13.json
+# (…_run11.json's slower calls in brackets): start-up 235 s (standalone 187, in-trainer 48)
 # + ~35 s of checkpoint and imports; a call 1.0 s at batch 64 (1.15), 2.2 s at batch 256
 # (2.9). Per batch and mode (greedy, greedy_aa): a warm-up round of one call each + 6 rounds
 # x 2 calls x 2 engines = 26 calls; batch 64: 2 x 26 x 1.0 = 52 s, batch 256: 2 x 26 x 2.2
@@ -85,7 +85,7 @@ step rollout_ab_085b_long 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype 
   --repeats 6 --calls-per-round 2 --gpu-memory-utilization 0.3 \
   --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
   --out-json "$RES/rollout_ab_h200_085b_long_$TAG.json"
-# Rounds long enough for the worst-round bound, batch 64 only. The sixteenth run's calls of
+# Rounds long enough for the worst-round bound, batch 64 only. rollout_ab_h200_085b_long_run16.json's calls of
 # the same work took 0.63-1.27 s (the decode is CPU-bound; the GPU clock never moved), a
 # spread of ~14 % per call: a round's ratio of sums over K calls of each spreads ~20 %/sqrt(K),
 # so 0.95x at the worst of a few rounds needs K ~ 16. Time: start-up ~270 s + 2 modes x
@@ -137,7 +137,7 @@ step sync_ab_7b_wdu 320 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 5 --warmu
   --wake-during-update --out-json "$RES/sync_ab_h200_7b_wdu_$TAG.json" \
   actor.optim.cpu_offload_fraction=0.6
 # rollout.sleep_level=0: the engine keeps its weights on the device while it sleeps. Fifteen
-# rounds (the eleventh run's spread was 3.05-5.67x) and three syncs profiled after them.
+# rounds (sync_ab_h200_085b_l0_r15_run11.json spread 3.05-5.67x) and three syncs profiled after them.
 step sync_ab_085b_l0 180 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 15 --sleep-level 0 \
   --profile-dir "$RES" --out-json "$RES/sync_ab_h200_085b_l0_$TAG.json"
 step sync_ab_7b_l0 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 --sleep-level 0 \

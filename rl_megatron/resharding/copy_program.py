@@ -283,7 +283,7 @@ def concatenated(runs: list[Run]) -> list[Run | Concat]:
     layer's experts in one tensor: 64 blocks end to end, each from a tensor of its own. As
     one multi-tensor copy they ran at 1.5 TB/s on an H200 (launches of at most 320 blocks
     of 64k elements); a concatenation per stacked tensor runs at a flat copy's 2 TB/s
-    (twelfth run, RESULTS.md), and is one call where the copies were 64.
+    (benchmarks/runs/2026-12-02-h200-run12-moe-resharding.md), and is one call where the copies were 64.
     """
     out: list[Run | Concat] = []
     singles: dict[Ref, list[Run]] = {}
@@ -385,7 +385,7 @@ class Bound:
 
 
 # Under a CUDA graph, a pair at least this large is copied by a `copy_` of its own rather
-# than in the multi-tensor copy. On an H200 (RESULTS.md, thirteenth GPU run) the dense
+# than in the multi-tensor copy. On an H200 (benchmarks/runs/2026-12-02-h200-run13-sync-after-graphs.md) the dense
 # 0.85B shape's 99 whole tensors replayed at 1.69 TB/s as one `copy_` each against 1.43 TB/s
 # as one `_foreach_copy_` (1.01 against 1.19 ms); a `copy_` is a graph node of its own
 # (~2.5 µs each: 2 048 expert copies took 5.2 ms), which pays from a few MB on (4 MiB:

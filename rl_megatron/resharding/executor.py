@@ -115,7 +115,7 @@ def execute(
             (`device_peak_extra_bytes`). Off by default: it resets the allocator's peak,
             which the trainer's phase figures read, and its two reads of the allocator's
             statistics (`torch.cuda.memory_stats`, a dict of ~160 entries built in
-            Python) took ~0.3 ms of the 0.85B sync's host time on an H200 (thirteenth run).
+            Python) took ~0.3 ms of the 0.85B sync's host time on an H200 (benchmarks/runs/2026-12-02-h200-run13-sync-after-graphs.md).
     """
     tracker = tracker or StagingTracker()
     elem = plan.key.elem_size

@@ -239,7 +239,8 @@ def _plain_tensor_reads() -> Any:
     vLLM's parameter classes (`BasevLLMParameter`) define `__torch_function__` in Python,
     so every shape or `.data` read of one runs Python: ~1.5 µs a read where a plain
     tensor's is ~0.1 µs, twice per parameter per sync (~0.25 ms of a 99-tensor sync on a
-    CPU; on the H200 host, 128 such calls per sync, thirteenth run). Their override only
+    CPU; on the H200 host, 128 such calls per sync,
+    benchmarks/runs/2026-12-02-h200-run13-sync-after-graphs.md). Their override only
     forwards to torch's; with subclass overrides disabled the reads are torch's own, and
     `.data` is a plain tensor of the same storage either way.
     """

@@ -7,7 +7,7 @@
 A repeated sync checks every training parameter twice: its shape against the plan, and its
 address, strides, dtype and device against what the kept copy views were bound to. For the
 2 163 parameters of an MoE actor holding one tensor per expert, each read is a pass over
-the tensors that cost 0.2–0.5 ms on an H200 host (twelfth GPU run, where a sync's host
+the tensors that cost 0.2–0.5 ms on an H200 host (benchmarks/runs/2026-12-02-h200-run12-moe-resharding.md, where a sync's host
 checks took longer than its copies), and the two checks used to make their own passes
 and dictionary lookups. Here each field is read once, in one C-level pass (`map`), in the
 mapping's order; the checks compare lists whole against lists they keep in that order.
@@ -18,7 +18,7 @@ whether every tensor kept its shape, strides, dtype, device (and Python type and
 When nothing changed the last facts are reused as they are; otherwise (or where torch
 has no such check, or the mapping holds one tensor twice) every field is read again. Dev
 CPU, 2 163 tensors: 0.13 ms against 0.74 ms for reading them all; on the H200 host the MoE
-sync's checks before its first copy went from 3.6 to 1.1–1.8 ms (twelfth run).
+sync's checks before its first copy went from 3.6 to 1.1–1.8 ms (the same file).
 """
 
 from __future__ import annotations

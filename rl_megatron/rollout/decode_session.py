@@ -129,7 +129,8 @@ class DecodeSession:
         # torch.cuda.graph empties the caching allocator on entry; doing it first makes the
         # difference below the graph pool's growth alone. (Measured without it, the freed
         # warm-up temporaries cancelled the growth: the budget never tripped, and the graphs
-        # of the half-depth 7B shape held 54 GB in the fourth GPU run.)
+        # of the half-depth 7B shape held 54 GB:
+        # benchmarks/runs/2026-11-30-h200x2-run04-vllm-in-trainer-pp2.md.)
         torch.cuda.empty_cache()
         reserved = torch.cuda.memory_reserved()
         # The eager step just run was the warm-up (kernels chosen, workspaces allocated).

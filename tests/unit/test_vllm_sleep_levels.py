@@ -6,7 +6,7 @@ on its allocator (every allocation unmapped; the tags asked for mapped back), an
 allocator raises on what the real one cannot do (unmapping an unmapped allocation, mapping
 a mapped one). Level 0 (`rollout.sleep_level: 0`) drives the allocator itself: only the
 KV cache's allocations go. The H200 run checked the real thing (greedy tokens unchanged
-after level-0 sleeps and wakes: benchmarks/RESULTS.md, tenth run).
+after level-0 sleeps and wakes: benchmarks/runs/2026-12-01-h200-run10-sync-kept-mapped.md).
 """
 
 from __future__ import annotations
