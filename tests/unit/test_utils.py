@@ -289,7 +289,8 @@ def test_peaks_closed_before_a_wake_keep_the_memory_asleep_before_it(monkeypatch
 
 def test_a_wake_after_giving_torchs_cache_back_counts_each_interval_apart(monkeypatch):
     """The KV cache's wake (H200, 1.5B; benchmarks/runs/2026-12-02-h200-run16-wake-during-
-    update-8b.md): torch reserved 195 GiB at the phase's start, 66 of it vLLM's KV cache asleep; torch's cache given back (a part: `make_room`),
+    update-8b.md): torch reserved 195 GiB at the phase's start, 66 of it vLLM's KV cache
+    asleep; torch's cache given back (a part: `make_room`),
     then the KV cache mapped (another part). Each interval's peak less the lesser memory
     asleep at its ends: 195 − 66 before the release, 96 − 0 after it; the phase reports 129.
     One interval for the whole phase would have subtracted 0 (asleep at the end) from 195,
