@@ -77,10 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     exit_with_launcher()  # under torchrun: no rank outlives its launcher
     args = parse_args(argv)
     env = launch_env()
+    from rl_megatron.models.hf_config import HFConfigError, resolve_model_config
+
     try:
-        config = load_config(args.config, args.overrides)
+        # model.* as the model is built (model.hf_path's config.json): what is printed
+        # below and saved as config.resolved.yaml.
+        config, replaced = resolve_model_config(load_config(args.config, args.overrides))
         layout = validate(config, env.world_size)
-    except ConfigError as exc:
+    except (ConfigError, HFConfigError) as exc:
         # Every rank sees the same config error; one line from rank 0 is enough.
         if env.rank == 0:
             print(f"config error: {exc}", file=sys.stderr)
@@ -88,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     # Every rank filters the warning noise it raises itself (before megatron-core loads).
     warning_filters.install(config.logging.level)
     log = get_logger(env.rank, config.logging.level)
+    for warning in replaced if env.rank == 0 else ():  # the same on every rank
+        log.warning(warning)
     log.info("resolved config:\n%s", format_config(to_dict(config)))
     try:
         return _run(args, config, layout, env, log)

@@ -47,7 +47,10 @@ LossAggMode = Literal[
 @dataclass
 class ModelConfig:
     # Hugging Face checkpoint directory (config.json + safetensors). When set, the
-    # architecture fields below are read from its config.json and must not be given here.
+    # architecture fields below are read from its config.json and must not be given here;
+    # the model is built with its rope_theta, rms_norm_eps and tie_word_embeddings too,
+    # which the launcher writes into this config before printing and saving it
+    # (`models.hf_config.resolve_model_config`).
     hf_path: str | None = None
     # Architecture for randomly initialised models (tests, the CPU demo, benchmarks).
     num_layers: int | None = None  # transformer layers

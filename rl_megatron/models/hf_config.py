@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rl_megatron.config import Config, ModelConfig
 from rl_megatron.models.conversions import padded_vocab_size
 from rl_megatron.models.families import FAMILIES
 
@@ -251,6 +252,62 @@ def load_hf_config(hf_dir: str | Path) -> HFModelInfo:
     except (OSError, json.JSONDecodeError) as exc:
         raise HFConfigError(f"{path}: unreadable ({exc})") from None
     return parse_hf_config(cfg)
+
+
+def config_model_fields(info: HFModelInfo) -> dict[str, Any]:
+    """The `model.*` fields of the run's config that a checkpoint fixes, as it is built.
+
+    One mapping from what the builders build from (`HFModelInfo`) to the config's names, so
+    that the run's record (`config.resolved.yaml`) cannot say other than the model. Left
+    out: `max_position_embeddings` (the config's is the run's prompt + response budget,
+    checked by config_checks) and, for a mixture of experts, `ffn_hidden_size` (the model
+    has no dense MLP; its experts' width is `moe_ffn_hidden_size`).
+    """
+    fields: dict[str, Any] = {
+        "num_layers": info.num_layers,
+        "hidden_size": info.hidden_size,
+        "num_attention_heads": info.num_attention_heads,
+        "num_query_groups": info.num_key_value_heads,
+        "vocab_size": info.vocab_size,
+        "rope_theta": info.rope_theta,
+        "norm_epsilon": info.rms_norm_eps,
+        "tie_word_embeddings": info.tie_word_embeddings,
+    }
+    if info.is_moe:
+        fields["num_experts"] = info.num_experts
+        fields["moe_router_topk"] = info.moe_topk
+        fields["moe_ffn_hidden_size"] = info.moe_ffn_hidden_size
+    else:
+        fields["ffn_hidden_size"] = info.ffn_hidden_size
+    return fields
+
+
+def resolve_model_config(config: Config) -> tuple[Config, list[str]]:
+    """`config` with its `model.*` fields as the model is built, and a warning per value of
+    the user's that config.json replaced.
+
+    With `model.hf_path` the builders read its config.json (`load_hf_config`), whatever
+    the config says; this reads it the same way, without the weights, so that what is
+    printed at start and saved as `config.resolved.yaml` is what runs. A given
+    architecture size that disagrees was already refused by `load_config`; a given
+    rope_theta / norm_epsilon / tie_word_embeddings is replaced, as the builders always
+    did, and named in the warnings. Without `model.hf_path` the config is the model's
+    description (`random_init_hf_config`) and is returned as is.
+    """
+    if config.model.hf_path is None:
+        return config, []
+    fields = config_model_fields(load_hf_config(config.model.hf_path))
+    defaults = ModelConfig()
+    warnings = []
+    for name, value in fields.items():
+        given = getattr(config.model, name)
+        if given != value and given != getattr(defaults, name):
+            warnings.append(
+                f"model.{name}: {given} given, but the model is built with {value} from "
+                f"{Path(config.model.hf_path) / 'config.json'}"
+            )
+    model = dataclasses.replace(config.model, **fields)
+    return dataclasses.replace(config, model=model), warnings
 
 
 def check_parallel_layout(
