@@ -126,11 +126,13 @@ AFTER_EVAL_TARGET = 1.10
 
 
 def rows_from_metrics(lines: list[dict], path: Path) -> list[Row]:
-    """A run's metrics.jsonl: each step right after an evaluation (its row reports
-    `timing_s/evaluate`) generates in how many times the median step's time. The first
-    step (graph capture, compilation) is left out of the median."""
+    """A run's metrics.jsonl: each step right after an evaluation (the step before it
+    reports `val/reward_mean`) generates in how many times the median step's time. The
+    first step (graph capture, compilation) is left out of the median. (Not by
+    `timing_s/evaluate`: records written before issue 36 carry it one step late.)"""
     generate = {r["step"]: r["timing_s/generate"] for r in lines if "timing_s/generate" in r}
-    after_eval = [r["step"] for r in lines if "timing_s/evaluate" in r and r["step"] in generate]
+    evaluated = [r["step"] for r in lines if "val/reward_mean" in r]
+    after_eval = [step + 1 for step in evaluated if step + 1 in generate]
     later = [t for step, t in generate.items() if step > min(generate, default=0)]
     if not after_eval or not later:
         return []

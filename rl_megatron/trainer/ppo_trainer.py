@@ -117,14 +117,19 @@ class PPOTrainer:
             if cfg.trainer.val_interval and self.step % cfg.trainer.val_interval == 0:
                 with self.phases.time("evaluate"):
                     metrics.update(self.evaluate())
-            metrics["timing_s/step"] = time.perf_counter() - started
-            self.metrics.log(self.step, metrics)
-            if self.run.env.rank == 0 and self.step % cfg.logging.log_interval == 0:
-                print(console_line(self.step, self.total_steps, metrics), flush=True)
             stop = self._stop_requested()
             due = cfg.checkpoint.save_interval and self.step % cfg.checkpoint.save_interval == 0
             if due or self.step == self.total_steps or (stop and cfg.checkpoint.save_on_sigterm):
                 self.save()
+            # The step's record is written once its evaluation and checkpoint are done, so
+            # that their timings and memory figures are this step's (train_step took the
+            # training phases'; read before them, they went into the next step's record,
+            # and the last step's nowhere).
+            metrics.update(self.phases.pop())
+            metrics["timing_s/step"] = time.perf_counter() - started
+            self.metrics.log(self.step, metrics)
+            if self.run.env.rank == 0 and self.step % cfg.logging.log_interval == 0:
+                print(console_line(self.step, self.total_steps, metrics), flush=True)
             if stop:
                 self.log.info("SIGTERM: stopped after step %d (checkpoint saved)", self.step)
                 break

@@ -176,6 +176,10 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
     )
     try:
         _wait_for(killed / "tiny_cpu" / "checkpoints" / "step_00000003", proc, 300)
+        # Step 3's record follows its checkpoint (it carries the checkpoint's timing).
+        metrics = killed / "tiny_cpu" / "metrics.jsonl"
+        while metrics.read_text().count("\n") < 3 and proc.poll() is None:
+            time.sleep(0.05)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -399,3 +403,7 @@ def test_reward_improves_moe_with_expert_parallelism(tmp_path):
     # Same policy in the engine and in the trainer's (EP-split) forward (and routing).
     assert max(r["rollout/logprob_diff_max"] for r in rows) < 1e-3
     assert rows[9]["val/num_prompts"] == 32 and "val/reward_mean" in rows[-1]
+    # Each step's record carries its own evaluation's and checkpoint's times, the last
+    # step's included (issue 36).
+    assert [r["step"] for r in rows if "timing_s/evaluate" in r] == [10, 20]
+    assert [r["step"] for r in rows if "timing_s/checkpoint" in r] == [20]

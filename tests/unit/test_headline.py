@@ -161,7 +161,8 @@ def test_controls_follow_their_ab_without_a_target(tmp_path):
 def test_the_step_after_an_evaluation_against_the_median_step(tmp_path):
     generate = [40.0, 1.0, 1.1, 1.3, 0.9, 1.0]  # step 1 captures; steps 4 and 6 follow evals
     lines = [{"step": i + 1, "timing_s/generate": t} for i, t in enumerate(generate)]
-    lines[3]["timing_s/evaluate"] = lines[5]["timing_s/evaluate"] = 0.8
+    for step in (3, 5, 6):  # evaluations, in their own rows; no step follows step 6's
+        lines[step - 1].update({"val/reward_mean": 0.5, "timing_s/evaluate": 0.8})
     path = tmp_path / "metrics.jsonl"
     path.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
     (row,) = headline.load_rows(path)[0]
