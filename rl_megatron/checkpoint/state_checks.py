@@ -1,14 +1,20 @@
 """Checks on a training checkpoint and on the layout it is loaded at, before any rank reads.
 
-A checkpoint that is incomplete, truncated, of another format, not as its manifests list it
-or saved at a layout that megatron-core cannot load here (or that `checkpoint.allow_reshard`
-does not allow) is refused with a one-line `CheckpointError` on every rank before
-dist_checkpointing's collectives start, so no rank fails alone half-way.
+A checkpoint that is incomplete, truncated, of another format, not as its manifests list it,
+saved at a layout that megatron-core cannot load here (or that `checkpoint.allow_reshard`
+does not allow) or at another `model.dtype` is refused with a one-line `CheckpointError`
+naming the config key, on every rank before dist_checkpointing's collectives start, so no
+rank fails alone half-way (and nobody reads megatron-core's KeyError of optimizer keys).
+
+The layout record (`trainer_state.json`'s `layout`) holds every degree: world_size, tp, pp,
+vpp, dp, cp, ep, etp and sequence_parallel. Older records lack vpp, ep, etp and
+sequence_parallel (`LATER_FIELDS`): those are not compared, since their value is unknown.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +23,14 @@ from megatron.core import parallel_state as ps
 
 from rl_megatron.checkpoint import hf_loader, integrity, safe_metadata
 from rl_megatron.checkpoint.step_dirs import STATE_FILE
+from rl_megatron.config import DTYPE_NAMES
 
 FORMAT_VERSION = 1
+SIDECAR_FILE = "rl_megatron.json"  # checkpoints_tools/_common.py META_FILE
+# Layout fields recorded since the expert degrees were added; absent from older records.
+LATER_FIELDS = ("vpp", "ep", "etp", "sequence_parallel")
+# torch's dtype names (the sidecars') → the config's (`model.dtype`).
+CONFIG_DTYPES = {torch_name: name for name, torch_name in DTYPE_NAMES.items()}
 
 
 class CheckpointError(hf_loader.CheckpointError, RuntimeError):
@@ -31,14 +43,32 @@ class CheckpointError(hf_loader.CheckpointError, RuntimeError):
 # ---- layout ----------------------------------------------------------------------------------
 
 
-def current_layout() -> dict:
-    """This run's parallel layout, identical on every rank."""
+def current_layout(roles: Mapping[str, Any] | None = None) -> dict:
+    """This run's parallel layout, identical on every rank: every degree megatron-core was
+    initialised with (ep, etp: its expert mesh) and, from `roles`' models, vpp (chunks per
+    stage; None = not interleaved) and sequence parallelism."""
+    configs = [getattr(role, "config", None) for role in (roles or {}).values()]
+    chunks = max((len(role.model) for role in (roles or {}).values()), default=1)
     return {
         "world_size": dist.get_world_size(),
         "tp": ps.get_tensor_model_parallel_world_size(),
         "pp": ps.get_pipeline_model_parallel_world_size(),
-        "cp": ps.get_context_parallel_world_size(),
+        "vpp": chunks if chunks > 1 else None,
         "dp": ps.get_data_parallel_world_size(),
+        "cp": ps.get_context_parallel_world_size(),
+        "ep": ps.get_expert_model_parallel_world_size(),
+        "etp": ps.get_expert_tensor_parallel_world_size(),
+        "sequence_parallel": any(getattr(c, "sequence_parallel", False) for c in configs),
+    }
+
+
+def layout_changes(saved_layout: dict, layout: dict) -> dict[str, tuple]:
+    """Degree → (saved, now) for each degree that differs; a degree an older record lacks
+    (`LATER_FIELDS`) is unknown and not compared."""
+    return {
+        key: (saved_layout[key], now)
+        for key, now in layout.items()
+        if key in saved_layout and saved_layout[key] != now
     }
 
 
@@ -57,17 +87,31 @@ def check_role_layout(
     role_dir: Path, saved_layout: dict, saved: dict, role: Any, allow_reshard: bool
 ) -> None:
     """Refuse what megatron-core cannot load, before it fails half-way on some rank."""
-    layout, vpp = current_layout(), len(role.model)
-    if saved_layout == layout and saved["vpp"] == vpp:
+    check_role_dtype(role_dir, saved, role)
+    layout, vpp = current_layout({"role": role}), len(role.model)
+    changes = layout_changes(saved_layout, layout)
+    if _has_experts(role) and role.optimizer is not None:
+        # megatron-core 0.16.1 chains a separate optimizer for the experts (their own DP
+        # group) whose state, dp_ or fully_reshardable, only loads at the expert layout it
+        # was saved at (ep 2 → 1: KeyError 'optimizer'; 1 → 2: "Expected 2 entries").
+        for key in ("ep", "etp"):
+            if key in changes:
+                was, now = changes[key]
+                raise CheckpointError(
+                    f"{role_dir}: saved at parallel.{key}={was}, this run has "
+                    f"parallel.{key}={now}: megatron-core cannot load the experts' optimizer "
+                    f"state at another expert layout, even with checkpoint.allow_reshard; "
+                    f"resume at parallel.{key}={was}"
+                )
+    if not changes and saved["vpp"] == vpp:
         return
-    then = f"{_describe(saved_layout)} vpp={saved['vpp']}"
-    now = f"{_describe(layout)} vpp={vpp}"
+    then, now = _describe(saved_layout, saved["vpp"]), _describe(layout, vpp)
     if not allow_reshard:
         raise CheckpointError(
             f"{role_dir}: saved at {then}, this run is {now} (set checkpoint.allow_reshard=true "
             f"to resume at another layout; the RNG streams then restart from the seed)"
         )
-    same_model_parallel = all(saved_layout[k] == layout[k] for k in ("tp", "pp", "cp"))
+    same_model_parallel = not {"tp", "pp", "cp", "vpp"} & changes.keys()
     if saved["optimizer"] == "dp_reshardable" and not (same_model_parallel and saved["vpp"] == vpp):
         raise CheckpointError(
             f"{role_dir}: optimizer state saved as dp_reshardable at {then} cannot be "
@@ -76,8 +120,44 @@ def check_role_layout(
         )
 
 
-def _describe(layout: dict) -> str:
-    return " ".join(f"{k}={v}" for k, v in layout.items())
+def check_role_dtype(role_dir: Path, saved: dict, role: Any) -> None:
+    """A role resumes at the `model.dtype` it was saved at: megatron-core lays the
+    distributed optimizer's state out per dtype (its buffers' keys name it), so another
+    dtype fails inside the load with a KeyError of optimizer keys."""
+    now = role_dtype(role)
+    was = saved.get("dtype") or _sidecar_dtype(role_dir)  # older records: the sidecar's
+    if now is not None and was is not None and was != now:
+        raise CheckpointError(
+            f"{role_dir}: saved with model.dtype={was}, this run has model.dtype={now}: the "
+            f"training state resumes only at the dtype it was saved at; resume with "
+            f"model.dtype={was} (or export it with checkpoints_tools/megatron_to_hf.py and "
+            f"start a new run from that)"
+        )
+
+
+def role_dtype(role: Any) -> str | None:
+    """The role's `model.dtype` name (fp32, bf16, fp16), from its models' config."""
+    dtype = getattr(getattr(role, "config", None), "params_dtype", None)
+    return CONFIG_DTYPES.get(str(dtype).removeprefix("torch."))
+
+
+def _sidecar_dtype(role_dir: Path) -> str | None:
+    """The dtype the role's sidecar names, if it has a readable one (a small JSON file)."""
+    try:
+        dtype = json.loads((role_dir / SIDECAR_FILE).read_text()).get("dtype")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return CONFIG_DTYPES.get(dtype, dtype if dtype in DTYPE_NAMES else None)
+
+
+def _has_experts(role: Any) -> bool:
+    return bool(getattr(getattr(role, "config", None), "num_moe_experts", None))
+
+
+def _describe(layout: dict, chunks: int) -> str:
+    """`world_size=2 tp=2 ... sp=False`; an older record's vpp from its role's chunks."""
+    fields = {**layout, "vpp": layout.get("vpp", chunks if chunks > 1 else None)}
+    return " ".join(f"{'sp' if k == 'sequence_parallel' else k}={v}" for k, v in fields.items())
 
 
 # ---- checking a checkpoint -------------------------------------------------------------------

@@ -8,8 +8,9 @@
 On disk, one directory per saved step:
 
     checkpoints/step_00000042/
-      trainer_state.json    written last: format_version, step, layout, per-role step_count
-                            and optimizer format, the trainer's own state, `files` (size and
+      trainer_state.json    written last: format_version, step, layout (every degree),
+                            per-role step_count, optimizer format, vpp (chunks) and dtype
+                            (model.dtype), the trainer's own state, `files` (size and
                             CRC-32 of the RNG files and of each role's manifest.json) and its
                             own `checksum`. Its presence marks the checkpoint complete.
       actor/manifest.json   size and CRC-32 of every other file under actor/ (`integrity.py`).
@@ -45,9 +46,14 @@ directories are never returned and the next successful save deletes them. Re-sav
 existing step moves the old copy to `step_...old-<token>` first (`latest()` falls back to
 it if a kill lands between the two renames), then deletes it.
 
-Resuming. At the same layout (world size, TP, PP, CP, DP, rank order, VPP) everything is
-restored bit for bit, this rank's RNG streams included. Any other layout is refused unless
-`load(..., allow_reshard=True)` (the trainer's `checkpoint.allow_reshard`):
+Resuming. At the same layout (world size, TP, PP, VPP, DP, CP, EP, ETP, sequence
+parallelism, rank order: the `layout` record, `state_checks.py`) and `model.dtype` (each
+role's `dtype`) everything is restored bit for bit, this rank's RNG streams included.
+Another `model.dtype` is refused in one line naming it (megatron-core's optimizer state is
+laid out per dtype), and so is another EP / ETP for a role with experts and an optimizer
+(megatron-core chains the experts' optimizer separately and cannot reshard it), whatever
+`allow_reshard` says. Any other layout is refused unless `load(..., allow_reshard=True)`
+(the trainer's `checkpoint.allow_reshard`):
   * weights: any TP / PP / VPP / DP (the stored tensors are global);
   * optimizer state saved `dp_reshardable` (the default, as in Megatron-LM: each rank
     writes its own shard, nothing is gathered): only DP may change;
@@ -97,17 +103,20 @@ from rl_megatron.checkpoint.rng_state import read_rng, restore_rng, save_rng
 from rl_megatron.checkpoint.safe_metadata import describe_failure, restricted_loading
 from rl_megatron.checkpoint.state_checks import (
     FORMAT_VERSION,
+    LATER_FIELDS,
+    SIDECAR_FILE,
     CheckpointError,
     check_checkpoint,
     check_indexes,
     check_role_layout,
     current_layout,
+    layout_changes,
     rank_coordinates,
+    role_dtype,
 )
 from rl_megatron.checkpoint.step_dirs import STATE_FILE
 from rl_megatron.config import DTYPE_NAMES
 
-SIDECAR_FILE = "rl_megatron.json"  # checkpoints_tools/_common.py META_FILE
 HF_SUBDIR = "hf"  # checkpoints_tools/_common.py HF_SUBDIR
 RNG_DIR = "rng"
 OptimizerSharding = Literal["dp_reshardable", "fully_reshardable"]
@@ -189,7 +198,7 @@ class CheckpointManager:
             meta = {
                 "format_version": FORMAT_VERSION,
                 "step": step,
-                "layout": current_layout(),
+                "layout": current_layout(roles),
                 "roles": {
                     name: _role_meta(role, self.optimizer_sharding) for name, role in roles.items()
                 },
@@ -310,8 +319,12 @@ class CheckpointManager:
             except BaseCheckpointError as exc:
                 problem = str(exc)
         rng = None
+        layout = current_layout(roles)
+        unknown = [k for k in LATER_FIELDS if k not in meta["layout"]]
+        if unknown and self._is_leader():
+            log.info("%s: an older layout record, without %s: not compared", path, unknown)
         try:
-            if meta["layout"] == current_layout():
+            if not layout_changes(meta["layout"], layout):
                 rng = read_rng(path / RNG_DIR, dist.get_rank(), rank_coordinates())
         except ValueError as exc:
             problem = problem or str(exc)
@@ -349,12 +362,13 @@ class CheckpointManager:
         except BaseCheckpointError as exc:
             problem = str(exc)
         except CheckpointException as exc:  # torch DCP's, a BaseException: on every rank
-            problem = _dcp_failure(role_dir, exc)
+            problem = _state_mismatch(role_dir, exc, role) or _dcp_failure(role_dir, exc)
             log.debug("loading %s failed: %s", role_dir, exc)  # every rank's traceback
         except Exception as exc:  # a corrupt file can fail anywhere inside torch DCP
-            problem = f"{role_dir}: cannot be loaded ({_first_line(exc)})"
+            problem = _state_mismatch(role_dir, exc, role)
+            problem = problem or f"{role_dir}: cannot be loaded ({_first_line(exc)})"
             log.debug("loading %s failed", role_dir, exc_info=True)
-        self._agree(problem)
+        self._agree(_bounded(problem))
 
     # ---- collectives ------------------------------------------------------------------
 
@@ -383,6 +397,37 @@ def _first_line(exc: BaseException) -> str:
     """`Type: first line of the message`, for one-line errors."""
     lines = str(exc).strip().splitlines()
     return f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+# A problem line is cut here: megatron-core's KeyErrors list every key of the state dict
+# (kilobytes on one line); the whole text is one `logging.level=DEBUG` away.
+MAX_PROBLEM_CHARS = 400
+
+
+def _bounded(problem: str | None) -> str | None:
+    if problem is None or len(problem) <= MAX_PROBLEM_CHARS:
+        return problem
+    return f"{problem[:MAX_PROBLEM_CHARS]}... (cut; logging.level=DEBUG shows it whole)"
+
+
+def _state_mismatch(role_dir: Path, exc: BaseException, role: Any) -> str | None:
+    """One line for a state dict that does not fit this run's (a KeyError inside megatron-
+    core's load): a safety net behind `check_role_layout` for what the layout record cannot
+    tell (an older record without ep / etp, a setting it does not hold). None otherwise."""
+    failures = sorted(getattr(exc, "failures", {}).items())
+    error = failures[0][1][0] if failures else exc
+    if not isinstance(error, KeyError):
+        return None
+    key = str(error.args[0]) if error.args else ""
+    key = key.split(" from model not in state dict")[0][:120]
+    config = getattr(role, "config", None)
+    ep = getattr(config, "expert_model_parallel_size", None)
+    return (
+        f"{role_dir}: its state does not fit this run's (no {key!r}): it was likely saved at "
+        f"another parallel.ep / parallel.etp or model.dtype (this run: parallel.ep={ep}, "
+        f"model.dtype={role_dtype(role)}); resume with the settings it was saved with "
+        f"(logging.level=DEBUG shows the traceback)"
+    )
 
 
 def _dcp_failure(role_dir: Path, exc: CheckpointException) -> str:
@@ -424,6 +469,7 @@ def _role_meta(role: Any, sharding: str) -> dict:
         "step_count": role.step_count,
         "vpp": len(role.model),
         "optimizer": sharding if role.optimizer is not None else None,
+        "dtype": role_dtype(role),  # model.dtype: the optimizer state loads only at it
     }
 
 

@@ -115,8 +115,14 @@ def sidecar(config: Config, info: HFModelInfo, head: str) -> dict:
         "padded_vocab_size": padded_vocab_size(
             info.vocab_size, m.make_vocab_size_divisible_by, p.tp
         ),
+        # The degrees it was trained at (trainer_state.json's `layout` has dp and world size
+        # too); megatron_to_hf.py reads none of them: the stored tensors are global.
         "tp": p.tp,
         "pp": p.pp,
         "vpp": p.vpp,
+        "cp": p.cp,
+        "ep": p.ep,
+        "etp": p.etp,
+        "sequence_parallel": p.sequence_parallel,
         "source": m.hf_path,
     }
