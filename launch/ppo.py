@@ -129,10 +129,11 @@ def _run(args: argparse.Namespace, config, layout: ParallelLayout, env, log) -> 
         if env.rank == 0:
             save_resolved(config, config.run_dir)
             print(format_layout_table(rows, generation))
+            t = run.layout
             print(
-                f"training layout: tp={run.layout.tp} pp={run.layout.pp} dp={run.layout.dp} "
-                f"cp={run.layout.cp} vpp={run.layout.vpp}; generation layout: "
-                f"tp={generation.tp} replicas={generation.replicas} "
+                f"training layout: tp={t.tp} pp={t.pp} dp={t.dp} cp={t.cp} vpp={t.vpp} "
+                f"ep={t.ep} etp={t.etp} sp={'on' if t.sequence_parallel else 'off'}; "
+                f"generation layout: tp={generation.tp} replicas={generation.replicas} "
                 f"(micro-dp {micro_dp(run.layout, generation)} per training replica), "
                 f"engine={config.rollout.engine}",
                 flush=True,
