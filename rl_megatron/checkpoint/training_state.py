@@ -401,7 +401,7 @@ def _first_line(exc: BaseException) -> str:
 
 # A problem line is cut here: megatron-core's KeyErrors list every key of the state dict
 # (kilobytes on one line); the whole text is one `logging.level=DEBUG` away.
-MAX_PROBLEM_CHARS = 400
+MAX_PROBLEM_CHARS = 600
 
 
 def _bounded(problem: str | None) -> str | None:
@@ -419,7 +419,7 @@ def _state_mismatch(role_dir: Path, exc: BaseException, role: Any) -> str | None
     if not isinstance(error, KeyError):
         return None
     key = str(error.args[0]) if error.args else ""
-    key = key.split(" from model not in state dict")[0][:120]
+    key = key.split(" from model not in state dict")[0][:100]
     config = getattr(role, "config", None)
     ep = getattr(config, "expert_model_parallel_size", None)
     return (
