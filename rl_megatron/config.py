@@ -330,6 +330,10 @@ class RewardConfig:
     # A reward function that raises on a sample: score it `error_score` and count it, or stop.
     on_error: Literal["score", "raise"] = "score"
     error_score: float = 0.0
+    # Seconds one call of a user function ("module:function") may take; it runs in a worker
+    # process that is killed past it, and the call fails as if it raised (on_error).
+    # Below half of parallel.timeout_s: the other ranks wait for the scores that long.
+    timeout_s: float = 30.0
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
 
 

@@ -440,6 +440,19 @@ def _check_actor_critic(config: Config, dp: int) -> None:
     _require(cr.cliprange_value > 0, "critic.cliprange_value", "must be > 0")
     if config.reward.type == "model":
         _require(config.reward.model_path is not None, "reward.model_path", "needed by type=model")
+    _check_reward_timeout(config)
+
+
+def _check_reward_timeout(config: Config) -> None:
+    """A hung reward call must end before the ranks waiting for its scores give up."""
+    limit, parallel_limit = config.reward.timeout_s, config.parallel.timeout_s
+    _require(limit > 0, "reward.timeout_s", f"must be > 0, got {limit:g}")
+    _require(
+        limit < parallel_limit / 2,
+        "reward.timeout_s",
+        f"{limit:g} must be below half of parallel.timeout_s={parallel_limit} (the ranks that "
+        "wait for the scores give up after parallel.timeout_s; a batch's calls get half of it)",
+    )
 
 
 def _check_role(role: ActorConfig | CriticConfig, section: str, sequences: int, dp: int) -> None:

@@ -5,6 +5,11 @@ number, is an *error*: with `on_error="score"` the sample gets `error_score` and
 in `reward/errors` (and a summary line is logged); with `on_error="raise"` the batch stops
 with a one-line `RewardError` naming the function and the sample. Nothing is skipped
 silently; KeyboardInterrupt is not an error of the sample and propagates.
+
+A batch has a time budget (`budget_s`): the ranks that do not score wait for this one in a
+collective that fails after `parallel.timeout_s`, so a function that is slow on many
+samples (each within its own limit, `user_calls.TimedWorker`) stops the run in one line
+before that, whatever `on_error` says.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import logging
 import math
 import numbers
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -19,9 +25,22 @@ import torch
 
 from rl_megatron.rewards.registry import RewardError, RewardFn
 
-__all__ = ["score_batch", "OnError"]
+__all__ = ["CallError", "OnError", "as_score", "describe", "score_batch"]
 
 OnError = Literal["score", "raise"]
+
+_HINT = "set reward.on_error=score to score such samples reward.error_score"
+
+
+class CallError(Exception):
+    """A call failed in a way its message already describes (a time-out, a dead worker).
+
+    `hint`: what the user can do, for the one line of `on_error="raise"`.
+    """
+
+    def __init__(self, message: str, hint: str = _HINT) -> None:
+        super().__init__(message)
+        self.hint = hint
 
 
 def score_batch(
@@ -32,6 +51,7 @@ def score_batch(
     error_score: float = 0.0,
     names: Sequence[str] | None = None,
     logger: logging.Logger | None = None,
+    budget_s: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Score each response against its sample.
 
@@ -44,6 +64,8 @@ def score_batch(
         error_score: the score of a failed sample.
         names: optional labels of the samples (e.g. `"train.jsonl:17"`) for messages.
         logger: where the per-batch error summary goes (default: the `rl_megatron` logger).
+        budget_s: seconds the whole batch may take; past them (checked after each call)
+            RewardError, whatever `on_error` says. None = no budget.
 
     Returns:
         scores: float32 tensor `[batch]`.
@@ -61,20 +83,30 @@ def score_batch(
 
     scores: list[float] = []
     errors: list[str] = []
+    started = time.monotonic()
     for i, (response, sample) in enumerate(zip(responses, samples)):
+        spent = time.monotonic() - started
+        if budget_s is not None and spent > budget_s:
+            raise RewardError(
+                f"reward function {fn_name!r} took {spent:.0f} s for {i} of {len(samples)} "
+                f"samples, past the batch's budget of {budget_s:g} s (half of "
+                "parallel.timeout_s, which the other ranks wait for the scores at most); "
+                f"{len(errors)} failed" + (f", first: {errors[0]}" if errors else "") + "; "
+                "make it faster, lower reward.timeout_s or raise parallel.timeout_s"
+            )
         try:
-            value = _as_score(fn(response, sample))
+            value = as_score(fn(response, sample))
         # Any failure of user code is the sample's error, `sys.exit` included (SystemExit
         # is a BaseException; uncaught it would end this rank alone and leave the others
         # waiting in a collective). KeyboardInterrupt is the user's, not the function's:
         # it still stops the run.
         except (Exception, SystemExit) as exc:
             where = f"sample {i}" + (f" ({names[i]})" if names is not None else "")
-            message = f"{where}: {_describe(exc)}"
+            message = f"{where}: {describe(exc)}"
             if on_error == "raise":
+                hint = exc.hint if isinstance(exc, CallError) else _HINT
                 raise RewardError(
-                    f"reward function {fn_name!r} failed on {message} "
-                    "(set reward.on_error=score to score such samples reward.error_score)"
+                    f"reward function {fn_name!r} failed on {message} ({hint})"
                 ) from exc
             errors.append(message)
             value = float(error_score)
@@ -98,7 +130,7 @@ def score_batch(
     return tensor, metrics
 
 
-def _as_score(value: Any) -> float:
+def as_score(value: Any) -> float:
     """`value` as a finite float, or TypeError/ValueError saying why it is not one."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
@@ -113,7 +145,10 @@ def _as_score(value: Any) -> float:
     return score
 
 
-def _describe(exc: BaseException) -> str:
+def describe(exc: BaseException) -> str:
+    """What went wrong in a call, in a few words on one line."""
+    if isinstance(exc, CallError):
+        return _one_line(exc)
     if isinstance(exc, SystemExit):
         return f"called sys.exit({exc.code!r})"
     return f"{type(exc).__name__}: {_one_line(exc)}"

@@ -6,7 +6,10 @@
 A reward model's value at each response's last token, or the rule function
 (`reward.function`) run on the first rank of each replica and copied to the others. Every
 rank gets the same scores as the rest of its replica; failures are raised on every rank
-together.
+together. A user function ("module:function") runs in a worker process, each call limited
+to `reward.timeout_s` (`rewards/user_calls.py`), and the batch to half of
+`parallel.timeout_s`: the scoring rank always reaches the collectives below, with a score
+or a failure to share, before the other ranks waiting in them give up.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from rl_megatron.config import Config
 from rl_megatron.data.datasets import PromptDataset
 from rl_megatron.rewards.registry import RewardError, reward_fn_from_config
 from rl_megatron.rewards.scoring import score_batch
+from rl_megatron.rewards.user_calls import TimedWorker
 from rl_megatron.rollout.batch import RolloutBatch
 from rl_megatron.trainer import experience as ex
 from rl_megatron.trainer.roles import MegatronRole
@@ -55,6 +59,13 @@ class RewardScorer:
         self.replica_group = replica_group
         self.replica_src = dist.get_process_group_ranks(replica_group)[0]
         self.reward_fn = reward_fn_from_config(config) if config.reward.type == "rule" else None
+        if self.reward_fn is not None and ":" in config.reward.function:
+            # User code: time-limited, in a process of its own. The built-in rules are
+            # ours, bounded and cheap; they stay in this process.
+            self.reward_fn = TimedWorker(
+                self.reward_fn, config.reward.function, config.reward.timeout_s
+            )
+        self.budget_s = config.parallel.timeout_s / 2
 
     def score(
         self,
@@ -109,6 +120,7 @@ class RewardScorer:
                     error_score=rcfg.error_score,
                     names=[dataset.sources[i] for i in rows],
                     logger=self.log,
+                    budget_s=self.budget_s,
                 )
                 errors[0] = m["reward/errors"]
             except RewardError as exc:
