@@ -32,7 +32,10 @@ Presets (each sets the defaults of the column options below):
 Every row is converted or the tool stops: a malformed row (bad JSON, a missing column, an
 empty prompt, an answer that cannot be extracted) is one line naming the file and the line
 or row, exit code 2, and nothing is written. `--skip-invalid` skips such rows instead and
-counts them. The output is written to a hidden sibling and renamed into place.
+counts them. The output is written to a hidden sibling and renamed into place; it may not
+be a file the tool reads (`--force` or not). A `--keep` column of mixed types is refused for
+Parquet (one type per column) and kept as it is in JSONL. A held-out `--split` (test, val,
+dev) is suggested as `data.val_files`.
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ def iter_rows(
     if path.is_file():
         yield from _read_file(path)
     elif path.is_dir():
-        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file():
+        if _is_saved_dataset(path):
             yield from _read_hf(source, split, hf_config, from_disk=True)
             return
         files = _data_files(path, split)
@@ -125,6 +128,11 @@ def iter_rows(
             yield from _read_file(file)
     else:
         yield from _read_hf(source, split, hf_config, from_disk=False)
+
+
+def _is_saved_dataset(folder: Path) -> bool:
+    """A folder written by `datasets`' save_to_disk (read through that library)."""
+    return (folder / "dataset_info.json").is_file() or (folder / "dataset_dict.json").is_file()
 
 
 def _data_files(folder: Path, split: str | None) -> list[Path]:
@@ -348,6 +356,61 @@ def write_records(records: list[dict[str, Any]], out: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def check_out(out: Path, inputs: list[str], split: str | None, force: bool) -> None:
+    """Refuse an `--out` that is a directory, exists without `force`, or is a file the
+    conversion reads (an input, through a link or a relative path, or a data file of an
+    input folder): it would replace the dataset it reads, `--force` or not."""
+    if out.is_dir():
+        raise DataError(f"--out: {out} is a directory; give a .jsonl or .parquet file path")
+    if not out.exists():
+        return
+    for source in inputs:
+        path = Path(source).expanduser()
+        if path.is_dir() and not _is_saved_dataset(path):
+            read = _data_files(path, split)
+        else:
+            read = [path] if path.is_file() else []
+        for file in read:
+            if os.path.samefile(file, out):  # the same file, however either is spelled
+                what = "the input" if file == path else f"{file}, a file of the input"
+                raise DataError(
+                    f"--out: {out} is {what} {source}, which writing there would replace "
+                    "(--force or not); choose another output file"
+                )
+    if not force:
+        raise DataError(f"--out: {out} exists (pass --force to overwrite)")
+
+
+def check_parquet_columns(records: list[dict], wheres: list[str], keep: tuple[str, ...]) -> None:
+    """Each kept column holds one Parquet type; else one line naming the column, the types
+    seen and the first row of the second type (Parquet has one type per column, JSONL not)."""
+    import pyarrow as pa
+
+    for name in keep:
+        key = name.replace(".", "_")
+        values = [r[key] for r in records]
+        try:
+            pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError) as exc:
+            first: dict[str, int] = {}
+            for i, value in enumerate(values):
+                if value is not None:
+                    first.setdefault(type(value).__name__, i)
+            seen = ", ".join(f"{t} (first at {wheres[i]})" for t, i in first.items())
+            if len(first) < 2:  # one Python type, mixed inside (nested fields): arrow's words
+                seen = f"{seen}: {(str(exc).splitlines() or [''])[0]}"
+            raise DataError(
+                f"--keep {name}: the column mixes types, which Parquet cannot hold: {seen}; "
+                "write .jsonl instead, or make the column one type"
+            ) from None
+
+
+def is_eval_split(split: str | None) -> bool:
+    """Whether `split` names held-out data (test, validation, dev), to be given as
+    data.val_files rather than data.train_files."""
+    return bool(split) and split.lower().startswith(("test", "val", "dev", "eval"))
+
+
 @dataclass
 class Summary:
     read: int = 0
@@ -368,6 +431,7 @@ def prepare(
 ) -> Summary:
     """Convert every row of `sources` and write `out`; DataError (one line) on a bad row."""
     records: list[dict[str, Any]] = []
+    wheres: list[str] = []  # where each record came from, for errors found after reading
     summary = Summary()
     for source in sources:
         for index, (where, row) in enumerate(iter_rows(source, split, hf_config)):
@@ -376,6 +440,7 @@ def prepare(
             summary.read += 1
             try:
                 records.append(convert_row(row, index, mapping))
+                wheres.append(where)
             except RowError as exc:
                 if not skip_invalid:
                     raise DataError(f"{where}: {exc} (--skip-invalid skips such rows)") from None
@@ -385,6 +450,8 @@ def prepare(
             break
     if not records:
         raise DataError(f"{', '.join(sources)}: no rows converted ({summary.read} read)")
+    if out.suffix.lower() in PARQUET_SUFFIXES:
+        check_parquet_columns(records, wheres, mapping.keep)
     write_records(records, out)
     summary.written = len(records)
     return summary
@@ -458,8 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.out.suffix.lower() not in JSONL_SUFFIXES + PARQUET_SUFFIXES:
             raise DataError(f"--out: {args.out} must end in .jsonl or .parquet")
-        if args.out.exists() and not args.force:
-            raise DataError(f"--out: {args.out} exists (pass --force to overwrite)")
+        check_out(args.out, args.inputs, args.split, args.force)
         if args.limit is not None and args.limit < 1:
             raise DataError("--limit: must be >= 1")
         mapping, reward = mapping_from_args(args)
@@ -479,10 +545,11 @@ def main(argv: list[str] | None = None) -> int:
         f", {summary.skipped} skipped (first: {summary.first_skip})" if summary.skipped else ""
     )
     print(f"wrote {summary.written} records to {args.out} ({summary.read} read{skipped})")
-    train = f"data.train_files=[{args.out}] data.apply_chat_template=true"
+    key, use = ("val_files", "validate") if is_eval_split(args.split) else ("train_files", "train")
+    hint = f"data.{key}=[{args.out}] data.apply_chat_template=true"
     if reward:
-        train += f" reward.type=rule reward.function={reward}"
-    print(f"train with: {train}")
+        hint += f" reward.type=rule reward.function={reward}"
+    print(f"{use} with: {hint}")
     return 0
 
 

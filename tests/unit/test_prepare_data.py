@@ -232,3 +232,111 @@ def test_module_entry_point(tmp_path):
         f"python -m rl_megatron.data.prepare: error: {bad}:1: no column 'answer' "
         "(columns: question); set --answer-column (--skip-invalid skips such rows)"
     ]
+
+
+def _one_line(err: str) -> str:
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    return lines[0].removeprefix("python -m rl_megatron.data.prepare: error: ")
+
+
+@pytest.mark.parametrize("spelling", ["same", "relative", "out_link", "in_link", "folder_file"])
+def test_out_that_is_read_is_refused_even_with_force(tmp_path, capsys, monkeypatch, spelling):
+    """The conversion would replace the dataset it reads: refused however the two are spelled."""
+    src = _jsonl(tmp_path / "data" / "main" / "train.jsonl", GSM8K_ROWS)
+    before = src.read_bytes()
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(src)
+    monkeypatch.chdir(tmp_path)
+    given, out, what = {
+        "same": (src, src, "the input"),
+        "relative": (src, Path("data/main/../main/train.jsonl"), "the input"),
+        "out_link": (src, link, "the input"),
+        "in_link": (link, src, "the input"),
+        "folder_file": (tmp_path / "data", Path("data/main/train.jsonl"),
+                        f"{src}, a file of the input"),
+    }[spelling]  # fmt: skip
+    code, stdout, err = _run(capsys, given, "--split", "train", "--preset", "gsm8k", "--out", out,
+                             "--force")  # fmt: skip
+    assert code == 2 and stdout == ""
+    assert _one_line(err) == (
+        f"--out: {out} is {what} {given}, which writing there would replace (--force or not); "
+        "choose another output file"
+    )
+    assert src.read_bytes() == before and link.is_symlink()
+    assert not list(tmp_path.rglob(".*.partial"))
+
+
+def test_out_in_input_folder_not_read_is_written(tmp_path, capsys):
+    """A file of the input folder outside the chosen split is not read: --force replaces it."""
+    train = _jsonl(tmp_path / "data" / "train.jsonl", GSM8K_ROWS)
+    other = _jsonl(tmp_path / "data" / "test.jsonl", [{"old": 1}])
+    code, _, err = _run(capsys, tmp_path / "data", "--split", "train", "--preset", "gsm8k",
+                        "--out", other, "--force")  # fmt: skip
+    assert code == 0, err
+    assert [r["answer"] for r in _read(other, "gsm8k")] == ["72", "1200"]
+    assert train.read_text() == "".join(json.dumps(r) + "\n" for r in GSM8K_ROWS)
+
+
+@pytest.mark.parametrize("force", [[], ["--force"]])
+def test_out_a_directory_is_one_line(tmp_path, capsys, force):
+    src = _jsonl(tmp_path / "g.jsonl", GSM8K_ROWS)
+    out = tmp_path / "out.jsonl"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    code, _, err = _run(capsys, src, "--preset", "gsm8k", "--out", out, *force)
+    assert code == 2
+    assert _one_line(err) == f"--out: {out} is a directory; give a .jsonl or .parquet file path"
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (
+        out / "keep.txt"
+    ).read_text() == "mine"
+    assert not list(tmp_path.glob(".*.partial"))
+
+
+def test_keep_of_mixed_types_is_refused_for_parquet_kept_in_jsonl(tmp_path, capsys):
+    rows = [
+        {**GSM8K_ROWS[0], "meta": {"level": 1}},
+        {**GSM8K_ROWS[1], "meta": {"level": 2}},
+        {**GSM8K_ROWS[0], "meta": {"level": None}},
+        {**GSM8K_ROWS[1], "meta": {"level": "hard"}},
+        {**GSM8K_ROWS[0], "meta": {"level": 2.5}},
+    ]
+    src = _jsonl(tmp_path / "g.jsonl", rows)
+    out = tmp_path / "o.parquet"
+    code, stdout, err = _run(capsys, src, "--preset", "gsm8k", "--keep", "meta.level", "--out", out)
+    assert code == 2 and stdout == ""
+    assert _one_line(err) == (
+        f"--keep meta.level: the column mixes types, which Parquet cannot hold: int (first at "
+        f"{src}:1), str (first at {src}:4), float (first at {src}:5); write .jsonl instead, "
+        "or make the column one type"
+    )
+    assert not out.exists() and not list(tmp_path.glob(".*.partial"))
+    # One numeric type after all (ints and floats, nulls): Parquet takes it as double.
+    src2 = _jsonl(tmp_path / "g2.jsonl", rows[:3] + rows[4:])
+    code, _, err = _run(capsys, src2, "--preset", "gsm8k", "--keep", "meta.level", "--out", out)
+    assert code == 0, err
+    assert pq.read_table(out).column("meta_level").to_pylist() == [1.0, 2.0, None, 2.5]
+    # JSONL holds each value as it is.
+    out = tmp_path / "o.jsonl"
+    code, _, err = _run(capsys, src, "--preset", "gsm8k", "--keep", "meta.level", "--out", out)
+    assert code == 0, err
+    kept = [json.loads(line)["meta_level"] for line in out.read_text().splitlines()]
+    assert kept == [1, 2, None, "hard", 2.5]
+
+
+@pytest.mark.parametrize(
+    ("split", "key", "use"),
+    [("test", "val_files", "validate"), ("validation", "val_files", "validate"),
+     ("train", "train_files", "train"), (None, "train_files", "train")],
+)  # fmt: skip
+def test_hint_names_val_files_for_a_held_out_split(tmp_path, capsys, split, key, use):
+    folder = tmp_path / "gsm8k" / "main"
+    _jsonl(folder / f"{split or 'all'}-00000.jsonl", GSM8K_ROWS)
+    out = tmp_path / "o.jsonl"
+    code, stdout, _ = _run(capsys, tmp_path / "gsm8k", *(["--split", split] if split else []),
+                           "--preset", "gsm8k", "--out", out)  # fmt: skip
+    assert code == 0
+    assert stdout.splitlines()[1] == (
+        f"{use} with: data.{key}=[{out}] data.apply_chat_template=true reward.type=rule "
+        "reward.function=gsm8k"
+    )
