@@ -6,6 +6,7 @@ the expected form scores 0.0; a sample whose reference is missing or unusable ra
 so that `scoring.score_batch` counts it as an error instead of hiding a data problem.
 
     gsm8k        the number after the last `####`, compared numerically with the reference's
+    gsm8k_flexible  the same, or the response's last number when it has no `####` answer
     boxed_math   the last `\\boxed{...}`, compared after LaTeX normalisation
     exact_match  stripped string equality
 """
@@ -22,9 +23,11 @@ __all__ = [
     "RULES",
     "RuleFn",
     "gsm8k",
+    "gsm8k_flexible",
     "boxed_math",
     "exact_match",
     "extract_gsm8k_answer",
+    "extract_last_number",
     "extract_boxed",
     "normalize_math_answer",
 ]
@@ -34,6 +37,9 @@ RuleFn = Callable[..., float]
 _NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 _PLAIN_NUMBER = re.compile(r"-?(?:\d+\.?\d*|\.\d+)")
 _THOUSANDS = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+# A number in running text: "1,234.5", "-3", "72" in "72." — not the "5" of "3-5" or "x5",
+# whose "-" is a dash and whose letter makes it a name.
+_NUMBER_IN_TEXT = re.compile(r"(?<![\w.])-?(?:\d{1,3}(?:,\d{3})+(?![\d,])|\d+)(?:\.\d+)?")
 
 
 def _reference(sample: Mapping[str, Any], answer_key: str) -> str:
@@ -80,6 +86,31 @@ def gsm8k(response: str, sample: Mapping[str, Any], answer_key: str = "answer") 
     if reference is None:
         raise ValueError(f"the reference {answer_key!r} holds no number")
     predicted = extract_gsm8k_answer(response)
+    if predicted is None:
+        return 0.0
+    return 1.0 if _same_number(predicted, reference) else 0.0
+
+
+def extract_last_number(text: str) -> str | None:
+    """The last number in `text` (thousands commas and `$` removed), or None when it has none."""
+    text = text.replace("\u2212", "-").replace("$", "")
+    numbers = _NUMBER_IN_TEXT.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def gsm8k_flexible(response: str, sample: Mapping[str, Any], answer_key: str = "answer") -> float:
+    """`gsm8k`, but a response without a number after `####` is judged by its last number.
+
+    For models that do not follow the preset's "#### answer" instruction, or ramble past
+    `rollout.max_response_length` before writing it: the answer they worked out still
+    counts (as in lm-evaluation-harness' "flexible-extract" of GSM8K).
+    """
+    reference = extract_gsm8k_answer(_reference(sample, answer_key), require_marker=False)
+    if reference is None:
+        raise ValueError(f"the reference {answer_key!r} holds no number")
+    predicted = extract_gsm8k_answer(response)
+    if predicted is None:
+        predicted = extract_last_number(response)
     if predicted is None:
         return 0.0
     return 1.0 if _same_number(predicted, reference) else 0.0
@@ -218,4 +249,5 @@ RULES: dict[str, RuleFn] = {
     "boxed_math": boxed_math,
     "exact_match": exact_match,
     "digit_echo": digit_echo,
+    "gsm8k_flexible": gsm8k_flexible,
 }

@@ -18,7 +18,9 @@ from rl_megatron.rewards.rules import (
     boxed_math,
     exact_match,
     extract_boxed,
+    extract_last_number,
     gsm8k,
+    gsm8k_flexible,
     normalize_math_answer,
 )
 from rl_megatron.rewards.scoring import score_batch
@@ -62,6 +64,58 @@ def test_gsm8k_unusable_reference_raises():
     with pytest.raises(ValueError, match="no 'answer' field"):
         gsm8k("#### 3", {"question": "?"})
     assert gsm8k("#### 3", {"answer": 3}) == 1.0  # numeric references (Parquet ints)
+
+
+@pytest.mark.parametrize(
+    ("response", "reference", "strict", "flexible"),
+    [
+        # a "####" answer decides for both, even when an earlier or later number differs
+        ("3 + 4 = 7 apples, plus 65 more\n#### 72", "#### 72", 1.0, 1.0),
+        ("#### 71\nso 72 in total", "72", 0.0, 0.0),
+        # no marker: only the flexible rule reads the last number
+        ("She sold 48 + 24 = 72 clips.", GSM8K_SOLUTION, 0.0, 1.0),
+        ("72 is wrong; recounting gives 71", "72", 0.0, 0.0),  # the last number, not any
+        ("The total is 1,234 dollars.", "1234", 0.0, 1.0),  # thousands separator
+        ("It costs $1,234.00.", "#### 1234", 0.0, 1.0),  # dollar, trailing zeros, full stop
+        ("The change in temperature is -5 degrees", "-5", 0.0, 1.0),
+        ("The change in temperature is \u22125", "-5", 0.0, 1.0),  # unicode minus
+        ("x = -3", "-3", 0.0, 1.0),
+        ("From pages 3-5", "-5", 0.0, 0.0),  # a dash between numbers is no sign
+        ("The average is 2.5", "2.5", 0.0, 1.0),
+        ("The average is 2.5", "2", 0.0, 0.0),
+        ("so 72 apples\n#### (not sure)", "72", 0.0, 1.0),  # a marker without a number
+        ("Step 2: the answer is 72", "72", 0.0, 1.0),
+        ("Let's think step by step. First, the", "72", 0.0, 0.0),  # cut off before a number
+        ("", "72", 0.0, 0.0),
+    ],
+)
+def test_gsm8k_flexible_reads_the_last_number_when_there_is_no_marked_answer(
+    response, reference, strict, flexible
+):
+    assert gsm8k(response, {"answer": reference}) == strict
+    assert gsm8k_flexible(response, {"answer": reference}) == flexible
+    assert get_reward_fn("gsm8k_flexible")(response, {"answer": reference}) == flexible
+
+
+@pytest.mark.parametrize(
+    ("text", "number"),
+    [
+        ("1,234,567 and 8", "8"),
+        ("1,234,567", "1234567"),
+        ("1,2", "2"),  # a list, not a thousands separator
+        ("version x5", None),  # part of a name
+        ("a.5", None),
+        ("3.14.", "3.14"),
+        ("no digits", None),
+    ],
+)
+def test_extract_last_number(text, number):
+    assert extract_last_number(text) == number
+
+
+def test_gsm8k_flexible_unusable_reference_raises():
+    with pytest.raises(ValueError, match="holds no number"):
+        gsm8k_flexible("72", {"answer": "#### none"})
 
 
 # --------------------------------------------------------------------------- boxed
