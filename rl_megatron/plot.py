@@ -10,8 +10,11 @@ one run; for several, each run's mean step as one stacked bar) and tokens/s per 
 A panel whose metric no run logged says so. `--extra KEY` adds a panel for any other key.
 
 A run folder or its `metrics.jsonl` may be given. A step logged twice (a run resumed from
-an earlier checkpoint) counts once, with its last values. Needs matplotlib
-(`pip install matplotlib`; `make test` installs it).
+an earlier checkpoint) counts once, with its last values. A line that cannot be read (not
+UTF-8, not JSON, no integer step) is skipped; non-finite values (NaN, ±inf) are not drawn;
+both are counted in one warning line per file. A last line without its newline is one being
+written and is left out silently. Needs matplotlib (`pip install matplotlib`; `make test`
+installs it); `--out`'s extension picks one of the formats it writes.
 """
 
 from __future__ import annotations
@@ -55,6 +58,19 @@ class PlotError(ValueError):
 class Run:
     name: str
     rows: list[dict[str, float]]  # one per step, in step order
+    skipped: int = 0  # lines of metrics.jsonl that could not be read
+    first_skipped: str = ""  # the first of them: "line n: why"
+    nonfinite: int = 0  # values NaN or ±inf in `rows` (kept, not drawn)
+
+    def warning(self) -> str:
+        """What was left out of the drawing, as one clause list ("" when nothing)."""
+        parts = []
+        if self.skipped:
+            parts.append(f"skipped {_count(self.skipped, 'bad line')} "
+                         f"(first: {self.first_skipped})")  # fmt: skip
+        if self.nonfinite:
+            parts.append(f"{_count(self.nonfinite, 'non-finite value')} not drawn")
+        return "; ".join(parts)
 
     def series(self, key: str, smooth: int = 1) -> tuple[list[int], list[float]]:
         """(steps, values) where the run logged `key` (finite values only), smoothed."""
@@ -77,37 +93,74 @@ def moving_average(values: list[float], window: int) -> list[float]:
 
 
 def load_run(path: str | Path) -> Run:
-    """A run folder (or its metrics.jsonl) as one row per step, values as floats."""
+    """A run folder (or its metrics.jsonl) as one row per step, values as floats; lines
+    that cannot be read are skipped and counted."""
     path = Path(path)
     folder = path.parent if path.name == "metrics.jsonl" else path
-    if not (folder / "metrics.jsonl").is_file():
+    file = folder / "metrics.jsonl"
+    if not file.is_file():
         raise PlotError(f"{path}: no metrics.jsonl (give a run folder, e.g. runs/tiny_cpu)")
     # Read here, not through utils.metrics (which imports torch): plotting needs no torch.
-    raw = []
-    lines = (folder / "metrics.jsonl").read_text().splitlines()
+    # Bytes, split by hand: one undecodable line must not cost the others.
+    lines = file.read_bytes().split(b"\n")
+    being_written = lines.pop()  # b"" when the file ends with its newline
+    run = Run(folder.name, [])
+    by_step: dict[int, dict[str, float]] = {}
     for lineno, line in enumerate(lines, 1):
         if not line.strip():
             continue
-        try:
-            raw.append(json.loads(line))
-        except ValueError as exc:
-            if lineno == len(lines):  # the last line of a run being written right now
-                break
-            raise PlotError(f"{folder / 'metrics.jsonl'}:{lineno}: not JSON ({exc})") from None
-    by_step: dict[int, dict[str, float]] = {}
-    for row in raw:
-        if "step" not in row:
+        parsed = _parse_line(line)
+        if isinstance(parsed, str):
+            run.skipped += 1
+            run.first_skipped = run.first_skipped or f"line {lineno}: {parsed}"
             continue
-        values = {}
-        for key, value in row.items():
-            try:
-                values[key] = float(value)  # non-finite values are written as "nan", "inf"
-            except (TypeError, ValueError):
-                continue
-        by_step[int(row["step"])] = values
+        by_step[parsed[0]] = parsed[1]
+    if being_written.strip():  # complete after all (a file written without a last newline)
+        parsed = _parse_line(being_written)
+        if not isinstance(parsed, str):
+            by_step[parsed[0]] = parsed[1]
     if not by_step:
-        raise PlotError(f"{folder / 'metrics.jsonl'}: no steps logged yet")
-    return Run(folder.name, [by_step[s] for s in sorted(by_step)])
+        what = f" ({run.warning()})" if run.skipped else ""
+        raise PlotError(f"{file}: no steps logged yet{what}")
+    run.rows = [by_step[s] for s in sorted(by_step)]
+    run.nonfinite = sum(not math.isfinite(v) for row in run.rows for v in row.values())
+    return run
+
+
+def _parse_line(line: bytes) -> tuple[int, dict[str, float]] | str:
+    """(step, {key: float}) of one metrics.jsonl line, or why it cannot be read."""
+    try:
+        row = json.loads(line.decode("utf-8"))
+    except UnicodeDecodeError:
+        return "not UTF-8"
+    except ValueError:
+        return "not JSON"
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    if "step" not in row:
+        return 'no "step"'
+    step = row["step"]
+    # Python's json reads Infinity and NaN; a float step must be a whole number.
+    if (
+        isinstance(step, bool)
+        or not isinstance(step, (int, float))
+        or not math.isfinite(step)
+        or step != int(step)
+    ):
+        return f'"step" is {json.dumps(step)[:40]}, not an integer'
+    values = {}
+    for key, value in row.items():
+        if isinstance(value, (int, float, str)):  # non-finite ones are written "nan", "inf"
+            try:
+                values[key] = float(value)
+            except ValueError:  # a text field: not a metric
+                continue
+    values["step"] = float(int(step))
+    return int(step), values
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def phase_keys(runs: list[Run]) -> list[str]:
@@ -125,13 +178,36 @@ def plot_runs(
     runs: list[Run], out: Path, smooth: int = 1, extra: tuple[str, ...] = (), title: str = ""
 ) -> Path:
     """Draw the panels for `runs` into `out` (PNG, or any format matplotlib knows by suffix)."""
+    check_format(out)
+    fig = build_figure(runs, smooth, extra, title)
     import matplotlib.pyplot as plt
 
-    fig = build_figure(runs, smooth, extra, title)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=90)
+    except OSError as exc:  # a directory in the way, no permission, disk full
+        raise PlotError(f"--out: {out}: cannot write ({exc.strerror or exc})") from None
+    except RuntimeError as exc:  # a format that needs a missing program (.pgf: xelatex)
+        first = (str(exc).splitlines() or [""])[0]
+        raise PlotError(f"--out: {out}: matplotlib cannot write it here ({first})") from None
+    finally:
+        plt.close(fig)
     return out
+
+
+def check_format(out: Path) -> None:
+    """Refuse an `--out` extension matplotlib cannot write (no extension: its default, PNG)."""
+    suffix = out.suffix.lower().removeprefix(".")
+    if not suffix:
+        return
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError:
+        raise PlotError("plotting needs matplotlib (pip install matplotlib)") from None
+    supported = sorted(FigureCanvasBase.get_supported_filetypes())
+    if suffix not in supported:
+        raise PlotError(f"--out: {out}: unknown image format .{suffix} (supported: "
+                        f"{', '.join('.' + s for s in supported)})")  # fmt: skip
 
 
 def build_figure(runs: list[Run], smooth: int = 1, extra: tuple[str, ...] = (), title: str = ""):
@@ -258,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.smooth < 1:
             raise PlotError("--smooth: must be >= 1")
+        out = args.out or Path(args.runs[0]) / "curves.png"
+        check_format(out)  # before reading the runs: a typo costs nothing
         runs = [load_run(path) for path in args.runs]
         names = [r.name for r in runs]
         for run, path in zip(runs, args.runs):
@@ -265,11 +343,15 @@ def main(argv: list[str] | None = None) -> int:
                 folder = Path(path)
                 folder = folder.parent if folder.name == "metrics.jsonl" else folder
                 run.name = f"{folder.parent.name}/{folder.name}"
-        out = args.out or Path(args.runs[0]) / "curves.png"
         plot_runs(runs, out, smooth=args.smooth, extra=tuple(args.extra), title=args.title)
     except PlotError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
+    for run, path in zip(runs, args.runs):
+        if run.warning():
+            folder = Path(path)
+            folder = folder.parent if folder.name == "metrics.jsonl" else folder
+            print(f"{PROG}: warning: {folder / 'metrics.jsonl'}: {run.warning()}", file=sys.stderr)
     steps = ", ".join(f"{r.name}: {len(r.rows)} steps" for r in runs)
     print(f"wrote {out} ({steps})")
     return 0

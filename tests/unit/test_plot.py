@@ -8,7 +8,7 @@ import sys
 import pytest
 from PIL import Image
 
-from rl_megatron.plot import PANELS, PlotError, build_figure, load_run, main, moving_average
+from rl_megatron.plot import PANELS, build_figure, load_run, main, moving_average
 from rl_megatron.utils.metrics import MetricsTracker
 
 
@@ -95,12 +95,124 @@ def test_cli_errors_are_one_line(tmp_path):
     ]
 
 
-def test_a_line_being_written_is_skipped_a_broken_one_is_named(tmp_path):
+def test_a_line_being_written_is_left_out_a_broken_one_is_counted(tmp_path):
     folder = _run_folder(tmp_path / "a", steps=3)
     metrics = folder / "metrics.jsonl"
     metrics.write_text(metrics.read_text() + '{"step": 4, "reward/me')
-    assert [r["step"] for r in load_run(folder).rows] == [1, 2, 3]
+    run = load_run(folder)
+    assert [r["step"] for r in run.rows] == [1, 2, 3] and run.skipped == 0
     lines = metrics.read_text().splitlines()
     metrics.write_text("\n".join([lines[0], "{oops", *lines[1:]]) + "\n")
-    with pytest.raises(PlotError, match=r"metrics.jsonl:2: not JSON"):
-        load_run(folder)
+    run = load_run(folder)
+    assert [r["step"] for r in run.rows] == [1, 2, 3]
+    assert (run.skipped, run.first_skipped) == (2, "line 2: not JSON")  # and the last, ended
+
+
+def _metrics(folder, *lines: bytes):
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_bytes(b"".join(line + b"\n" for line in lines))
+    return folder
+
+
+GOOD = [b'{"step": 1, "reward/mean": 0.5}', b'{"step": 3, "reward/mean": 0.7}']
+
+
+@pytest.mark.parametrize(
+    ("line", "why"),
+    [
+        (b'{"step": null, "reward/mean": 0.6}', '"step" is null, not an integer'),
+        (b'{"step": "x", "reward/mean": 0.6}', '"step" is "x", not an integer'),
+        (b'{"step": Infinity, "reward/mean": 0.6}', '"step" is Infinity, not an integer'),
+        (b'{"step": NaN, "reward/mean": 0.6}', '"step" is NaN, not an integer'),
+        (b'{"step": 1.5, "reward/mean": 0.6}', '"step" is 1.5, not an integer'),
+        (b'{"step": true, "reward/mean": 0.6}', '"step" is true, not an integer'),
+        (b'{"reward/mean": 0.6}', 'no "step"'),
+        (b"[2, 0.6]", "a JSON list, not an object"),
+        (b'{"step": 2, "reward/mean": 0.6\xff}', "not UTF-8"),
+        (b"\xff", "not UTF-8"),
+    ],
+)
+def test_bad_lines_are_skipped_and_counted(tmp_path, line, why):
+    folder = _metrics(tmp_path / "r", GOOD[0], line, line, GOOD[1])
+    run = load_run(folder)
+    assert [r["step"] for r in run.rows] == [1, 3]
+    assert [r["reward/mean"] for r in run.rows] == pytest.approx([0.5, 0.7])
+    assert (run.skipped, run.first_skipped, run.nonfinite) == (2, f"line 2: {why}", 0)
+
+
+def test_cli_warns_once_per_file_and_draws(tmp_path, capsys):
+    """As users see it: one warning line for the file, the plot written all the same."""
+    folder = _metrics(tmp_path / "r", GOOD[0], b'{"step": null}', b"\xff", b'{"step": 2, '
+                      b'"reward/mean": Infinity}', GOOD[1])  # fmt: skip
+    out = tmp_path / "c.png"
+    assert main([str(folder), "--out", str(out)]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == [
+        f"python -m rl_megatron.plot: warning: {folder / 'metrics.jsonl'}: skipped 2 bad lines "
+        '(first: line 2: "step" is null, not an integer); 1 non-finite value not drawn'
+    ]
+    assert captured.out == f"wrote {out} (r: 3 steps)\n" and out.stat().st_size > 10_000
+
+
+def test_non_finite_values_are_counted_not_drawn(tmp_path, capsys):
+    folder = _metrics(
+        tmp_path / "r",
+        b'{"step": 1, "reward/mean": Infinity, "actor/entropy": 2.0}',
+        b'{"step": 2, "reward/mean": 0.5, "actor/entropy": "nan"}',
+        b'{"step": 3, "reward/mean": 0.7, "actor/entropy": -Infinity}',
+        b'{"step": 4, "reward/mean": "-inf", "actor/entropy": 1.0}',
+    )
+    run = load_run(folder)
+    assert (run.skipped, run.nonfinite) == (0, 4)
+    fig = build_figure([run])
+    assert _lines(fig.axes[0])[0] == ([2, 3], pytest.approx([0.5, 0.7]))
+    assert _lines(fig.axes[2])[0] == ([1, 4], pytest.approx([2.0, 1.0]))
+    assert main([str(folder), "--out", str(tmp_path / "c.png")]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        f"python -m rl_megatron.plot: warning: {folder / 'metrics.jsonl'}: 4 non-finite values "
+        "not drawn"
+    ]
+
+
+def test_no_readable_step_is_one_line(tmp_path, capsys):
+    folder = _metrics(tmp_path / "r", b'{"step": null}', b"\xff\xfe")
+    assert main([str(folder), "--out", str(tmp_path / "c.png")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"python -m rl_megatron.plot: error: {folder / 'metrics.jsonl'}: no steps logged yet "
+        '(skipped 2 bad lines (first: line 1: "step" is null, not an integer))'
+    ]
+    assert not (tmp_path / "c.png").exists()
+
+
+def test_unknown_format_lists_the_supported_ones(tmp_path):
+    folder = _run_folder(tmp_path / "a", steps=2)
+    out = tmp_path / "c.xyz"
+    result = subprocess.run(
+        [sys.executable, "-m", "rl_megatron.plot", str(folder), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and result.stdout == ""
+    [line] = result.stderr.splitlines()
+    prefix = (
+        f"python -m rl_megatron.plot: error: --out: {out}: unknown image format .xyz (supported: "
+    )
+    assert line.startswith(prefix) and line.endswith(")")
+    listed = line.removeprefix(prefix)[:-1].split(", ")
+    assert {".png", ".pdf", ".svg", ".jpg"} <= set(listed) and ".xyz" not in listed
+    assert listed == sorted(listed)
+    assert not out.exists()
+    for fmt in (".svg", ".PDF"):  # listed ones are written (the extension's case aside)
+        assert main([str(folder), "--out", str(tmp_path / f"c{fmt}")]) == 0, fmt
+        assert (tmp_path / f"c{fmt}").stat().st_size > 1000
+
+
+def test_out_a_directory_is_one_line(tmp_path, capsys):
+    folder = _run_folder(tmp_path / "a", steps=2)
+    out = tmp_path / "pics.png"
+    out.mkdir()
+    assert main([str(folder), "--out", str(out)]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"python -m rl_megatron.plot: error: --out: {out}: cannot write (Is a directory)"
+    ]
