@@ -187,6 +187,7 @@ def test_the_worker_dies_with_the_trainer(tmp_path):
         )
     )
     owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    pid = None
     try:
         pid = int(owner.stdout.readline())
         time.sleep(0.3)
@@ -200,6 +201,8 @@ def test_the_worker_dies_with_the_trainer(tmp_path):
     finally:
         if owner.poll() is None:
             owner.kill()
+        if pid is not None and not _gone(pid):  # an orphan: the test failed, leave none
+            os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.parametrize(
