@@ -99,6 +99,18 @@ def read_meta(ckpt_dir: Path) -> dict:
     return meta
 
 
+def check_out_parent(out: Path) -> None:
+    """`out` can be created: its nearest existing ancestor is a writable directory (else
+    the partial directory's mkdir would fail with a traceback, after the inputs were read)."""
+    parent = out.absolute().parent
+    while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CheckpointError(f"--out: {out}: {parent} is not a directory")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"--out: {out}: {parent} is not writable")
+
+
 def raise_if_any(problem: str | None) -> None:
     """Collective: raise a CheckpointError on every rank if any rank has a problem."""
     import torch.distributed as dist
@@ -122,9 +134,12 @@ def run_cli(
 
     `preflight` checks the inputs without touching the output or other ranks: its errors
     are the same on every rank, so rank 0 alone reports them. An error in `convert` is
-    reported by the rank that hit it, with its rank. `cleanup` removes partial output.
-    Internal errors keep their traceback.
+    reported by the rank that hit it, with its rank. `cleanup` removes partial output,
+    after any failure of `convert`. Internal errors keep their traceback.
     """
+    from rl_megatron.utils.warning_filters import install
+
+    install()  # megatron-core's notices about our set-up (no apex) would surround the line
     rank, size = world()
     try:
         plan = preflight()
@@ -140,6 +155,10 @@ def run_cli(
         if rank == 0:
             cleanup()
         return 2
+    except BaseException:  # an internal error (its traceback follows) or ^C: no half output
+        if rank == 0:
+            cleanup()
+        raise
     finally:
         import torch.distributed as dist
 

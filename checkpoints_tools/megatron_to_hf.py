@@ -17,12 +17,15 @@ torchrun the shards are shared out among the processes, each writing its own fil
 Before anything is read, the checkpoint is checked against its manifest.json (every file
 there, none extra, sizes, then each file's CRC-32, the bytes shared out among the
 processes); `--no-verify` skips that (and accepts a checkpoint saved without a manifest).
-Its pickled index is read restricted either way (`rl_megatron/checkpoint/safe_metadata.py`).
+Its pickled index is read restricted either way (`rl_megatron/checkpoint/safe_metadata.py`),
+and common.pt weights-only, before any output exists.
 
 The result (shards + index, config.json, generation_config.json, tokenizer files) loads with
 `AutoModelForCausalLM.from_pretrained` (or *ForSequenceClassification for a reward model) and
 with vLLM. It is written into a hidden sibling directory, verified (tensor count, shapes,
 dtypes) and renamed only when complete; user errors print one line and exit with code 2.
+Any failure after it was created removes the hidden directory (an internal one keeps its
+traceback).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from rl_megatron.checkpoint.hf_loader import CheckpointError  # noqa: E402
 from rl_megatron.models.hf_config import load_hf_config  # noqa: E402
 
 PROG = "megatron_to_hf"
+COMMON_FILE = "common.pt"  # megatron-core's name for it (dist_checkpointing COMMON_STATE_FNAME)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -106,13 +110,17 @@ def preflight(args: argparse.Namespace):
     """Check the checkpoint's listing, sidecar and index against the name table; write
     nothing. Returns what `convert` takes, with the manifest's files (None: --no-verify)."""
     check_output_dir(args.out, args.force, src=args.ckpt)
+    common.check_out_parent(args.out)
+    if not 0 < args.max_shard_gb < float("inf"):  # NaN too
+        raise CheckpointError(f"--max-shard-gb: {args.max_shard_gb} is not a size > 0 (GB)")
     common.meta_path(args.ckpt)  # is it a checkpoint of ours at all?
     files = None
     if args.verify:
         files = integrity.read_manifest(args.ckpt)
         integrity.check_listing(args.ckpt, files)
-        # The sidecar and the index are read next: check their bytes first (small files).
-        small = {rel: files[rel] for rel in (common.META_FILE, ".metadata") if rel in files}
+        # The sidecar, the index and common.pt are read next: their bytes first (small files).
+        read_next = (common.META_FILE, ".metadata", COMMON_FILE)
+        small = {rel: files[rel] for rel in read_next if rel in files}
         problem = integrity.verify_share(args.ckpt, small)
         if problem:
             raise CheckpointError(problem)
@@ -122,7 +130,38 @@ def preflight(args: argparse.Namespace):
         raise CheckpointError(f"{args.ckpt}: no dist_checkpointing metadata.json")
     index = safe_metadata.read_metadata(args.ckpt)  # restricted: no code runs from it
     safe_metadata.check_index_files(args.ckpt, index)  # missing / truncated .distcp files
+    check_common_file(args.ckpt)
     return meta, info, _params(args.ckpt, info, meta, index), files
+
+
+def check_common_file(ckpt: Path) -> None:
+    """common.pt (megatron-core's unsharded state, read by every load) loads weights-only.
+
+    Read here, before any output exists: inside the collective loads its failure would be
+    each rank's traceback and a half-written export (`--no-verify` has no checksum for it).
+    """
+    path = ckpt / COMMON_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing (every dist_checkpointing save writes it)")
+    try:
+        with safe_metadata.restricted_loading():  # weights-only, as the loads below read it
+            torch.load(path, map_location="cpu")
+    except Exception as exc:  # garbage bytes, truncation, a refused global: many types
+        raise CheckpointError(
+            f"{path}: cannot be read as a weights-only torch file ({_load_failure(exc)})"
+        ) from None
+
+
+def _load_failure(exc: Exception) -> str:
+    """The reason in torch.load's failure, one sentence: the weights-only unpickler's own
+    (its message wraps it in paragraphs of advice), else the exception's first sentence."""
+    text = str(exc).strip()
+    if text.startswith("Weights only load failed"):
+        paragraphs = [p.strip() for p in text.split("\n\n") if p.strip()]
+        reasons = [p for p in paragraphs[1:] if not p.startswith("Check the documentation")]
+        return " ".join((reasons or ["refused"])[0].split())[:200]
+    first = " ".join(text.split(". ")[0].split())[:200]
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
 
 
 def _stored_tensors(index) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
