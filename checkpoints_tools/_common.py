@@ -25,12 +25,13 @@ import torch
 from rl_megatron.checkpoint.hf_loader import CheckpointError
 from rl_megatron.checkpoint.hf_mapping import MappingError
 from rl_megatron.models.hf_config import HFConfigError
+from rl_megatron.utils.disk_space import DiskFullError
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 META_FILE = "rl_megatron.json"
 HF_SUBDIR = "hf"
 FORMAT_VERSION = 1
-USER_ERRORS = (HFConfigError, CheckpointError, MappingError)
+USER_ERRORS = (HFConfigError, CheckpointError, MappingError, DiskFullError)
 
 
 def world() -> tuple[int, int]:

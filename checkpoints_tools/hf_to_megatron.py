@@ -67,6 +67,7 @@ from rl_megatron.models.hf_config import (  # noqa: E402
     load_hf_config,
 )
 from rl_megatron.parallel import MEGATRON_RANK_ORDER  # noqa: E402
+from rl_megatron.utils.disk_space import DiskFullError, is_disk_full, no_space_line
 
 PROG = "hf_to_megatron"
 
@@ -141,27 +142,45 @@ def convert(args: argparse.Namespace, info) -> None:
     padded = padded_vocab_size(info.vocab_size, args.make_vocab_size_divisible_by, args.tp)
     chunks, state = _meta_template(info, tp=tp, pp=pp, vpp=vpp, dtype=dtype, padded=padded)
 
-    tmp = partial_dir(args.out)
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    source = _Source(chunks, state, SafetensorsCheckpoint(args.hf_dir), info, padded)
-    strategy = _streaming_save(source, rank == 0)
-    dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
-    _verify(state, tmp)
-    per_rank: list = [None] * size  # each rank's files, hashed as they were written
-    dist.all_gather_object(per_rank, strategy.files)
-    if rank == 0:
-        written = {rel: entry for files in per_rank for rel, entry in files.items()}
-        written.update(_write_sidecar(args, info, tmp, dtype, padded))
-        integrity.write_manifest(tmp, integrity.complete_entries(tmp, written))
-        commit_output_dir(tmp, args.out)
-        print(
-            f"{PROG}: wrote {args.out} (tp={args.tp} pp={args.pp} vpp={args.vpp or 1}, "
-            f"{args.dtype}, padded vocab {padded}) in {time.time() - start:.1f} s"
-        )
-    dist.barrier()
+    try:
+        tmp = partial_dir(args.out)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        source = _Source(chunks, state, SafetensorsCheckpoint(args.hf_dir), info, padded)
+        strategy = _streaming_save(source, rank == 0)
+        dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
+        _verify(state, tmp)
+        per_rank: list = [None] * size  # each rank's files, hashed as they were written
+        dist.all_gather_object(per_rank, strategy.files)
+        if rank == 0:
+            written = {rel: entry for files in per_rank for rel, entry in files.items()}
+            written.update(_write_sidecar(args, info, tmp, dtype, padded))
+            integrity.write_manifest(tmp, integrity.complete_entries(tmp, written))
+            commit_output_dir(tmp, args.out)
+            print(
+                f"{PROG}: wrote {args.out} (tp={args.tp} pp={args.pp} vpp={args.vpp or 1}, "
+                f"{args.dtype}, padded vocab {padded}) in {time.time() - start:.1f} s"
+            )
+        dist.barrier()
+    except OSError as exc:  # a full disk: one line (run_cli removes the partial output)
+        if not is_disk_full(exc):
+            raise
+        raise DiskFullError(no_space_line(args.out, _state_bytes(state))) from None
+
+
+def _state_bytes(state: dict) -> int:
+    """What the checkpoint's tensors take: each key's global shape at its dtype, once."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    sizes = {
+        t.key: math.prod(t.global_shape) * t.dtype.itemsize
+        for t in nested_values(state)
+        if isinstance(t, ShardedTensor)
+    }
+    return sum(sizes.values())
 
 
 # ---------------------------------------------------------------- the model, on meta
@@ -417,6 +436,10 @@ def _streaming_save(source: _Source, progress: bool):
                 self.files = writer.files
             except common.USER_ERRORS as exc:
                 error, writer.results = exc, _wrap_exception(exc)
+            except OSError as exc:  # a full disk on this rank: agreed like a user error
+                if not is_disk_full(exc):
+                    raise
+                error, writer.results = exc, _wrap_exception(exc)  # convert's line
             try:  # gathers every rank's results; rank 0 writes the .metadata index
                 save_state_dict_async_finalize(*plan_result)
             except CheckpointException:

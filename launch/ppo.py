@@ -44,6 +44,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     from rl_megatron.models.hf_config import HFConfigError
     from rl_megatron.rewards.registry import RewardError
     from rl_megatron.trainer.optimizer_step import NonFiniteUpdateError
+    from rl_megatron.utils.disk_space import DiskFullError
 
     # NonFiniteUpdateError is no bad input, but it is one line too: every rank stops at
     # the same optimizer step, and the traceback would only show the optimizer's call.
@@ -54,6 +55,7 @@ def user_errors() -> tuple[type[Exception], ...]:
         RewardError,
         CheckpointError,
         NonFiniteUpdateError,
+        DiskFullError,  # a full disk: the run's own writes agree on it across ranks
     )
 
 
@@ -126,8 +128,12 @@ def _run(args: argparse.Namespace, config, layout: ParallelLayout, env, log) -> 
         else:
             generation = generation_layout_for(run.layout, config.rollout.tp)
         rows = gather_rank_table(run)
+        full = _start_run_dir(config, log) if env.rank == 0 else None
+        if _shared(full):  # every rank learns it: none waits in a later collective
+            if env.rank == 0:
+                print(f"error: {full}", file=sys.stderr, flush=True)
+            return 2
         if env.rank == 0:
-            save_resolved(config, config.run_dir)
             print(format_layout_table(rows, generation))
             t = run.layout
             print(
@@ -154,6 +160,38 @@ def _run(args: argparse.Namespace, config, layout: ParallelLayout, env, log) -> 
                 print(f"error: {exc}", file=sys.stderr, flush=True)
             return 2
     return 0
+
+
+def _start_run_dir(config, log) -> str | None:
+    """Rank 0, under the lock: remove what interrupted saves left (a run that died of a
+    full disk gets its space back first), then write config.resolved.yaml. Returns the
+    full-disk line, or None."""
+    from rl_megatron.trainer.checkpointing import remove_leftovers
+    from rl_megatron.utils.disk_space import is_disk_full, no_space_line
+
+    remove_leftovers(config.run_dir, log)
+    try:
+        save_resolved(config, config.run_dir)
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        import yaml
+
+        (config.run_dir / "config.resolved.tmp").unlink(missing_ok=True)
+        needed = len(yaml.safe_dump(to_dict(config), sort_keys=False).encode())
+        return no_space_line(config.run_dir / "config.resolved.yaml", needed)
+    return None
+
+
+def _shared(problem: str | None) -> str | None:
+    """Rank 0's `problem`, on every rank (one broadcast)."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return problem
+    box = [problem]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 if __name__ == "__main__":

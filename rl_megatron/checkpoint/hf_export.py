@@ -24,6 +24,7 @@ import math
 import os
 import shutil
 import struct
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,6 +41,7 @@ from rl_megatron.checkpoint.hf_loader import (
 )
 from rl_megatron.models.families import family
 from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.utils.disk_space import DiskFullError, disk_full_cause, no_space_line
 
 # Files next to the weights that a user expects to find in an HF model directory.
 HF_AUX_FILES = (
@@ -419,13 +421,21 @@ def prepare_output_dir(out_dir: str | Path, force: bool, src: str | Path | None 
 
 
 def commit_output_dir(tmp: Path, out_dir: str | Path) -> None:
-    """Replace `out_dir` by the finished `tmp` (the rename is atomic; the old dir goes first)."""
+    """Replace `out_dir` by the finished `tmp`: the old one is renamed aside, the new one
+    into place, then the old one deleted, so a kill at any moment leaves one complete
+    folder (the next run's start-up cleanup, `step_dirs.remove_leftovers`, puts an aside
+    copy back when a kill came between the two renames)."""
     out_dir = Path(out_dir)
-    if out_dir.is_dir():
-        shutil.rmtree(out_dir)
-    elif out_dir.exists():
-        out_dir.unlink()
+    aside = None
+    if out_dir.exists() or out_dir.is_symlink():
+        aside = out_dir.parent / f".{out_dir.name}.aside-{uuid.uuid4().hex[:12]}"
+        os.rename(out_dir, aside)
     os.replace(tmp, out_dir)
+    if aside is not None:
+        if aside.is_dir() and not aside.is_symlink():
+            shutil.rmtree(aside)
+        else:
+            aside.unlink()
 
 
 def save_hf_checkpoint(
@@ -455,7 +465,7 @@ def save_hf_checkpoint(
         progress: show a tensors-done bar on the writing rank.
     """
     plan = _schedule(model_chunks, info, head)
-    writer = bar = tmp = None
+    writer = bar = tmp = full = None
     if dist.get_rank() == 0:
         groups = [
             [
@@ -465,28 +475,55 @@ def save_hf_checkpoint(
             for key, _, dt in plan.order
         ]
         shards = plan_shards(groups, max_shard_bytes)
-        tmp = prepare_output_dir(out_dir, force, src=src_dir)
-        writer = SafetensorsShardWriter(tmp, shards)
+        try:
+            tmp = prepare_output_dir(out_dir, force, src=src_dir)
+        except OSError as exc:
+            if disk_full_cause(exc) is None:
+                raise
+            full = exc
+        else:
+            writer = SafetensorsShardWriter(tmp, shards)
         if progress:
             from tqdm import tqdm
 
             bar = tqdm(total=sum(len(g) for g in groups), desc="export", unit="tensor")
+    # A full disk on the writing rank must not leave the others in a collective: it stops
+    # writing but walks the schedule to its end, and then tells every rank.
     try:
         for name, tensor in _iter_scheduled(plan, info) if plan is not None else ():
-            writer.write(name, tensor.to(dtype or tensor.dtype))
+            if writer is not None and full is None:
+                try:
+                    writer.write(name, tensor.to(dtype or tensor.dtype))
+                except OSError as exc:
+                    if disk_full_cause(exc) is None:
+                        raise
+                    full = exc
             if bar is not None:
                 bar.update(1)
-        if writer is not None:
-            if bar is not None:
-                bar.close()
-            writer.close()
-            expected = hm.expected_hf_tensors([r for r in plan.rules if r.export], info)
-            finish_hf_dir(
-                tmp, shards, expected=expected, src_dir=Path(src_dir), info=info, head=head
-            )
-            commit_output_dir(tmp, out_dir)
+        if bar is not None:
+            bar.close()
+        if writer is not None and full is None:
+            try:
+                writer.close()
+                expected = hm.expected_hf_tensors([r for r in plan.rules if r.export], info)
+                finish_hf_dir(
+                    tmp, shards, expected=expected, src_dir=Path(src_dir), info=info, head=head
+                )
+                commit_output_dir(tmp, out_dir)
+            except OSError as exc:
+                if disk_full_cause(exc) is None:
+                    raise
+                full = exc
+        problem = None
+        if full is not None:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)  # the space back before the line is made
+            problem = no_space_line(out_dir, sum(s.nbytes for s in shards))
+        box = [problem]
+        dist.broadcast_object_list(box, src=0)  # also the barrier that ends the export
     except BaseException:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)  # nothing partial left behind
         raise
-    dist.barrier()
+    if box[0] is not None:
+        raise DiskFullError(box[0])

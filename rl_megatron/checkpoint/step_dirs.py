@@ -16,6 +16,11 @@ Names a directory may have under the checkpoint root:
                                 then its files, so a kill during the removal never leaves a
                                 complete-looking checkpoint with files missing.
 
+Start-up (`remove_leftovers`, before a run writes anything): `.tmp-` and `.del-` directories
+of an earlier run are deleted, a step's lone `.old-` copy is put back; the same for the HF
+export folders (`hf/.step_XXXXXXXX.partial`, `.aside-<token>`, `.deleting`: see
+`checkpoint/hf_export.py`'s `commit_output_dir`). A full disk then has its space back.
+
 Ordering: JSON files are written durably (a temporary file, fsync, rename); before the commit
 rename every directory of the `.tmp-` tree is fsynced, so the rename never exposes missing
 entries; after it, the parent directory is. CheckpointManager calls these on rank 0 only.
@@ -36,6 +41,10 @@ from rl_megatron.checkpoint import integrity
 STATE_FILE = "trainer_state.json"  # the completion marker: written last
 FINAL = re.compile(r"^step_(\d{8})(\.old-[0-9a-f]+)?$")
 PARTIAL = re.compile(r"^step_\d{8}\.(tmp|old|del)-[0-9a-f]+$")
+# What an interrupted HF export leaves beside `step_XXXXXXXX/` (hf_export.commit_output_dir):
+# the new folder being written, the old one moved aside, one being deleted, the staged source.
+HF_PARTIAL = re.compile(r"^\.step_\d{8}\.(partial|deleting)$|^\.source\.tmp$")
+HF_ASIDE = re.compile(r"^\.(step_\d{8})\.aside-[0-9a-f]+$")
 
 
 def complete(root: Path) -> list[tuple[int, Path]]:
@@ -64,6 +73,35 @@ def recover_replaced(root: Path) -> None:
     for step, path in complete(root):
         if path.name != f"step_{step:08d}":
             os.rename(path, root / f"step_{step:08d}")
+
+
+def remove_leftovers(checkpoints: Path, hf: Path) -> list[str]:
+    """Delete what interrupted saves and HF exports left (rank 0, before anything is written).
+
+    A step's `.old-` copy without its step directory, or an HF folder's `.aside-` copy
+    without its folder, is put back (a kill came between the two renames); everything else
+    partial goes. Returns a description of each change, for the log.
+    """
+    done = []
+    if checkpoints.is_dir():
+        recover_replaced(checkpoints)
+        for path in sorted(checkpoints.iterdir()):
+            if PARTIAL.match(path.name) and path.is_dir():
+                delete(path)
+                done.append(f"removed {path}")
+    if hf.is_dir():
+        for path in sorted(hf.iterdir()):
+            aside = HF_ASIDE.match(path.name)
+            if aside and not (hf / aside.group(1)).exists():
+                os.rename(path, hf / aside.group(1))
+                done.append(f"put back {hf / aside.group(1)} (from {path.name})")
+            elif aside or HF_PARTIAL.match(path.name):
+                if path.is_dir():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink()
+                done.append(f"removed {path}")
+    return done
 
 
 def commit(tmp: Path, final: Path) -> None:

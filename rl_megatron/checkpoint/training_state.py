@@ -116,6 +116,13 @@ from rl_megatron.checkpoint.state_checks import (
 )
 from rl_megatron.checkpoint.step_dirs import STATE_FILE
 from rl_megatron.config import DTYPE_NAMES
+from rl_megatron.utils.disk_space import (
+    DiskFullError,
+    free_bytes,
+    is_disk_full,
+    no_space_line,
+    tree_bytes,
+)
 
 HF_SUBDIR = "hf"  # checkpoints_tools/_common.py HF_SUBDIR
 RNG_DIR = "rng"
@@ -183,61 +190,149 @@ class CheckpointManager:
         if unknown:
             raise ValueError(f"sidecar for unknown role(s) {unknown}; roles: {sorted(roles)}")
         final = self.root / f"step_{step:08d}"
-        tmp = self._make_tmp(final)
-        files = {}  # the step level's manifest (rank 0): RNG files and each role's manifest
-        for name in sorted(roles):
-            with _on_device(roles[name]):
-                entry = self._save_role(tmp / name, roles[name], (sidecar or {}).get(name))
-            if entry is not None:
-                files[f"{name}/{MANIFEST_FILE}"] = entry
-        rng = save_rng(tmp / RNG_DIR, dist.get_rank(), rank_coordinates())
-        # Also the barrier before the commit: every rank has written all it writes.
-        for entries in self._gather(rng):
-            files.update((f"{RNG_DIR}/{rel}", entry) for rel, entry in entries.items())
-        if self._is_leader():
-            meta = {
-                "format_version": FORMAT_VERSION,
-                "step": step,
-                "layout": current_layout(roles),
-                "roles": {
-                    name: _role_meta(role, self.optimizer_sharding) for name, role in roles.items()
-                },
-                "trainer_state": json.loads(state_text),
-                "files": dict(sorted(files.items())),
-            }
-            step_dirs.write_json(tmp / STATE_FILE, integrity.seal(meta))
-            step_dirs.commit(tmp, final)
-            self._cleanup(keep=final)
-            log.info("checkpoint step %d: %s (%.1f s)", step, final, time.perf_counter() - started)
-        dist.barrier(group=self.group)
+        # A full disk on any rank (ENOSPC / EDQUOT) is agreed at the next collective: every
+        # rank raises the same DiskFullError, the `.tmp-` directory is removed and the
+        # previous checkpoint stays as it was (`_written`).
+        needed = self._expected_bytes(roles)
+        tmp = self._make_tmp(final, needed)
+        self._writing = (final, needed)  # what a full-disk line names (`_full_line`)
+        try:
+            files = {}  # the step level's manifest (rank 0): RNG files, each role's manifest
+            for name in sorted(roles):
+                with _on_device(roles[name]):
+                    entry = self._save_role(tmp / name, roles[name], (sidecar or {}).get(name))
+                if entry is not None:
+                    files[f"{name}/{MANIFEST_FILE}"] = entry
+            rng, full = _catch_full(
+                lambda: save_rng(tmp / RNG_DIR, dist.get_rank(), rank_coordinates())
+            )
+            # Also the barrier before the commit: every rank has written all it writes.
+            gathered = self._gather((rng, full and no_space_line(final, needed)))
+            self._written(next((line for _, line in gathered if line), None))
+            for entries, _ in gathered:
+                files.update((f"{RNG_DIR}/{rel}", entry) for rel, entry in entries.items())
+            full = None
+            if self._is_leader():
+                meta = {
+                    "format_version": FORMAT_VERSION,
+                    "step": step,
+                    "layout": current_layout(roles),
+                    "roles": {
+                        name: _role_meta(role, self.optimizer_sharding)
+                        for name, role in roles.items()
+                    },
+                    "trainer_state": json.loads(state_text),
+                    "files": dict(sorted(files.items())),
+                }
+                _, full = _catch_full(
+                    lambda: step_dirs.write_json(tmp / STATE_FILE, integrity.seal(meta))
+                )
+                if full is None:
+                    step_dirs.commit(tmp, final)
+                    self._cleanup(keep=final)
+                    log.info(
+                        "checkpoint step %d: %s (%.1f s)",
+                        step,
+                        final,
+                        time.perf_counter() - started,
+                    )
+            self._written(full and no_space_line(final, needed))  # the barrier after the commit
+        except DiskFullError:
+            if self._is_leader() and tmp.exists():
+                step_dirs.delete(tmp)
+            raise
         return final
 
-    def _make_tmp(self, final: Path) -> Path:
-        """Rank 0 creates the `.tmp-` directory this save writes into; all ranks learn it."""
-        box: list = [None]
+    def _expected_bytes(self, roles: Mapping[str, Any]) -> int:
+        """About what checkpoint `step` will take on disk (collective), for the full-disk line:
+        the newest complete checkpoint's size, or (the first save) each role's parameters
+        at their dtype plus, with an optimizer, 12 bytes each (fp32 master weights and two
+        Adam moments), counted once per model-parallel shard."""
+        from megatron.core import parallel_state as ps
+
+        local = 0
+        for role in roles.values():
+            params = [p for chunk in role.model for p in chunk.parameters()]
+            local += sum(p.numel() * p.element_size() for p in params)
+            if role.optimizer is not None:
+                local += 12 * sum(p.numel() for p in params)
+        replicas = ps.get_data_parallel_world_size(with_context_parallel=True)
+        estimate = sum(self._gather(local)) // max(replicas, 1)
+        previous = None
         if self._is_leader():
-            self.root.mkdir(parents=True, exist_ok=True)
-            step_dirs.recover_replaced(self.root)
-            box[0] = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:12]}")
-            (box[0] / RNG_DIR).mkdir(parents=True)
+            found = step_dirs.latest(self.root)
+            previous = tree_bytes(found) if found is not None else 0
+        return max(estimate, previous or 0)
+
+    def _full_line(self) -> str:
+        return no_space_line(*self._writing)
+
+    def _written(self, problem: str | None) -> None:
+        """Raise the first rank's full-disk line on every rank (a collective: it synchronises)."""
+        problems = self._gather(problem)
+        first = next((p for p in problems if p), None)
+        if first:
+            raise DiskFullError(first)
+
+    def _make_tmp(self, final: Path, needed: int) -> Path:
+        """Rank 0 creates the `.tmp-` directory this save writes into; all ranks learn it.
+
+        Refused (every rank) when the disk has less free space than the checkpoint needs:
+        nothing is written then, and no rank fails inside megatron-core's writer, some of
+        whose files only rank 0 writes (a failure there would leave the others waiting).
+        """
+        box: list = [None, None]
+        if self._is_leader():
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                step_dirs.recover_replaced(self.root)
+                free = free_bytes(self.root)
+                if free is not None and free < needed:
+                    box[1] = no_space_line(final, needed)
+                else:
+                    box[0] = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex[:12]}")
+                    (box[0] / RNG_DIR).mkdir(parents=True)
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise
+                box[1] = no_space_line(final, needed)
         dist.broadcast_object_list(box, src=self._leader_rank(), group=self.group)
+        if box[1]:
+            if self._is_leader() and box[0] is not None:
+                step_dirs.delete(box[0])
+            raise DiskFullError(box[1])
         return box[0]
 
     def _save_role(self, role_dir: Path, role: Any, sidecar: dict | None) -> dict | None:
         """One role as a dist_checkpointing directory (+ sidecar files and the manifest on
         rank 0); returns the manifest's own entry on rank 0, None elsewhere."""
-        if self._is_leader():
-            role_dir.mkdir()
-        dist.barrier(group=self.group)
+        _, full = _catch_full(role_dir.mkdir) if self._is_leader() else (None, None)
+        self._written(full and self._full_line())
         state = _sharded_state(role, self.optimizer_sharding, is_loading=False)
         strategy = InProcessSaveStrategy()  # hashes this rank's files as it writes them
-        dist_checkpointing.save(state, str(role_dir), sharded_strategy=strategy)
+        try:
+            dist_checkpointing.save(state, str(role_dir), sharded_strategy=strategy)
+        except CheckpointException as exc:
+            # megatron-core raises a writer's failure on every rank, its cause on rank 0
+            # only: a full disk anywhere is agreed; any other failure keeps its traceback.
+            full = is_disk_full(exc) and self._full_line()
+            problems = self._gather(full or None)
+            if not any(problems):
+                raise
+            self._written(next(p for p in problems if p))
         written = {rel: e for files in self._gather(strategy.files) for rel, e in files.items()}
-        if not self._is_leader():
-            return None
-        if sidecar is not None:
-            written.update(_write_sidecar(role_dir, sidecar))
-        return integrity.write_manifest(role_dir, integrity.complete_entries(role_dir, written))
+        entry = full = None
+        if self._is_leader():
+
+            def finish() -> dict:
+                written.update(_write_sidecar(role_dir, sidecar) if sidecar is not None else {})
+                return integrity.write_manifest(
+                    role_dir, integrity.complete_entries(role_dir, written)
+                )
+
+            entry, full = _catch_full(finish)
+        self._written(full and self._full_line())
+        return entry
 
     def _cleanup(self, keep: Path) -> None:
         """Delete leftovers of interrupted saves and complete checkpoints past `keep_last`."""
@@ -391,6 +486,16 @@ class CheckpointManager:
 
     def _leader_rank(self) -> int:
         return 0 if self.group is None else dist.get_global_rank(self.group, 0)
+
+
+def _catch_full(write: Any) -> tuple[Any, OSError | None]:
+    """`(write(), None)`, or `(None, the error)` when the disk is full; other errors raise."""
+    try:
+        return write(), None
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        return None, exc
 
 
 def _first_line(exc: BaseException) -> str:

@@ -58,6 +58,7 @@ from rl_megatron.data.datasets import (
     validate_prompt,
 )
 from rl_megatron.rewards.rules import extract_boxed, extract_gsm8k_answer
+from rl_megatron.utils.disk_space import DiskFullError, is_disk_full, no_space_line
 
 PROG = "python -m rl_megatron.data.prepare"
 JSON_SUFFIXES = (".json",)
@@ -352,6 +353,13 @@ def write_records(records: list[dict[str, Any]], out: Path) -> None:
                 for record in records:
                     f.write(json.dumps(record, ensure_ascii=False) + "\n")
         os.replace(tmp, out)
+    except OSError as exc:
+        if not is_disk_full(exc):
+            raise
+        # What the records take as JSONL: exact for .jsonl, about it for .parquet.
+        needed = sum(len(json.dumps(r, ensure_ascii=False).encode()) + 1 for r in records)
+        tmp.unlink(missing_ok=True)  # the space back before the line is made
+        raise DiskFullError(no_space_line(out, needed)) from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -538,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
             skip_invalid=args.skip_invalid,
             limit=args.limit,
         )
-    except DataError as exc:
+    except (DataError, DiskFullError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     skipped = (

@@ -102,6 +102,16 @@ class RunCheckpoints:
         return step
 
 
+def remove_leftovers(run_dir: Path, logger: logging.Logger) -> None:
+    """Delete what interrupted saves and HF exports of an earlier run left in `run_dir`
+    (rank 0, under the run-directory lock, before anything else is written there): a run
+    that died of a full disk gets its space back, and the last complete checkpoint stays."""
+    from rl_megatron.checkpoint.step_dirs import remove_leftovers as remove
+
+    for change in remove(run_dir / "checkpoints", run_dir / "hf"):
+        logger.info("start-up: %s (left by an interrupted save)", change)
+
+
 def sidecar(config: Config, info: HFModelInfo, head: str) -> dict:
     """A role's `rl_megatron.json`, so `megatron_to_hf.py` can export its checkpoint.
 

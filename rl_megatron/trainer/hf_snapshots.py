@@ -29,10 +29,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from rl_megatron.checkpoint.hf_export import save_hf_checkpoint
 from rl_megatron.config import Config
 from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.utils.disk_space import DiskFullError, is_disk_full, no_space_line, tree_bytes
 
 SOURCE_DIR = ".source"
 STEP_DIR = re.compile(r"^step_(\d{8})$")
@@ -53,8 +55,23 @@ class HFSnapshots:
         self.source = self.root / SOURCE_DIR
         self.info, self.rank = info, rank
         self.keep_last = config.checkpoint.keep_last
+        problem = None
         if rank == 0:
-            stage_source(self.source, config, tokenizer)
+            try:
+                stage_source(self.source, config, tokenizer)
+            except OSError as exc:
+                if not is_disk_full(exc):
+                    raise
+                tmp = self.source.parent / f"{SOURCE_DIR}.tmp"
+                written = tree_bytes(tmp)  # what it got to: the least it needs
+                shutil.rmtree(tmp, ignore_errors=True)
+                problem = no_space_line(self.source, written)
+        if dist.is_initialized():  # every rank learns a full disk (none waits in a collective)
+            box = [problem]
+            dist.broadcast_object_list(box, src=0)
+            problem = box[0]
+        if problem:
+            raise DiskFullError(problem)
 
     def save(
         self, model_chunks: list[torch.nn.Module], step: int, log: logging.Logger | None = None
@@ -69,6 +86,27 @@ class HFSnapshots:
             if log is not None:
                 log.info("hf export step %d: %s (%.1f s)", step, out, time.perf_counter() - started)
         return out
+
+    def redo_missing(
+        self, model_chunks: list[torch.nn.Module], step: int, log: logging.Logger
+    ) -> Path | None:
+        """Export `step` again if its folder is missing (collective; right after resume).
+
+        A kill during the export that follows a checkpoint leaves that checkpoint without
+        its HF folder (the start-up cleanup has removed the `.partial`); the weights just
+        restored from that checkpoint are the ones the export would have written, so the
+        export is redone. Returns the folder, or None when it was complete.
+        """
+        out = self.root / f"step_{step:08d}"
+        box = [(out / "config.json").is_file() if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0]:
+            return None
+        if self.rank == 0:
+            log.warning(
+                "hf export of step %d did not complete (no %s): exporting it again", step, out
+            )
+        return self.save(model_chunks, step, log)
 
 
 def stage_source(directory: Path, config: Config, tokenizer: Any) -> None:

@@ -595,6 +595,9 @@ class PPOTrainer:
         step = self.checkpoints.resume(self.log)
         if step is not None:
             self.step, self.resumed = step, True
+            if self.hf_snapshots is not None:  # an export a kill interrupted: redone
+                with self.roles.actor.on_device():
+                    self.hf_snapshots.redo_missing(self.roles.actor.model, step, self.log)
 
     # -------------------------------------------------------------------- misc
 
