@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import math
 import os
 import re
 import shutil
@@ -75,11 +76,14 @@ def free_bytes(path: str | os.PathLike) -> int | None:
 
 
 def gigabytes(n: int | None) -> str:
-    """`n` bytes in decimal GB: two decimals, or six below 0.01 GB (small test files)."""
+    """`n` bytes in decimal GB: two decimals, or two significant digits below 0.01 GB (a
+    small file is not "0.00 GB")."""
     if n is None:
         return "?"
     x = n / 1e9
-    return f"{x:.2f}" if x >= 0.01 or n == 0 else f"{x:.6f}"
+    if n == 0 or x >= 0.01:
+        return f"{x:.2f}"
+    return f"{x:.{1 - math.floor(math.log10(x))}f}"
 
 
 def no_space_line(path: str | os.PathLike, needed: int | None) -> str:
