@@ -397,15 +397,22 @@ def _streaming_save(source: _Source, progress: bool):
 
                 bar = tqdm(total=len(tensors), desc="convert", unit="tensor")
             name = f"{self.prefix}0{DEFAULT_SUFFIX}"
-            with integrity.open_hashed(os.path.join(self.checkpoint_dir, name)) as stream:
-                for item in objects + tensors:
-                    data = planner.resolve_data(item)
-                    self.results.append(_write_item(*transforms, stream, data, item, name, **extra))
-                    del data
-                    if bar is not None and item.type != WriteItemType.BYTE_IO:
-                        bar.update(1)
-                stream.flush()
-                os.fsync(stream.fileno())
+            try:
+                with integrity.open_hashed(os.path.join(self.checkpoint_dir, name)) as stream:
+                    for item in objects + tensors:
+                        data = planner.resolve_data(item)
+                        result = _write_item(*transforms, stream, data, item, name, **extra)
+                        self.results.append(result)
+                        del data
+                        if bar is not None and item.type != WriteItemType.BYTE_IO:
+                            bar.update(1)
+                    stream.flush()
+                    os.fsync(stream.fileno())
+            except BaseException:
+                if bar is not None:  # its line cleared: the error line stands alone
+                    bar.leave = False
+                    bar.close()
+                raise
             self.files[name] = stream.entry()
             if bar is not None:
                 bar.close()
