@@ -631,6 +631,11 @@ def check_trainer_against_reference(
                 compare(s, result, replicas, metrics, grads, after, critic)
                 if trainer.config.algorithm.dynamic_sampling.enable:
                     check_dynamic_sampling(trainer.config, rows, metrics)
+                if s.policy_loss == "vanilla" and any("clip_ratio_c=" in e for e in case):
+                    # A case that sets the dual clip's bound must reach it: below it the
+                    # bound changes nothing and the comparison cannot tell it was applied.
+                    dual = metrics["actor/pg_clipfrac_dual"]
+                    assert dual > 0, f"no ratio reached actor.clip_ratio_c ({dual=})"
             except AssertionError as exc:
                 raise AssertionError(
                     f"case {list(case)} at layout {config.parallel}: {exc}"
