@@ -44,7 +44,16 @@ written, rank 0 writes `trainer_state.json` and renames the directory into place
 at any moment leaves the previous checkpoint untouched and `latest()` on it; `.tmp-`
 directories are never returned and the next successful save deletes them. Re-saving an
 existing step moves the old copy to `step_...old-<token>` first (`latest()` falls back to
-it if a kill lands between the two renames), then deletes it.
+it if a kill lands between the two renames), then deletes it. The trainer removes an
+earlier run's leftovers at start-up (`step_dirs.remove_leftovers`).
+
+A full disk (ENOSPC / EDQUOT). Refused before anything is written when the disk has less
+free space than the newest complete checkpoint took (or, the first time, the parameters plus
+Adam's state); a write that still fails on any rank is agreed at the next collective, the
+`.tmp-` directory deleted and `DiskFullError` (`utils/disk_space.py`: one line naming the
+checkpoint, the bytes needed and free) raised on every rank. Known gap: megatron-core writes
+a few small files on rank 0 alone (common.pt, .metadata, metadata.json); ENOSPC there leaves
+the other ranks in its collective (the free-space check makes it unlikely).
 
 Resuming. At the same layout (world size, TP, PP, VPP, DP, CP, EP, ETP, sequence
 parallelism, rank order: the `layout` record, `state_checks.py`) and `model.dtype` (each

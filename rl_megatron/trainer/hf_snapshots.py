@@ -8,7 +8,10 @@ Each save writes `<run>/hf/step_XXXXXXXX/` (config.json, tokenizer files, safete
 runs: every tensor verified, written into a hidden sibling and renamed into place, so a
 kill leaves the previous folders as they were. The trainer saves one next to every
 training checkpoint (interval, end of run, SIGTERM); like those, only the newest
-`checkpoint.keep_last` are kept.
+`checkpoint.keep_last` are kept. Re-exporting a step renames the old folder aside first and
+deletes it only after the new one is in place. A resumed run exports its step again when a
+kill interrupted that export (`redo_missing`: the restored weights are the exported ones);
+a full disk is one `DiskFullError` line on every rank, the partial folder removed.
 
 What the folder carries besides the weights is staged once, by rank 0, in
 `<run>/hf/.source/`: the model's config.json and generation_config.json (`model.hf_path`'s,
