@@ -8,7 +8,9 @@ routers, and the last token's is dropped (vLLM never forwards it).
 
 * `test_replay_makes_top_k_sets_agree` (1 rank): B's forward of each row, its routers
   observed by the same hooks (not by the replay code): with A's routing replayed the top-k
-  sets equal A's on every recorded (token, layer); without it, they differ on some.
+  sets equal A's on every recorded (token, layer); without it, they differ on some. The
+  gate weights the routers hand on are B's own softmax scores at the replayed experts,
+  computed here from the routers' logits (`_expected_gates`), not through the replay code.
 * `test_megatron_engine_records_the_routing` (1 rank): the Megatron engine with
   `record_routing` (greedy, n=2, a stop token that ends rows at different steps, three
   decode batches of different prompt widths, one rejected prompt) returns, for every row,
@@ -24,6 +26,10 @@ routers, and the last token's is dropped (vLLM never forwards it).
   and, with `router_replay` off, the log-probs of B's own routing and a
   `routing_mismatch_frac` equal to the hooks' count (within one (token, layer) pair: a
   near-tie may flip between layouts). One training step with replay runs at each layout.
+  First, sequence parallelism (`_check_replay_under_sp`): at the router level only, since
+  a whole MoE model cannot run SP on CPU (the local spec's torch norms refuse it); what
+  that leaves untested is megatron-core's SP token layout inside a real MoE layer (that
+  its router sees this TP rank's consecutive `s / tp` columns), which DESIGN.md states.
 """
 
 from __future__ import annotations
@@ -68,16 +74,21 @@ class _Observer:
 
         self.sets: dict[int, torch.Tensor] = {}
         self.gaps: dict[int, float] = {}  # smallest lead of a chosen expert's logit
+        self.gates: dict[int, torch.Tensor] = {}  # [tokens, experts]: the router's probs
+        self.logits: dict[int, torch.Tensor] = {}  # [tokens, experts]: its gate's logits
+        self.config = None
         self.handles = [
             router.register_forward_hook(self._hook(layer)) for layer, router in moe_routers(model)
         ]
 
     def _hook(self, layer):
         def hook(module, args, output):
-            _, routing_map = output  # [tokens, experts] bool
+            probs, routing_map = output  # [tokens, experts] float, bool
             idx = routing_map.nonzero()[:, 1].view(routing_map.shape[0], -1)
             self.sets[layer] = idx.sort(dim=-1).values
             logits = module.gating(args[0]).reshape(routing_map.shape).float()
+            self.gates[layer], self.logits[layer] = probs.float(), logits
+            self.config = module.config
             top = logits.topk(idx.shape[1] + 1, dim=-1).values
             self.gaps[layer] = float((top[:, -2] - top[:, -1]).min())
 
@@ -86,6 +97,27 @@ class _Observer:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+
+
+def _expected_gates(config, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """The gate weights `[tokens, experts]` a softmax top-k router gives tokens routed to
+    `experts` (`[tokens, k]`), from its logits, written from the formula: the softmax of
+    the chosen experts' logits (pre-softmax off: Qwen3-MoE's norm_topk_prob), or the
+    chosen experts' share of the softmax over all experts; 0 for the experts not chosen."""
+    assert config.moe_router_score_function == "softmax", config.moe_router_score_function
+    assert not config.moe_router_topk_scaling_factor
+    if config.moe_router_pre_softmax:
+        chosen = torch.softmax(logits, dim=-1).gather(1, experts)
+    else:
+        chosen = torch.softmax(logits.gather(1, experts), dim=-1)
+    return torch.zeros_like(logits).scatter(1, experts, chosen)
+
+
+def _replayed_experts(routing: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """The experts replay routes to (`[tokens, k]`): the recorded ones, the router's own
+    top-k where the routing is -1."""
+    own = logits.topk(routing.shape[-1], dim=-1).indices
+    return torch.where((routing >= 0).all(-1, keepdim=True), routing.long(), own)
 
 
 def _init(pp=1, ep=1):
@@ -99,9 +131,10 @@ def _init(pp=1, ep=1):
     model_parallel_cuda_manual_seed(0)
 
 
-def _row_forward(model, tokens, routing=None):
+def _row_forward(model, tokens, routing=None, observed=None):
     """One unpadded row through a whole model (pp = 1): its routing `[s, L, k]` as the
-    hooks saw it and its next-token log-probs `[s - 1]`; `routing` replayed if given."""
+    hooks saw it and its next-token log-probs `[s - 1]`; `routing` replayed if given.
+    observed: a list the hooks' `_Observer` is appended to."""
     import contextlib
 
     from rl_megatron.models.router_replay import replay_routing
@@ -113,6 +146,8 @@ def _row_forward(model, tokens, routing=None):
     with torch.no_grad(), replay or contextlib.nullcontext():
         logits = model(ids, pos, None).float()
     obs.remove()
+    if observed is not None:
+        observed.append(obs)
     seen = torch.stack([obs.sets[layer] for layer in range(LAYERS)], dim=1)
     log_probs = torch.log_softmax(logits[0, :-1, :V], -1)  # the vocabulary without padding
     log_probs = log_probs.gather(-1, ids[0, 1:, None])[:, 0]
@@ -138,10 +173,19 @@ def _agree_body(rank: int, world_size: int, root) -> None:
         recorded = rollout[i]
         routing = torch.cat([recorded, torch.full((1, LAYERS, TOPK), -1)])  # last: own choice
         own, _ = _row_forward(model_b, p + r)
-        replayed, _ = _row_forward(model_b, p + r, routing)
+        observed = []
+        replayed, _ = _row_forward(model_b, p + r, routing, observed)
         n = len(recorded)
         assert torch.equal(replayed[:n], recorded), f"row {i}: replayed routing differs"
         differ += int((own[:n] != recorded).any(-1).sum())
+        # The gate weights: B's router's own scores at the replayed experts (the recorded
+        # ones; its own top-k on the last token), from its logits in this forward.
+        obs = observed[0]
+        for layer in range(LAYERS):
+            experts = _replayed_experts(routing[:, layer], obs.logits[layer])
+            want = _expected_gates(obs.config, obs.logits[layer], experts)
+            err = (obs.gates[layer] - want).abs().max().item()
+            assert err < 1e-6, f"row {i} layer {layer}: gate weights off by {err:.2e}"
     assert differ > 0, "B's own routing equals A's: the test shows nothing"
 
 
@@ -234,6 +278,7 @@ def _role_body(rank: int, world_size: int, root) -> None:
     from rl_megatron.trainer.experience import training_batch
     from rl_megatron.trainer.roles import MegatronRole
 
+    _check_replay_under_sp(root, rank, world_size)
     _init()
     rollout = _rollout_routing(root)
     replayed, own, frac, one_pair = _references(root, rollout)
@@ -272,6 +317,59 @@ def _role_body(rank: int, world_size: int, root) -> None:
             lambda out, mb, totals: ((-out["log_prob"] * mb["response_mask"]).sum() / 64, {}),
         )
         assert metrics["update_successful"] == 1.0, f"{where}: {metrics}"
+
+
+def _check_replay_under_sp(root, rank: int, world_size: int) -> None:
+    """Sequence parallelism over a TP group of every rank, at the router: each rank's
+    router sees its `s / tp` consecutive columns of a `[s, b, h]` input and, through
+    `trainer/routing.around_forward` (which takes the rank from the TP group), replays those
+    columns' recorded experts with its own scores at them, and counts their mismatches.
+    A whole model cannot run SP on CPU (the local spec's torch norms refuse it), so this is
+    the router of B's first layer called directly on each rank's part of the sequence."""
+    from rl_megatron.checkpoint.hf_builders import build_actor
+    from rl_megatron.models.router_replay import RoutingStats, moe_routers
+    from rl_megatron.trainer.routing import around_forward
+
+    _init()
+    model = build_actor(root / "b", tp=1, pp=1, dtype=torch.float32)[0].eval()
+    (layer, router), *_ = moe_routers(model)
+    tp = torch.distributed.new_group(list(range(world_size)))
+    b, width, hidden, experts = 2, 3, router.config.hidden_size, router.config.num_moe_experts
+    s = width * world_size
+    gen = torch.Generator().manual_seed(5)  # the same input and routing on every rank
+    x = torch.randn(s, b, hidden, generator=gen)  # sequence-first, as routers see it
+    routing = torch.rand(b, s, LAYERS, experts, generator=gen).argsort(-1)[..., :TOPK]
+    routing[0, 1] = -1  # the router's own choice on a token of each rank's columns
+    routing[1, s - 1] = -1
+    mine = x[rank * width : (rank + 1) * width]
+    stats = RoutingStats()
+    with (
+        torch.no_grad(),
+        around_forward(
+            model,
+            {"routed_experts": routing},
+            replay=True,
+            compare=True,
+            stats=stats,
+            tp=tp,
+            sequence_parallel=True,
+            role="actor",
+        ),
+    ):
+        gates, routing_map = router(mine)
+    # Token (row i, column j) of this rank's columns is number (j - first column)·b + i.
+    recorded = routing[:, rank * width : (rank + 1) * width, layer].transpose(0, 1)
+    recorded = recorded.reshape(-1, TOPK)
+    logits = torch.nn.functional.linear(mine, router.weight, router.bias).reshape(-1, experts)
+    want = _replayed_experts(recorded, logits)
+    got = routing_map.nonzero()[:, 1].view(-1, TOPK)
+    assert torch.equal(got, want.sort(-1).values), f"rank {rank}: SP replay routed {got}"
+    err = (gates.float() - _expected_gates(router.config, logits, want)).abs().max().item()
+    assert err < 1e-6, f"rank {rank}: SP gate weights off by {err:.2e}"
+    known = (recorded >= 0).all(-1)
+    own = logits.topk(TOPK, dim=-1).indices.sort(-1).values
+    differ = (own != recorded.sort(-1).values).any(-1) & known
+    assert (int(stats.recorded), int(stats.mismatched)) == (int(known.sum()), int(differ.sum()))
 
 
 @pytest.mark.slow
