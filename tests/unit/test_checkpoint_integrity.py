@@ -177,6 +177,141 @@ def test_torch_load_is_weights_only_inside_restricted_loading(tmp_path):
     assert not marker.exists()
 
 
+def _crafted(module: str, name: str, *args, stack: bool = False) -> bytes:
+    """A pickle that calls `module.name(*args)`, written opcode by opcode as an attacker
+    would (any module and name, not only an importable object's own): GLOBAL (protocol 2)
+    or STACK_GLOBAL (protocol 4), the arguments' tuple, REDUCE."""
+    packed = pickle.dumps(args, protocol=4 if stack else 2)[2:-1]  # no PROTO, no STOP
+    if not stack:
+        return b"\x80\x02c" + f"{module}\n{name}\n".encode() + packed + b"R."
+    packed = packed[9:] if packed[:1] == b"\x95" else packed  # no FRAME
+    strings = b"".join(b"\x8c" + bytes([len(t)]) + t.encode() for t in (module, name))
+    return b"\x80\x04" + strings + b"\x93" + packed + b"R."
+
+
+# Callables the format never needs, with arguments that would leave `{marker}` behind (or
+# fail loudly) if the call ran: code execution, processes, files, torch's own loaders and
+# savers, torch internals, the pickle machinery itself.
+_REFUSED = [
+    ("posix", "system", ("touch {marker}",)),
+    ("os", "system", ("touch {marker}",)),
+    ("subprocess", "Popen", (["touch", "{marker}"],)),
+    ("subprocess", "check_call", (["touch", "{marker}"],)),
+    ("builtins", "eval", ("open({marker!r}, 'w').close()",)),
+    ("builtins", "exec", ("open({marker!r}, 'w').close()",)),
+    (
+        "builtins",
+        "getattr",
+        (
+            "{marker}",
+            "upper",
+        ),
+    ),
+    ("builtins", "__import__", ("os",)),
+    (
+        "builtins",
+        "open",
+        (
+            "{marker}",
+            "w",
+        ),
+    ),
+    ("torch", "load", ("{marker}",)),
+    (
+        "torch",
+        "save",
+        (
+            [],
+            "{marker}",
+        ),
+    ),
+    ("torch.serialization", "load", ("{marker}",)),
+    (
+        "torch.serialization",
+        "save",
+        (
+            [],
+            "{marker}",
+        ),
+    ),
+    (
+        "torch.hub",
+        "load",
+        (
+            "owner/repo",
+            "model",
+        ),
+    ),
+    (
+        "torch.hub",
+        "download_url_to_file",
+        (
+            "file:///dev/null",
+            "{marker}",
+        ),
+    ),
+    ("torch", "set_default_dtype", ("{marker}",)),
+    ("torch._C", "_set_grad_enabled", (False,)),
+    ("torch._utils", "_rebuild_tensor_v2", ("{marker}",)),
+    ("torch", "dtype", ("{marker}",)),
+    ("pickle", "loads", (b".",)),
+    ("copyreg", "_reconstructor", ("{marker}",)),
+    ("functools", "partial", ("{marker}",)),
+    ("pathlib", "Path", ("{marker}",)),
+    ("shutil", "rmtree", ("{marker}",)),
+]
+
+
+def _args(args, marker: Path):
+    def fill(a):
+        if isinstance(a, str):
+            return a.format(marker=str(marker))
+        return [fill(x) for x in a] if isinstance(a, list) else a
+
+    return [fill(a) for a in args]
+
+
+def test_crafted_pickles_would_run_unrestricted(tmp_path):
+    """The crafting is sound: a plain unpickler runs what `_crafted` writes."""
+    for stack in (False, True):
+        marker = tmp_path / f"pwned{stack}"
+        pickle.loads(_crafted("torch", "save", [], str(marker), stack=stack))
+        assert marker.exists()
+
+
+@pytest.mark.parametrize("stack", [False, True], ids=["GLOBAL", "STACK_GLOBAL"])
+@pytest.mark.parametrize("module, name, args", _REFUSED, ids=[f"{m}.{n}" for m, n, *_ in _REFUSED])
+def test_the_index_reader_refuses_every_callable_the_format_does_not_need(
+    tmp_path, module, name, args, stack
+):
+    marker = tmp_path / "pwned"
+    data = _crafted(module, name, *_args(args, marker), stack=stack)
+    with pytest.raises(CheckpointError) as info:
+        safe_metadata.load_index(io.BytesIO(data), tmp_path / ".metadata")
+    assert _one_line(info) == (
+        f"{tmp_path / '.metadata'}: refusing to unpickle '{module}.{name}' (not part of the format)"
+    )
+    # The readers of the ShardedObjects' bytes and of common.pt: weights-only, whatever
+    # the caller asked for (torch DCP asks weights_only=False). Tensors are made of
+    # `_rebuild_tensor_v2` there, so that one call is torch's to check.
+    if (module, name) != ("torch._utils", "_rebuild_tensor_v2"):
+        with safe_metadata.restricted_loading(), pytest.raises(pickle.UnpicklingError):
+            torch.load(io.BytesIO(data), weights_only=False)
+    assert not marker.exists()
+
+
+def test_the_index_reader_admits_the_formats_own_globals():
+    """The edge on the other side: dtypes, sizes, layouts (which the refusals must not
+    catch), through the same crafted opcodes."""
+    assert safe_metadata.load_index(io.BytesIO(_crafted("torch", "Size", [2, 3])), "i") == (2, 3)
+    layout = safe_metadata.load_index(
+        io.BytesIO(_crafted("torch.serialization", "_get_layout", "torch.strided")), "i"
+    )
+    assert layout is torch.strided
+    data = b"\x80\x02ctorch\nbfloat16\n."  # a dtype is a global, not a call
+    assert safe_metadata.load_index(io.BytesIO(data), "i") is torch.bfloat16
+
+
 # ---- the tools' output directory --------------------------------------------------------------
 
 
