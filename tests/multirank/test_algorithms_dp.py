@@ -2,6 +2,9 @@
 
 Each rank holds half of a batch; whitening, explained variance and the global-batch loss
 normalisation must give what one rank computes on the whole batch. fp64, tolerance 1e-10.
+Dynamic sampling over the two replicas (`trainer/dynamic_sampling.collect_groups`, scripted
+rounds) when they fill their shares in different rounds, with and without the cap reached,
+equals a simulation of both replicas at once in one process (`_simulate_dynamic_sampling`).
 """
 
 from __future__ import annotations
@@ -71,45 +74,86 @@ def _dp_body(rank, world_size):
         dist.all_reduce(grad_dp2, group=group)
         torch.testing.assert_close(grad_dp2, grad_dp1, atol=1e-10, rtol=0, msg=mode)
 
+    _check_dynamic_sampling(rank, world_size, group)
+
 
 def test_dp_whitening_and_global_loss_normalisation():
     run_on_ranks(_dp_body, world_size=2)
 
 
-def _correction_body(rank, world_size):
-    """Rollout correction's batch statistics over DP equal one rank's on the whole batch."""
-    from rl_megatron.algorithms.rollout_correction import (
-        is_weights,
-        mismatch_metrics,
-        rejection_mask,
-    )
-
-    group = dist.new_group(list(range(world_size)))
-    gen = torch.Generator().manual_seed(0)
-    log_ratio = 0.5 * torch.randn(8, 6, generator=gen, dtype=torch.float64)
-    mu = torch.randn(8, 6, generator=gen, dtype=torch.float64) - 2
-    lengths = torch.tensor([6, 2, 5, 0, 6, 1, 3, 4])
-    mask = (torch.arange(6) < lengths.unsqueeze(-1)).long()
-    rows = slice(rank * 4, rank * 4 + 4)
-    for level in ("token", "sequence"):
-        for threshold in (1.3, (0.6, 1.6)):
-            local, m_local = is_weights(
-                log_ratio[rows], mask[rows], level, threshold, True, group=group
-            )
-            whole, m_whole = is_weights(log_ratio, mask, level, threshold, True)
-            torch.testing.assert_close(local, whole[rows], atol=1e-6, rtol=0)
-            for key in m_whole:
-                torch.testing.assert_close(m_local[key], m_whole[key], msg=key)
-        kept, m_local = rejection_mask(log_ratio[rows], mask[rows], level, 0.7, 1.4, group=group)
-        kept_whole, m_whole = rejection_mask(log_ratio, mask, level, 0.7, 1.4)
-        assert torch.equal(kept, kept_whole[rows])
-        for key in m_whole:
-            torch.testing.assert_close(m_local[key], m_whole[key], msg=key)
-    local = mismatch_metrics(mu[rows], mu[rows] + log_ratio[rows], mask[rows], group=group)
-    whole = mismatch_metrics(mu, mu + log_ratio, mask)
-    for key in whole:  # the max is the max over both halves, not a mean of the two
-        torch.testing.assert_close(local[key], whole[key], msg=key)
+# Scores of each replica's rounds, N = 2 per group, 2 groups per round; a group is
+# informative when its two scores differ. (rounds per replica, groups per replica, cap)
+_I, _U = [1.0, 0.0], [0.5, 0.5]  # an informative group, an uninformative one
+DYNAMIC_SAMPLING_CASES = [
+    # Replica 0 is full after round 0 (and finds more it must not keep), replica 1 after
+    # round 2: every replica runs three rounds.
+    (
+        [[*_I, *_I], [*_I, *_U], [*_U, *_I], [*_I, *_I]],
+        [[*_U, *_U], [*_U, *_I], [*_I, *_U], [*_I, *_I]],
+        3,
+    ),
+    # The cap (1 extra round) binds for replica 1 only: it fills its share with its first
+    # uninformative group; replica 0, full, fills nothing.
+    ([[*_I, *_I], [*_I, *_I], [*_I, *_I]], [[*_U, *_I], [*_U, *_U], [*_I, *_I]], 1),
+]
 
 
-def test_dp_rollout_correction_statistics():
-    run_on_ranks(_correction_body, world_size=2)
+def _simulate_dynamic_sampling(replicas, groups: int, max_extra_rounds: int):
+    """Every replica's rounds at once: the kept groups' tags (100·round + group) per
+    replica, and the step's global metrics."""
+    kept = [[] for _ in replicas]
+    spare = [[] for _ in replicas]
+    generated = informative = rounds = 0
+    while True:
+        for i, scripted_rounds in enumerate(replicas):
+            scores = scripted_rounds[rounds]
+            for g in range(len(scores) // 2):
+                useful = scores[2 * g] != scores[2 * g + 1]
+                generated += 1
+                informative += useful
+                if useful and len(kept[i]) < groups:
+                    kept[i].append(100 * rounds + g)
+                elif not useful:
+                    spare[i].append(100 * rounds + g)
+        rounds += 1
+        if all(len(k) == groups for k in kept) or rounds == 1 + max_extra_rounds:
+            break
+    filled = 0
+    for k, s in zip(kept, spare):
+        missing = groups - len(k)
+        k.extend(s[:missing])
+        filled += missing
+    metrics = {
+        "dynamic_sampling/rounds": float(rounds),
+        "dynamic_sampling/groups_generated": float(generated),
+        "dynamic_sampling/groups_informative": float(informative),
+        "dynamic_sampling/groups_filled": float(filled),
+        "dynamic_sampling/cap_reached": float(filled > 0),
+    }
+    return kept, metrics
+
+
+def _check_dynamic_sampling(rank, world_size, group) -> None:
+    import logging
+
+    from rl_megatron.trainer.dynamic_sampling import collect_groups
+    from tests.unit.test_dapo import N, scripted
+
+    assert N == 2 and world_size == 2
+    for case, (replica0, replica1, max_extra) in enumerate(DYNAMIC_SAMPLING_CASES):
+        replicas = [replica0, replica1]
+        kept, metrics = _simulate_dynamic_sampling(replicas, 2, max_extra)
+        next_round, calls = scripted(replicas[rank])
+        out = collect_groups(next_round, 2, N, True, max_extra, group, logging.getLogger("t"))
+        where = f"case {case} rank {rank}"
+        rounds = int(metrics["dynamic_sampling/rounds"])
+        assert calls == list(range(rounds)), f"{where}: rounds {calls}"
+        tags = out.per_row["tag"].tolist()
+        assert tags == [float(t) for t in kept[rank] for _ in range(N)], f"{where}: {tags}"
+        assert out.rollout.group_index.tolist() == [0, 0, 1, 1], where
+        assert out.metrics == metrics, f"{where}: {out.metrics} != {metrics}"
+    # The cases are what they say: replica 0 full after round 0, replica 1 after round 2;
+    # then replica 1 short at the cap, filled with its round-0 group 0.
+    simulated = [_simulate_dynamic_sampling(c[:2], 2, c[2]) for c in DYNAMIC_SAMPLING_CASES]
+    assert [k for k, _ in simulated] == [[[0, 1], [101, 200]], [[0, 1], [1, 0]]], simulated
+    assert [m["dynamic_sampling/groups_filled"] for _, m in simulated] == [0.0, 1.0]
