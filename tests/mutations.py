@@ -11,8 +11,10 @@ slowest tests once per mutation. The faults are issue 17's list (the one-line fa
 once passed the whole suite), the bugs the reference step found, and issue 20's wiring
 (rollout correction, GSPO / CISPO, DAPO, the critic's aggregation, the KL estimators),
 issue 22's (log-probs from the hidden states, context parallelism), the Megatron
-engine's routing record (routing replay), and issue 21's engine sleep levels, batch
-padding and vLLM core loop.
+engine's routing record (routing replay), issue 21's engine sleep levels, batch
+padding and vLLM core loop, and issue 36's edges (non-finite values other than NaN, the
+dual clip engaged, routing replay's gate weights and sequence parallelism, dynamic
+sampling across replicas, the restricted unpickler).
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ ROLES = "rl_megatron/trainer/roles.py"
 EXPERIENCE = "rl_megatron/trainer/experience.py"
 ENGINE = "rl_megatron/rollout/megatron_engine.py"
 RECORDING = "tests/multirank/test_router_replay.py::test_megatron_engine_records_the_routing"
+DP_ALGORITHMS = (
+    "tests/multirank/test_algorithms_dp.py::test_dp_whitening_and_global_loss_normalisation"
+)
+UNPICKLER = "tests/unit/test_checkpoint_integrity.py"
 
 # (name, file, exact text, replacement, the test that must fail)
 MUTATIONS = [
@@ -535,6 +541,108 @@ MUTATIONS = [
         "    if left:",
         "    if not left:",
         "tests/unit/test_rollout_batch.py",
+    ),
+    # Issue 36: the edges (non-finite values other than NaN, the dual clip engaged, routing
+    # replay's gate weights and sequence parallelism, dynamic sampling across replicas,
+    # the restricted unpickler).
+    (
+        "an infinite loss taken for finite (only NaN checked)",
+        "rl_megatron/trainer/optimizer_step.py",
+        "torch.isfinite(local_loss).all(), float",
+        "(~torch.isnan(local_loss)).all(), float",
+        NONFINITE,
+    ),
+    (
+        "an infinite gradient norm taken for finite (only NaN checked)",
+        "rl_megatron/trainer/optimizer_step.py",
+        "    if not math.isfinite(grad_norm):",
+        "    if math.isnan(grad_norm):",
+        NONFINITE,
+    ),
+    ("dual clip's bound not passed to the loss", TRAINER, "a.clip_ratio_c,", "None,", ONE_RANK),
+    (
+        "dual clip's bound a floor, not a ceiling",
+        "rl_megatron/algorithms/losses.py",
+        "loss_mat = torch.where(adv < 0, torch.minimum(loss_mat, loss_dual), loss_mat)",
+        "loss_mat = torch.where(adv < 0, torch.maximum(loss_mat, loss_dual), loss_mat)",
+        ONE_RANK,
+    ),
+    (
+        "dual clip's bound not applied",
+        "rl_megatron/algorithms/losses.py",
+        "loss_mat = torch.where(adv < 0, torch.minimum(loss_mat, loss_dual), loss_mat)",
+        "loss_mat = loss_mat",
+        ONE_RANK,
+    ),
+    (
+        "routing replay: gate weights at the router's own top-k, not the replayed experts",
+        "rl_megatron/models/router_replay.py",
+        "return scores.gather(1, chosen), chosen",
+        "return scores.gather(1, own), chosen",
+        "tests/multirank/test_router_replay.py::test_replay_makes_top_k_sets_agree",
+    ),
+    (
+        "routing replay: every SP rank replays the first ranks' columns",
+        "rl_megatron/trainer/routing.py",
+        "sp_rank=dist.get_rank(tp) if sequence_parallel else 0,",
+        "sp_rank=0,",
+        "tests/multirank/test_router_replay.py::test_role_replays_the_rollout_routing",
+    ),
+    (
+        "routing replay: SP columns taken strided, not consecutive",
+        "rl_megatron/models/router_replay.py",
+        "seq_first = seq_first[sp_rank * width : (sp_rank + 1) * width]",
+        "seq_first = seq_first[sp_rank::sp_size]",
+        "tests/multirank/test_router_replay.py::test_role_replays_the_rollout_routing",
+    ),
+    (
+        "dynamic sampling: rounds stop once any replica is full",
+        "rl_megatron/trainer/dynamic_sampling.py",
+        "short = _all_reduce(short, dp_group, dist.ReduceOp.MAX)",
+        "short = _all_reduce(short, dp_group, dist.ReduceOp.MIN)",
+        DP_ALGORITHMS,
+    ),
+    (
+        "dynamic sampling: each replica decides its rounds alone",
+        "rl_megatron/trainer/dynamic_sampling.py",
+        "short = _all_reduce(short, dp_group, dist.ReduceOp.MAX)",
+        "short = short",
+        DP_ALGORITHMS,
+    ),
+    (
+        "dynamic sampling: a full replica keeps the informative groups of later rounds",
+        "rl_megatron/trainer/dynamic_sampling.py",
+        "useful = [g for g, ok in enumerate(informative) if ok][: groups_per_rank - have]",
+        "useful = [g for g, ok in enumerate(informative) if ok][:groups_per_rank]",
+        DP_ALGORITHMS,
+    ),
+    (
+        "dynamic sampling: counts of this replica only",
+        "rl_megatron/trainer/dynamic_sampling.py",
+        "counts = _all_reduce(counts, dp_group, dist.ReduceOp.SUM)",
+        "counts = counts",
+        DP_ALGORITHMS,
+    ),
+    (
+        "restricted unpickler: all of torch admitted, not only its dtypes",
+        "rl_megatron/checkpoint/safe_metadata.py",
+        'return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)',
+        'return module == "torch"',
+        UNPICKLER,
+    ),
+    (
+        "restricted unpickler: torch's loaders admitted",
+        "rl_megatron/checkpoint/safe_metadata.py",
+        '    ("torch.serialization", "_get_layout"),',
+        '    ("torch.serialization", "_get_layout"),\n    ("torch.serialization", "load"),',
+        UNPICKLER,
+    ),
+    (
+        "restricted unpickler: an explicit weights_only=False honoured",
+        "rl_megatron/checkpoint/safe_metadata.py",
+        'kwargs["weights_only"] = True',
+        'kwargs.setdefault("weights_only", True)',
+        UNPICKLER,
     ),
 ]
 
