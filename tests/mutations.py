@@ -582,10 +582,10 @@ MUTATIONS = [
         "tests/multirank/test_router_replay.py::test_replay_makes_top_k_sets_agree",
     ),
     (
-        "routing replay: every SP rank replays the first ranks' columns",
-        "rl_megatron/trainer/routing.py",
-        "sp_rank=dist.get_rank(tp) if sequence_parallel else 0,",
-        "sp_rank=0,",
+        "routing replay: every SP rank replays the first rank's columns",
+        "rl_megatron/models/router_replay.py",
+        "seq_first = seq_first[sp_rank * width : (sp_rank + 1) * width]",
+        "seq_first = seq_first[:width]",
         "tests/multirank/test_router_replay.py::test_role_replays_the_rollout_routing",
     ),
     (

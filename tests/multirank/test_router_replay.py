@@ -321,14 +321,13 @@ def _role_body(rank: int, world_size: int, root) -> None:
 
 def _check_replay_under_sp(root, rank: int, world_size: int) -> None:
     """Sequence parallelism over a TP group of every rank, at the router: each rank's
-    router sees its `s / tp` consecutive columns of a `[s, b, h]` input and, through
-    `trainer/routing.around_forward` (which takes the rank from the TP group), replays those
-    columns' recorded experts with its own scores at them, and counts their mismatches.
+    router sees its `s / tp` consecutive columns of a `[s, b, h]` input and, given its rank
+    in the TP group, replays those columns' recorded experts with its own scores at them,
+    and counts their mismatches.
     A whole model cannot run SP on CPU (the local spec's torch norms refuse it), so this is
     the router of B's first layer called directly on each rank's part of the sequence."""
     from rl_megatron.checkpoint.hf_builders import build_actor
-    from rl_megatron.models.router_replay import RoutingStats, moe_routers
-    from rl_megatron.trainer.routing import around_forward
+    from rl_megatron.models.router_replay import RoutingStats, moe_routers, replay_routing
 
     _init()
     model = build_actor(root / "b", tp=1, pp=1, dtype=torch.float32)[0].eval()
@@ -343,18 +342,10 @@ def _check_replay_under_sp(root, rank: int, world_size: int) -> None:
     routing[1, s - 1] = -1
     mine = x[rank * width : (rank + 1) * width]
     stats = RoutingStats()
+    sp_rank, sp_size = torch.distributed.get_rank(tp), torch.distributed.get_world_size(tp)
     with (
         torch.no_grad(),
-        around_forward(
-            model,
-            {"routed_experts": routing},
-            replay=True,
-            compare=True,
-            stats=stats,
-            tp=tp,
-            sequence_parallel=True,
-            role="actor",
-        ),
+        replay_routing(model, routing, stats=stats, sp_rank=sp_rank, sp_size=sp_size),
     ):
         gates, routing_map = router(mine)
     # Token (row i, column j) of this rank's columns is number (j - first column)·b + i.
