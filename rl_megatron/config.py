@@ -122,7 +122,9 @@ class RolloutConfig:
     # A prompt longer than max_prompt_length: keep its last tokens, leave it out of the
     # dataset, or refuse the dataset naming the sample. Every case is counted and reported.
     prompt_overflow: Literal["truncate_left", "filter", "reject"] = "truncate_left"
-    gpu_memory_utilization: float = 0.5  # fraction of GPU memory vLLM may use (weights + KV)
+    # Fraction of memory vLLM may hold per rank: GPU, of the device (weights + KV cache);
+    # CPU build, of the RAM, trainer included (KV = share - process; VLLM_CPU_KVCACHE_SPACE).
+    gpu_memory_utilization: float = 0.5
     enable_sleep_mode: bool = True  # free vLLM's KV cache and weights while training runs
     # What a sleeping engine keeps of its weights while the roles train. 2: nothing (every
     # sync rewrites all of them, so keeping them is wasted work: level 1 copies them to

@@ -25,7 +25,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -325,13 +325,30 @@ def distributed_run(
         teardown()
 
 
-def teardown() -> None:
-    """Destroy Megatron's groups and the default process group (idempotent)."""
-    try:
-        from megatron.core import parallel_state
+# What still holds process groups at teardown, run before they go, last registered first:
+# vLLM's in-process engine (rollout/vllm_engine.py) shuts its engine core down there,
+# which destroys its own groups; left to interpreter exit, its shutdown would find them
+# gone and print a traceback per rank.
+_BEFORE_TEARDOWN: list[Callable[[], None]] = []
 
-        parallel_state.destroy_model_parallel()
-    except ImportError:
-        pass
-    if dist.is_initialized():
-        dist.destroy_process_group()
+
+def before_teardown(fn: Callable[[], None]) -> None:
+    """Have `teardown` call `fn` (once) while every process group still exists."""
+    _BEFORE_TEARDOWN.append(fn)
+
+
+def teardown() -> None:
+    """Shut down what uses the process groups, then destroy Megatron's groups and the
+    default process group (idempotent)."""
+    try:
+        while _BEFORE_TEARDOWN:
+            _BEFORE_TEARDOWN.pop()()
+    finally:
+        try:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except ImportError:
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()

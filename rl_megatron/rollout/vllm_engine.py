@@ -57,12 +57,16 @@ The model lives in the in-process worker:
 very process under `external_launcher` (vllm/v1/executor/uniproc_executor.py), so tensors
 are passed by reference, never serialised.
 
-Caveats of running vLLM in-process: deleting the `LLM` runs `EngineCore.shutdown`, which
-destroys torch.distributed's default group (vllm/v1/engine/core.py,
-`cleanup_dist_env_and_memory`), so an engine lives as long as its processes; and the CPU
-worker replaces `torch.set_num_threads` with a no-op after binding its threads. The CPU
-build's shared-memory segments get per-run names and lose them once mapped
-(`vllm_cpu_shm.py`).
+Caveats of running vLLM in-process: `EngineCore.shutdown` destroys vLLM's groups and then
+torch.distributed's default group (vllm/v1/engine/core.py, `cleanup_dist_env_and_memory`),
+so an engine lives as long as its processes' groups: `distributed.teardown` shuts it down
+first (`VllmEngine.shutdown`, registered by the engine), at the end of a run and on its
+error paths; left to the interpreter's exit, that shutdown would find the groups gone
+("Invalid process group specified" on every rank) and the TP group's message queue would
+leak its shared memory. The CPU worker replaces `torch.set_num_threads` with a no-op
+after binding its threads. The CPU build's shared-memory segments get per-run names and
+lose them once mapped (`vllm_cpu_shm.py`). vLLM's failure to fit in memory at start-up
+becomes one line naming rollout.gpu_memory_utilization (`vllm_memory.py`).
 """
 
 from __future__ import annotations
@@ -77,7 +81,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from rl_megatron.config import TRAINER_SET_LLM_ARGS
+from rl_megatron.config import TRAINER_SET_LLM_ARGS, ConfigError
+from rl_megatron.distributed import before_teardown
 from rl_megatron.rollout.batch import FinishReason, RolloutBatch
 from rl_megatron.rollout.engine import (
     NamedTensors,
@@ -90,6 +95,7 @@ from rl_megatron.rollout.sampling import SamplingParams, fit_prompts
 from rl_megatron.rollout.vllm_core_loop import CoreLoop
 from rl_megatron.rollout.vllm_cpu_shm import run_shm_names
 from rl_megatron.rollout.vllm_io import convert_sample, sample_routing, to_vllm_sampling_params
+from rl_megatron.rollout.vllm_memory import fit_error
 
 if TYPE_CHECKING:
     from rl_megatron.resharding.executor import SyncStats
@@ -121,7 +127,9 @@ class VllmEngineArgs:
     load_format: Literal["auto", "dummy"] = "auto"  # dummy: random weights, sync later
     dtype: str = "auto"  # vLLM dtype ("auto" follows the checkpoint)
     max_model_len: int | None = None  # context length; None: the model's maximum
-    gpu_memory_utilization: float = 0.5  # GPU: fraction for weights + KV; CPU: of RAM
+    # GPU: fraction of the device for weights + KV; CPU build: of the RAM, for the whole
+    # process (KV = that share minus the process's memory; vllm_memory.py)
+    gpu_memory_utilization: float = 0.5
     seed: int = 0  # engine RNG seed; replica k uses seed + k (same on its TP ranks)
     enable_sleep_mode: bool | None = None  # None: on GPUs only (the CPU build has none)
     enforce_eager: bool | None = None  # None: eager on CPU (no graph compile in tests)
@@ -178,9 +186,44 @@ def _rpc_begin_reload(worker: Any) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+    model = worker.model_runner.model
     with set_current_vllm_config(worker.vllm_config):
-        _moe_first_load_processing(worker.model_runner.model, True)
-        initialize_layerwise_reload(worker.model_runner.model)
+        _moe_first_load_processing(model, True)
+        initialize_layerwise_reload(model)
+        _nothing_to_load(model)
+
+
+def _nothing_to_load(model: torch.nn.Module) -> None:
+    """Tell vLLM's layerwise reload which layers no checkpoint tensor fills.
+
+    A tied `lm_head` holds only the embedding's parameter (filled, and post-processed in
+    place, through the embedding), a rotary embedding only its computed cos/sin cache (a
+    non-persistent buffer). The reload counts their elements as loadable all the same, and
+    when none arrive it puts their own tensors back with "ParallelLMHead: Failed to load
+    weights" (or RotaryEmbedding) at every update. A loadable size of 0 takes vLLM's own
+    branch for such layers: the tensors go back, silently. Any other missing parameter
+    still fails the update (`_finish_update`).
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    infos = {}
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if info.can_load() and info.kernel_tensors is not None:
+            infos[layer] = info
+    # Each parameter's first owner (model order, as named_parameters lists it) loads it.
+    owner: dict[int, torch.nn.Module] = {}
+    for layer, info in infos.items():
+        for param in info.kernel_tensors[0].values():
+            owner.setdefault(id(param), layer)
+    for layer, info in infos.items():
+        params, buffers = info.kernel_tensors
+        if not (params or buffers) or info.load_numel_total == 0:
+            continue
+        borrowed = all(owner[id(p)] is not layer for p in params.values())
+        computed = set(buffers) <= info.kernel_non_persistent_buffers
+        if borrowed and computed:
+            info.load_numel_total = 0
 
 
 def _rpc_load(worker: Any, pairs: list[tuple[str, torch.Tensor]]) -> set[str]:
@@ -391,8 +434,11 @@ class VllmEngine(RolloutEngine):
         kwargs.update(args.extra)
         # The CPU build's TP groups talk through /dev/shm: per-run names, removed once mapped.
         with run_shm_names() if on_cpu else contextlib.nullcontext() as shm_ident:
-            self._llm = vllm.LLM(**kwargs)
+            self._llm = _start_llm(vllm, kwargs, on_cpu)
         self.shm_ident: str | None = shm_ident  # prefix of this run's /dev/shm names (CPU)
+        # vLLM's engine core outlives nothing it needs: it goes before the process groups.
+        self._shut_down = False
+        before_teardown(self.shutdown)
         self._core_loop = CoreLoop(self._llm)
 
         model_config = self._llm.llm_engine.model_config
@@ -429,6 +475,18 @@ class VllmEngine(RolloutEngine):
     def llm(self) -> Any:
         """The underlying `vllm.LLM` (for benchmarks and debugging)."""
         return self._llm
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine core and its worker, and destroy vLLM's process groups
+        (idempotent). vLLM's shutdown then destroys torch.distributed's default group too
+        (`cleanup_dist_env_and_memory`): this is the end of the run's process groups, which
+        is why `distributed.teardown` calls it, first. Left to the interpreter's exit, the
+        same shutdown would run after the groups are gone and fail on every rank."""
+        if self._shut_down:
+            return
+        self._shut_down = True
+        # InprocClient.shutdown: detaches its exit finalizer, then EngineCore.shutdown.
+        self._llm.llm_engine.engine_core.shutdown()
 
     # ---- weights ------------------------------------------------------------------
 
@@ -650,6 +708,41 @@ class VllmEngine(RolloutEngine):
         return [
             mine.get(i, [none] * len(results[i]))[j] for i in order for j in range(len(results[i]))
         ]
+
+
+def _start_llm(vllm: Any, kwargs: dict[str, Any], on_cpu: bool) -> Any:
+    """`vllm.LLM(**kwargs)`; vLLM's failure to fit in memory becomes a `ConfigError` (one
+    line naming rollout.gpu_memory_utilization and a value that would fit)."""
+    try:
+        return vllm.LLM(**kwargs)
+    except ValueError as exc:
+        _release_vllm_groups()
+        line = fit_error(str(exc), kwargs["gpu_memory_utilization"], _memory_gib(on_cpu))
+        if line is None:
+            raise
+        raise ConfigError(line) from None
+
+
+def _release_vllm_groups() -> None:
+    """After a failed start: destroy the groups vLLM made (the world's stays). Its TP
+    group's message queue lives in shared memory that only its creator's destructor
+    unlinks; left to the interpreter's exit, Python's resource tracker removes it with a
+    "leaked shared_memory objects" warning."""
+    from vllm.distributed.parallel_state import destroy_model_parallel
+
+    destroy_model_parallel()
+
+
+def _memory_gib(on_cpu: bool) -> float | None:
+    """What gpu_memory_utilization is a fraction of: the RAM (CPU build; one NUMA node is
+    taken as the machine) or this rank's device."""
+    if on_cpu:
+        import psutil
+
+        return psutil.virtual_memory().total / 2**30
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[1] / 2**30
+    return None
 
 
 def _eos_ids(hf_config: Any, model_config: Any) -> tuple[int, ...]:
