@@ -16,6 +16,11 @@ What is filtered at INFO and above, and why:
   supported set-up (no apex, no Transformer Engine, megatron-core's own default), or a
   pattern of megatron-core's that is harmless here.
 
+* The vLLM log records in `VLLM_NOISE`, each named by its logger and the start of its
+  message (a logger filter: vLLM's own handlers, set up later, never see them): notices
+  about the set-up the trainer chooses (token ids in, no tokenizer; eager CPU kernels for
+  the tests and the CPU demo), each with why it is harmless there.
+
 Our own warnings (`warnings.warn` in `rl_megatron`, the `rl_megatron` logger) and any other
 UserWarning still print. vLLM's INFO lines are held back the same way (`VLLM_LOGGING_LEVEL`
 defaults to WARNING), unless the user sets that variable.
@@ -23,6 +28,7 @@ defaults to WARNING), unless the user sets that variable.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import warnings
@@ -57,6 +63,97 @@ CPU_ONLY_NOISE = (
 )
 
 
+# (logger, start of the message, why it is harmless); records at any level. A fourth item,
+# when present, must appear in the record's exception text too.
+VLLM_NOISE: tuple[tuple[str, ...], ...] = (
+    (
+        "vllm.renderers.base",
+        "Chat template warmup failed",
+        "vllm.LLM renders a chat template at start-up; the engine is made without a "
+        "tokenizer (prompts arrive as token ids), so there is no template to warm up",
+        "skip_tokenizer_init",
+    ),
+    (
+        "vllm.renderers.base",
+        "Using None for EOS token id because tokenizer is not initialized",
+        "no tokenizer, as above; the engine passes its stop ids (config.json's and "
+        "generation_config.json's EOS ids) with every request",
+    ),
+    (
+        "vllm.config.vllm",
+        "Enforce eager set, disabling torch.compile",
+        "rollout.enforce_eager, eager by default on the CPU build (no graph compile in tests)",
+    ),
+    (
+        "vllm.config.vllm",
+        "Inductor compilation was disabled by user settings",
+        "the same eager mode as above",
+    ),
+    (
+        "vllm.triton_utils.importing",
+        "Triton is installed, but doesn't include CPU backend",
+        "the CPU build runs its own C++ kernels; Triton is for GPUs (torch brings it)",
+    ),
+    (
+        "vllm.platforms.cpu",
+        "Triton is not installed. triton-cpu is expected",
+        "the same: the CPU build's kernels need no Triton",
+    ),
+    (
+        "vllm.config.vllm",
+        "Model Runner V2 requires Triton; using the V1 model runner instead",
+        "the same; the trainer steps vLLM's engine core through either runner",
+    ),
+    (
+        "vllm.v1.worker.cpu_worker",
+        "libtcmalloc is not found in LD_PRELOAD",
+        "a speed hint for serving on CPUs; the CPU build runs the tests and the CPU demo",
+    ),
+    (
+        "vllm.v1.worker.cpu_worker",
+        "libiomp is not found in LD_PRELOAD",
+        "the same speed hint",
+    ),
+    (
+        "vllm.v1.worker.cpu_worker",
+        "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding",
+        "vLLM has bound each rank's threads already and ignores later calls, as intended",
+    ),
+)
+
+
+class _DropRecords(logging.Filter):
+    """Drops a logger's records whose message starts with one of `starts` (and whose
+    exception text, where a pair names one, contains it)."""
+
+    def __init__(self, starts: list[tuple[str, str | None]]) -> None:
+        super().__init__()
+        self.starts = starts
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        for start, in_exception in self.starts:
+            if not message.startswith(start):
+                continue
+            if in_exception is None:
+                return False
+            exc = record.exc_info[1] if record.exc_info else None
+            if exc is not None and in_exception in str(exc):
+                return False
+        return True
+
+
+def _filter_vllm_noise() -> None:
+    by_logger: dict[str, list[tuple[str, str | None]]] = {}
+    for name, start, _why, *in_exception in VLLM_NOISE:
+        by_logger.setdefault(name, []).append((start, in_exception[0] if in_exception else None))
+    for name, starts in by_logger.items():
+        logger = logging.getLogger(name)  # vLLM's init_logger returns this same logger
+        for old in [f for f in logger.filters if isinstance(f, _DropRecords)]:
+            logger.removeFilter(old)  # installed twice in one process: one filter
+        logger.addFilter(_DropRecords(starts))
+
+
 def install(level: str = "INFO", on_gpu: bool | None = None) -> None:
     """Filter third-party warning noise in this process; show everything at DEBUG.
 
@@ -77,3 +174,4 @@ def install(level: str = "INFO", on_gpu: bool | None = None) -> None:
     for message, _why in NOISE + (() if on_gpu else CPU_ONLY_NOISE):
         # filterwarnings matches the message's start (a regex), case-insensitively.
         warnings.filterwarnings("ignore", message=re.escape(message), category=UserWarning)
+    _filter_vllm_noise()

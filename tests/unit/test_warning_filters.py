@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-from rl_megatron.utils.warning_filters import CPU_ONLY_NOISE, NOISE
+from rl_megatron.utils.warning_filters import CPU_ONLY_NOISE, NOISE, VLLM_NOISE
 
 EMIT = """
 import json, os, sys, warnings
@@ -72,3 +72,58 @@ def test_debug_shows_everything():
     assert "FutureWarning" in stderr and "DeprecationWarning" in stderr
     assert "rl_megatron: a real warning" in stderr
     assert vllm_level == "None"
+
+
+# vLLM's log records, through a handler set up after `install` (as vLLM's own is).
+EMIT_VLLM = """
+import json, logging, sys
+from rl_megatron.utils import warning_filters
+warning_filters.install(sys.argv[1], on_gpu=False)
+logging.basicConfig(stream=sys.stderr, format="%(name)s|%(message)s", level=logging.DEBUG)
+for name, message, *_ in json.loads(sys.argv[2]):
+    logging.getLogger(name).warning(message + " (noise)")
+base = logging.getLogger("vllm.renderers.base")
+for why in ("Tokenizer not available when `skip_tokenizer_init=True`", "a broken template"):
+    try:
+        raise ValueError(why)
+    except ValueError:
+        base.warning("Chat template warmup failed", exc_info=True)
+# Elsewhere, or another message of the same logger: shown.
+logging.getLogger("vllm.v1.worker.cpu_worker").warning("libtcmalloc (noise) elsewhere")
+logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").warning(
+    "ParallelLMHead: Failed to load weights")
+"""
+
+
+def _emit_vllm(level: str) -> str:
+    noise = [list(entry) for entry in VLLM_NOISE]
+    result = subprocess.run(
+        [sys.executable, "-c", EMIT_VLLM, level, json.dumps(noise)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return result.stderr
+
+
+def test_vllm_noise_is_filtered_at_info_and_nothing_else():
+    stderr = _emit_vllm("INFO")
+    for _name, message, *_ in VLLM_NOISE:
+        if message != "Chat template warmup failed":
+            assert message not in stderr
+    # The warm-up's failure for want of a tokenizer goes; any other failure of it stays
+    # (another exception, or none: the "(noise)" record above).
+    assert stderr.count("Chat template warmup failed") == 2
+    assert "Chat template warmup failed (noise)" in stderr
+    assert "a broken template" in stderr and "skip_tokenizer_init" not in stderr
+    assert "libtcmalloc (noise) elsewhere" in stderr
+    assert "ParallelLMHead: Failed to load weights" in stderr  # fixed at its cause, not here
+
+
+def test_debug_shows_the_vllm_noise():
+    stderr = _emit_vllm("DEBUG")
+    for name, message, *_ in VLLM_NOISE:
+        assert f"{name}|{message} (noise)" in stderr
+    assert stderr.count("Chat template warmup failed") == 3
+    assert "skip_tokenizer_init" in stderr
