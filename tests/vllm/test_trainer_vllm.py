@@ -8,15 +8,21 @@ mismatch bound below (1e-3) catches any wrong row while the weights change every
 
 That run turns the rollout correction on (sequence-level TIS and rejection), which makes
 the trainer ask vLLM for its log-probs (`rollout.calculate_log_probs` left at its default);
-with the fp32 CPU parity the weights stay 1 and nothing is rejected. A second run (1 rank,
-2 steps) keeps the defaults, no correction and no log-probs: the trainer must train as
-before, without the mismatch metrics.
+with the fp32 CPU parity the weights stay 1 and nothing is rejected. A second run (2 ranks,
+TP=2 for training and vLLM, 2 steps, tied embeddings) keeps the defaults, no correction and no log-probs: the trainer
+must train as before, without the mismatch metrics.
+
+Every passing run's console is quiet (issue 36): no traceback (vLLM's chat-template
+warm-up, its engine shut down after the process groups), no "Failed to load weights" at a
+weight sync (a tied lm_head, the rotary cache), no leaked shared memory at exit. A run
+whose rollout.gpu_memory_utilization leaves no KV cache stops with one line, exit code 2.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -26,12 +32,31 @@ from tests.rollout_refs import tiny_llama
 from tests.vllm.torchrun_script import REPO
 
 STEPS = 4
+# What a passing run must not print (stdout and stderr), each a sign of issue 36's noise.
+NOISE = ("Traceback", "Failed to load weights", "leaked shared_memory", "warmup failed")
 
 
-def run_trainer(tmp_path, nproc: int, steps: int, overrides: list[str]) -> list[dict]:
-    """launch/ppo.py on tiny_cpu.yaml with a tiny HF Llama and vLLM; the metrics rows."""
+def _hf_model(tmp_path, tied: bool):
     hf_dir = tmp_path / "tiny_llama"
-    tiny_llama(0).save_pretrained(hf_dir, safe_serialization=True)
+    model = tiny_llama(0)
+    if tied:  # lm_head shares the embedding, as Qwen's and Llama-3.2's small sizes do
+        model.config.tie_word_embeddings = True
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    return hf_dir
+
+
+def assert_quiet(proc: subprocess.CompletedProcess) -> None:
+    console = proc.stdout + proc.stderr
+    for noise in NOISE:
+        assert noise not in console, f"{noise!r} in the console:\n{console[-6000:]}"
+
+
+def run_trainer(
+    tmp_path, nproc: int, steps: int, overrides: list[str], tied: bool = False
+) -> list[dict]:
+    """launch/ppo.py on tiny_cpu.yaml with a tiny HF Llama and vLLM; the metrics rows."""
+    hf_dir = _hf_model(tmp_path, tied)
     arch = ["num_layers", "hidden_size", "num_attention_heads", "num_query_groups"]
     arch += ["ffn_hidden_size", "vocab_size"]
     overrides = [f"model.{key}=null" for key in arch] + [
@@ -56,6 +81,7 @@ def run_trainer(tmp_path, nproc: int, steps: int, overrides: list[str]) -> list[
         cmd + overrides, cwd=REPO, env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_quiet(proc)
     lines = (tmp_path / "runs" / "tiny_cpu" / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines]
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
@@ -98,14 +124,15 @@ def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
 
 @pytest.mark.slow
 def test_grpo_without_engine_log_probs(tmp_path):
-    overrides = ["parallel.tp=1", "trainer.val_interval=0"]  # calculate_log_probs: false
-    rows = run_trainer(tmp_path, nproc=1, steps=2, overrides=overrides)
+    # calculate_log_probs: false
+    overrides = ["parallel.tp=2", "rollout.tp=2", "trainer.val_interval=0"]
+    rows = run_trainer(tmp_path, nproc=2, steps=2, overrides=overrides, tied=True)
     for row in rows:
         assert not any(key.startswith("rollout/logprob_diff") for key in row), row
         assert row["rollout/num_samples"] == 64 and row["rollout/response_length_mean"] > 0
         assert row["actor/grad_norm"] > 0
-    # Step 2 generated from weights synced after step 1's update (on one rank the sync
-    # permutes in place: no bytes cross ranks).
+    # Step 2 generated from weights synced after step 1's update (each rank's TP shard is
+    # its own engine shard: the sync permutes in place, no bytes cross ranks).
     assert "reshard/bytes_received_gb" not in rows[0]
     assert rows[1]["reshard/bytes_received_gb"] == 0.0
 
@@ -131,3 +158,50 @@ def test_reward_improves_with_rollout_correction(tmp_path):
         assert abs(row["rollout_corr/is_weight_mean"] - 1.0) < 1e-3, row
         assert row["rollout_corr/rejected_token_frac"] == 0.0
         assert row["rollout/logprob_diff_max"] < 1e-3
+
+
+@pytest.mark.slow
+def test_kv_cache_that_does_not_fit_is_one_line_naming_a_value_that_does(tmp_path):
+    """rollout.gpu_memory_utilization far below what the rank's process already holds (the
+    CPU build sizes the KV cache as that share of the RAM minus the process, when
+    VLLM_CPU_KVCACHE_SPACE is unset): one line, exit code 2, naming the key and a value;
+    with that value the run trains."""
+    import re
+
+    hf_dir = _hf_model(tmp_path, tied=False)
+    args = ["--config", "yaml_configs/tiny_cpu.yaml", f"trainer.output_dir={tmp_path / 'runs'}"]
+    args += [f"model.{key}=null" for key in ("num_layers", "hidden_size", "vocab_size")]
+    args += ["model.num_attention_heads=null", "model.num_query_groups=null"]
+    args += ["model.ffn_hidden_size=null", f"model.hf_path={hf_dir}"]
+    args += ["model.max_position_embeddings=256", "rollout.engine=vllm", "rollout.tp=1"]
+    args += ["parallel.tp=1", "trainer.total_steps=1", "trainer.val_interval=0"]
+    args += ["checkpoint.save_interval=0"]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_CPU_KVCACHE_SPACE"}
+    env |= {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    # One rank without torchrun (whose own exit code and traceback would stand in front of
+    # the rank's), with the variables it sets: vLLM's external_launcher reads them.
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+    env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+
+    def launch(fraction: str) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "launch/ppo.py", *args, f"rollout.gpu_memory_utilization={fraction}"]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+
+    proc = launch("0.0001")
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert "Traceback" not in proc.stdout + proc.stderr, proc.stderr[-4000:]
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1, proc.stderr[-4000:]
+    fits = re.fullmatch(
+        r"error: rollout\.gpu_memory_utilization=0\.0001 leaves no room for the KV cache on "
+        r"this CPU \(it is 0\.00 GiB of [\d.]+ GiB of RAM per rank, and each rank already "
+        r"holds [\d.]+ GiB\); use at least (0\.\d\d|1\.00)",
+        lines[0],
+    )
+    assert fits, lines[0]
+    proc = launch(fits[1])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert_quiet(proc)
