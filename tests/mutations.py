@@ -34,6 +34,7 @@ VPP = f"{REFERENCE}::test_four_ranks[pp2-vpp2-dp2]"
 NONFINITE = "tests/multirank/test_nonfinite_update.py"
 TRAINER = "rl_megatron/trainer/ppo_trainer.py"
 ROLES = "rl_megatron/trainer/roles.py"
+HEADS = "rl_megatron/trainer/heads.py"
 EXPERIENCE = "rl_megatron/trainer/experience.py"
 ENGINE = "rl_megatron/rollout/megatron_engine.py"
 RECORDING = "tests/multirank/test_router_replay.py::test_megatron_engine_records_the_routing"
@@ -82,11 +83,9 @@ MUTATIONS = [
     ),
     (
         "critic reads the wrong column",
-        ROLES,
-        'index = batch["gather_index"] + (1 - self.output_shift) * self.value_head\n'
-        "        index = index.clamp(max=output.shape[1] - 1)",
-        'index = batch["gather_index"] + self.value_head\n'
-        "        index = index.clamp(max=output.shape[1] - 1)",
+        HEADS,
+        'index = batch["gather_index"] + (1 - self.output_shift) * self.value_head',
+        'index = batch["gather_index"] + self.value_head',
         ONE_RANK,
     ),
     (
@@ -112,7 +111,7 @@ MUTATIONS = [
     ),
     (
         "norms weight-decayed",
-        ROLES,
+        "rl_megatron/trainer/optimizer_step.py",
         'weight_decay * group.get("wd_mult", 1.0)',
         "weight_decay",
         ONE_RANK,
@@ -299,11 +298,11 @@ MUTATIONS = [
     # Issue 22's wiring: log-probs from the hidden states, context parallelism.
     (
         "chunked log-probs ignore the sampling temperature",
-        ROLES,
+        HEADS,
         "                temperature=self.temperature,\n                vocab_size=self.vocab_size,\n"
-        "                chunk_tokens=self.logprob_chunk_tokens,",
+        "                chunk_tokens=self.chunk_tokens,",
         "                temperature=1.0,\n                vocab_size=self.vocab_size,\n"
-        "                chunk_tokens=self.logprob_chunk_tokens,",
+        "                chunk_tokens=self.chunk_tokens,",
         ONE_RANK,
     ),
     (

@@ -1,15 +1,20 @@
 """A role (actor, critic, reference, reward model): model chunks + optimizer + schedules.
 
-`MegatronRole` wraps the chunks a builder returns (`rl_megatron.checkpoint.hf_builders`) and
-runs them through megatron-core's pipeline schedules (`get_forward_backward_func`: no
-pipelining, 1F1B, or interleaved when there is one chunk per virtual stage):
+`MegatronRole` wraps the chunks a builder returns (`rl_megatron.checkpoint.hf_builders`):
 
 * `forward_only(batch)` → per-token outputs of the response tokens, on every rank:
   `log_prob` (and `entropy`) for LM heads, `values` for value heads, `[b, R]` float32;
   with `kl_to=<another LM role>` also `kl_full`, the exact KL to that role's policy, its
   logits computed on the same micro-batch beside ours (pp = 1).
 * `train_step(mini_batch, loss_fn)` → one optimizer step over this rank's part of a
-  mini-batch, in micro-batches; returns metrics.
+  mini-batch, in micro-batches; returns metrics (`train_steps`: several, one call).
+
+Each concern reads in its own module: the micro-batches (`micro_batches.py`, `packing.py`),
+megatron-core's pipeline schedules over them and the forward step (`schedule.py`),
+context-parallel split and gather (`cp_split.py`), the per-token log-prob / entropy / KL /
+value computations from a model output (`heads.py`), routing replay around a forward
+(`routing.py`), the optimizer, its learning rate and its gated step
+(`optimizer_step.py`), offload (`offload.py`).
 
 Batches are dicts of tensors, rows first (a `RolloutBatch`'s fields, plus whatever the
 loss needs):
@@ -34,13 +39,6 @@ averages gradients over DP and the schedule divides each micro-batch loss by the
 of micro-batches, so the role multiplies the loss by `dp_size * num_micro_batches` before
 backward: the gradient is then that of the mini-batch loss, however the mini-batch is split.
 
-Context parallelism (`parallel.cp`): each micro-batch's sequences are padded to a multiple
-of 2·cp and split for this CP rank (megatron-core's load-balanced chunks,
-`models/context_parallel.py`) after the labels (next tokens) are taken from the full
-sequence; the per-position outputs of the local tokens are gathered over CP into the full
-`[b, s]` (`_per_token_cp`), from which the response columns are read as without CP. Every
-CP rank then computes the same loss; the DP group (losses, metrics) is without CP.
-
 Process groups (`parallel.ParallelGroups`) are given at construction, or taken from
 megatron-core's current ones, and passed to every collective of ours.
 """
@@ -58,33 +56,23 @@ from megatron.core.distributed import (
     DistributedDataParallelConfig,
     finalize_model_grads,
 )
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from rl_megatron.algorithms.aggregation import BatchTotals, batch_totals
-from rl_megatron.checkpoint.hf_loader import unwrap
-from rl_megatron.checkpoint.mcore_compat import precision_aware_without_te
 from rl_megatron.config import OffloadConfig, OptimConfig
-from rl_megatron.models import context_parallel as cpo
 from rl_megatron.models.builders import ValueHead
-from rl_megatron.models.chunked_logprobs import (
-    chunked_log_probs_and_entropy,
-    output_hidden_states,
-    output_weight,
-)
-from rl_megatron.models.router_replay import RoutingStats, replay_routing
-from rl_megatron.models.vocab_parallel import (
-    vocab_parallel_kl,
-    vocab_parallel_log_probs,
-    vocab_parallel_log_probs_and_entropy,
-)
+from rl_megatron.models.router_replay import RoutingStats
 from rl_megatron.parallel import ParallelGroups
 from rl_megatron.trainer import micro_batches as mb
-from rl_megatron.trainer import step_metrics
+from rl_megatron.trainer import routing, schedule, step_metrics
+from rl_megatron.trainer.heads import OutputHead
 from rl_megatron.trainer.lr_schedule import lr_at
 from rl_megatron.trainer.offload import Offloader
-from rl_megatron.trainer.optimizer_step import NonFiniteUpdateError, step_if_finite
+from rl_megatron.trainer.optimizer_step import (
+    NonFiniteUpdateError,
+    build_optimizer,
+    set_lr,
+    step_if_finite,
+)
 
 Batch = Mapping[str, torch.Tensor]
 # loss_fn(outputs, micro_batch, totals) -> (loss, metrics). outputs: `log_prob` / `entropy`
@@ -96,28 +84,6 @@ LossFn = Callable[
 ]
 
 
-def _cpu_offload_fields(optim: OptimConfig, dtype: torch.dtype) -> dict:
-    """megatron-core's optimizer CPU offload (`HybridDeviceOptimizer`) for
-    `optim.cpu_offload_fraction` > 0, as `OptimizerConfig` fields; none when it is 0, so that
-    the default optimizer is built exactly as without the key."""
-    if optim.cpu_offload_fraction <= 0:
-        return {}
-    if dtype != torch.bfloat16:
-        # fp32: megatron-core fails ("can't optimize a non-leaf Tensor"); fp16: its steps
-        # did not match the default optimizer's (config_checks refuses both, by key).
-        raise ValueError(f"optim.cpu_offload_fraction needs bf16 weights, got {dtype}")
-    return {
-        "optimizer_cpu_offload": True,
-        "optimizer_offload_fraction": optim.cpu_offload_fraction,
-        # Required with the offload (Megatron-LM refuses it otherwise): the hybrid optimizer
-        # then holds the fp32 master weights itself, on the host for its offloaded share,
-        # and the distributed optimizer keeps no fp32 copy of the weights on the device.
-        "use_precision_aware_optimizer": True,
-        "decoupled_weight_decay": True,  # megatron-core's CPU Adam is AdamW (as by default)
-        "overlap_cpu_optimizer_d2h_h2d": optim.cpu_offload_overlap,
-    }
-
-
 class MegatronRole:
     """Model chunks of one role, with DDP, the distributed optimizer and an LR schedule.
 
@@ -127,7 +93,7 @@ class MegatronRole:
         optim: optimizer settings; None for a frozen role (reference, reward model), which
             gets neither DDP nor an optimizer and can only run `forward_only`. With
             `cpu_offload_fraction` > 0 that share of the optimizer state lives in host
-            memory and is stepped there (`_cpu_offload_fields`).
+            memory and is stepped there (`optimizer_step.build_optimizer`).
         micro_batch_size: rows per micro-batch (fixed mode).
         use_dynamic_batch: token-budget micro-batches instead (`micro_batches`).
         max_tokens_per_micro_batch: the budget, in real tokens.
@@ -201,8 +167,7 @@ class MegatronRole:
         # Without replay, still compare the routers' choices with the batch's routing
         # (`routing_mismatch_frac` of a run or test with replay off).
         self.compare_routing = False
-        # Routing mismatch counts of the running `forward_only` (None outside it).
-        self._routing_stats: RoutingStats | None = None
+        # Routing mismatch counts of the last `forward_only` (`routing.py`).
         self._last_routing_stats: RoutingStats | None = None
         self.optim_config = optim
         self.total_steps = total_steps
@@ -218,7 +183,7 @@ class MegatronRole:
         self.pack_multiple = (
             self.config.tensor_model_parallel_size if (self.config.sequence_parallel) else 1
         )
-        # Context parallelism cuts every sequence into 2·cp chunks (`models/context_parallel`).
+        # Context parallelism cuts every sequence into 2·cp chunks (`cp_split.py`).
         self.cp_size = dist.get_world_size(self.groups.cp)
         self.seq_multiple = 2 * self.cp_size if self.cp_size > 1 else 1
         self.pack_multiple *= self.seq_multiple
@@ -238,25 +203,8 @@ class MegatronRole:
             for i, chunk in enumerate(chunks)
         ]
         self.config.finalize_model_grads_func = finalize_model_grads
-        dtype = self.config.params_dtype
-        offload_fields = _cpu_offload_fields(optim, dtype)
-        with precision_aware_without_te() if offload_fields else contextlib.nullcontext():
-            optimizer_config = OptimizerConfig(
-                optimizer="adam",  # the distributed optimizer supports Adam only
-                lr=optim.lr,
-                min_lr=optim.min_lr,
-                weight_decay=optim.weight_decay,
-                adam_beta1=optim.adam_beta1,
-                adam_beta2=optim.adam_beta2,
-                adam_eps=optim.adam_eps,
-                clip_grad=optim.clip_grad,
-                bf16=dtype == torch.bfloat16,
-                params_dtype=dtype,
-                use_distributed_optimizer=True,
-                **offload_fields,
-            )
-        self.optimizer = get_megatron_optimizer(optimizer_config, self.model)
-        self._set_lr(lr_at(0, optim, total_steps))
+        self.optimizer = build_optimizer(self.model, self.config, optim)
+        set_lr(self.optimizer, lr_at(0, optim, total_steps), optim.weight_decay)
         self.offloader = Offloader(self.model, self.optimizer)
 
     # ---- offload -----------------------------------------------------------------------
@@ -277,279 +225,6 @@ class MegatronRole:
             yield
         finally:
             self.offload()
-
-    def _check_loaded(self) -> None:
-        if self.offloader.is_offloaded:
-            raise RuntimeError("this role is offloaded: call reload() before running it")
-
-    # ---- micro-batches -----------------------------------------------------------------
-
-    def _split(
-        self, batch: Batch, micro_batch_size: int | None, host_mask: torch.Tensor | None = None
-    ) -> list[list[int]]:
-        """The batch's rows in micro-batches. host_mask: a host copy of the batch's
-        `attention_mask`, if the caller has one (a token budget then costs no device sync)."""
-        rows = batch["prompts"].shape[0]
-        vpp = len(self.model) > 1
-        if self.use_dynamic_batch and micro_batch_size is None:
-            lens = (batch["attention_mask"] if host_mask is None else host_mask).sum(dim=-1)
-            # The interleaved schedule needs a multiple of pp micro-batches.
-            mult = self.groups.pp_size if vpp else 1
-            return mb.dynamic_micro_batches(lens, self.max_tokens, multiple_of=mult)
-        split = mb.fixed_micro_batches(rows, micro_batch_size or self.micro_batch_size)
-        if vpp and len(split) % self.groups.pp_size:
-            raise ValueError(
-                f"the interleaved pipeline schedule needs a multiple of pp="
-                f"{self.groups.pp_size} micro-batches; {rows} rows in micro-batches of "
-                f"{micro_batch_size or self.micro_batch_size} give {len(split)}"
-            )
-        return split
-
-    def _micro_batches(
-        self, batch: Batch, split: list[list[int]], host_mask: torch.Tensor | None = None
-    ) -> list[dict]:
-        """The micro-batches of `split`, on the device, shaped for the schedule."""
-        return mb.schedule_micro_batches(
-            batch,
-            split,
-            self.device,
-            pack=self.pack,
-            one_shape=self.interleaved,
-            multiple_of=self.pack_multiple,
-            seq_multiple=self.seq_multiple,
-            host_mask=host_mask,
-        )
-
-    def _forward_step(
-        self,
-        data_iterator: Iterator,
-        model: torch.nn.Module,
-        loss_func,
-        kl_to: MegatronRole | None = None,
-    ):
-        """Megatron forward_step_func: one micro-batch through one chunk (and, with
-        `kl_to`, through that role's model too: its logits go to `_per_token`)."""
-        batch = next(data_iterator)
-        if self.cp_size > 1:
-            batch = self._split_for_cp(batch)
-        if "cu_seqlens" in batch:
-            cu = batch["cu_seqlens"]
-            max_len = int(batch["max_seqlen"])
-            params = PackedSeqParams(
-                qkv_format="thd",
-                cu_seqlens_q=cu,
-                cu_seqlens_kv=cu,
-                max_seqlen_q=max_len,
-                max_seqlen_kv=max_len,
-                **({"cp_group": self.groups.cp} if self.cp_size > 1 else {}),
-            )
-            args = (batch["packed_ids"], batch["packed_position_ids"], None)
-            kwargs = {"packed_seq_params": params}
-        else:
-            # Left-aligned rows (`micro_batches.left_align`): padding only at the ends of
-            # rows, so plain causal attention (no mask) is exact for every real token.
-            args, kwargs = (batch["input_ids"], batch["position_ids"], None), {}
-        # The exact KL needs both models' logits at every position: those stay whole.
-        from_hidden = self.logprob_chunk_tokens > 0 and not self.value_head and kl_to is None
-        with (
-            output_hidden_states(model) if from_hidden else contextlib.nullcontext(),
-            self._routing(model, batch),
-        ):
-            output = model(*args, **kwargs)
-        if from_hidden and unwrap(model).post_process:
-            batch = {**batch, "output_weight": output_weight(model)}
-        if kl_to is not None:
-            with torch.no_grad():  # a constant of the loss
-                batch = {**batch, "kl_ref_logits": kl_to.model[0](*args, **kwargs)}
-        return output, partial(loss_func, batch)
-
-    def _routing(self, model: torch.nn.Module, batch: Mapping[str, torch.Tensor]):
-        """The rollout's routing for this micro-batch's forward, when it carries one: replayed
-        with `router_replay`, else only compared (`models/router_replay.py`)."""
-        if self.router_replay and "routed_experts" not in batch:
-            raise ValueError(
-                f"{self.name}: router_replay is on but the batch has no routed_experts "
-                f"(the rollout engine recorded no routing)"
-            )
-        # Other roles (a reference, an MoE reward model of another shape) ignore it.
-        if "routed_experts" not in batch or not (self.router_replay or self.compare_routing):
-            return contextlib.nullcontext()
-        sp = self.config.sequence_parallel
-        return replay_routing(
-            unwrap(model),
-            batch["routed_experts"],
-            replay=self.router_replay,
-            stats=self._routing_stats,
-            sp_rank=dist.get_rank(self.groups.tp) if sp else 0,
-            sp_size=dist.get_world_size(self.groups.tp) if sp else 1,
-        )
-
-    def routing_mismatch_frac(self) -> float | None:
-        """Of the (token, layer) pairs with a recorded routing in the last `forward_only`,
-        the fraction whose recorded top-k set differs from the router's own choice (given
-        the layers below as they ran); summed over pipeline stages and DP (and TP with
-        sequence parallelism, which splits the tokens). None when nothing was recorded.
-        Collective over this role's ranks."""
-        stats = self._last_routing_stats or RoutingStats()
-        counts = torch.stack([stats.mismatched, stats.recorded]).to(self.device).double()
-        groups = [self.groups.pp, self.groups.dp]
-        if self.config.sequence_parallel:
-            groups.append(self.groups.tp)
-        for group in groups:
-            dist.all_reduce(counts, group=group)
-        mismatched, recorded = counts.tolist()
-        return mismatched / recorded if recorded else None
-
-    def _split_for_cp(self, batch: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Context parallelism: this CP rank's tokens of a micro-batch (megatron-core's
-        load-balanced chunks, per sequence when packed), plus `cp_labels`, each local
-        token's label: the next token of the full sequence, taken before the split."""
-        rank = dist.get_rank(self.groups.cp)
-        if "cu_seqlens" in batch:
-            keys, bounds = ("packed_ids", "packed_position_ids"), batch["cu_seqlens"].tolist()
-
-            def split(x):
-                return cpo.split_packed_for_cp(x, bounds, self.cp_size, rank)
-        else:
-            keys = ("input_ids", "position_ids")
-
-            def split(x):
-                return cpo.split_for_cp(x, self.cp_size, rank)
-
-        # The label of the last column wraps around; that column predicts nothing read.
-        labels = split(batch[keys[0]].roll(-1, dims=1))
-        return {**batch, **{key: split(batch[key]) for key in keys}, "cp_labels": labels}
-
-    def _per_token_cp(
-        self, output: torch.Tensor, batch: Mapping[str, torch.Tensor], with_entropy: bool
-    ) -> dict[str, torch.Tensor]:
-        """`_per_token` under context parallelism: output `[b, s/cp, V/tp]` (or values) of
-        this rank's tokens.
-
-        Each output is computed once per local position (labels from `_split_for_cp`),
-        all of them gathered over CP in one collective into `[b, s]` (packed: `[1, T]`),
-        and the response columns read from that as `_per_token` reads them. The gather's
-        backward keeps each rank's own positions: every CP rank computes the same loss.
-        """
-        local = self._per_position(output, batch, with_entropy)
-        names = list(local)
-        stacked = torch.stack([local[n].float() for n in names], dim=-1)  # [b, s/cp, k]
-        cu = batch.get("cu_seqlens")
-        full = cpo.gather_from_cp(stacked, self.groups.cp, dim=1, cu_seqlens=cu)
-        index = batch["gather_index"] + (1 - self.output_shift) * self.value_head
-        index = index.clamp(max=full.shape[1] - 1)
-        if cu is not None:
-            cols = full[0].index_select(0, index.view(-1)).view(*index.shape, -1)
-        else:
-            cols = full.gather(1, index[..., None].expand(-1, -1, full.shape[-1]))
-        return {name: cols[..., i] for i, name in enumerate(names)}
-
-    def _per_position(
-        self, output: torch.Tensor, batch: Mapping[str, torch.Tensor], with_entropy: bool
-    ) -> dict[str, torch.Tensor]:
-        """`[b, s, V/tp]` logits or `[b, s, 1]` values → `[b, s]` outputs at every position,
-        each against `batch["cp_labels"]` `[b, s]`."""
-        if self.value_head:
-            return {"values": output[..., 0].float()}
-        labels, tp = batch["cp_labels"], self.groups.tp
-        out = {}
-        if "kl_ref_logits" in batch:
-            out["kl_full"] = vocab_parallel_kl(
-                output, batch["kl_ref_logits"], tp, self.temperature, self.vocab_size
-            )
-        out.update(self._log_probs(output, labels, batch, with_entropy))
-        return out
-
-    def _log_probs(
-        self,
-        x: torch.Tensor,
-        labels: torch.Tensor,
-        batch: Mapping[str, torch.Tensor],
-        with_entropy: bool,
-    ) -> dict[str, torch.Tensor]:
-        """`log_prob` of `labels` (and `entropy`) from `x`: logits `[..., V/tp]`, or the
-        final hidden states `[..., h]` where the forward returned those (the batch then
-        carries `output_weight`, and the logits are made chunk by chunk)."""
-        tp = self.groups.tp
-        if "output_weight" in batch:
-            weight = batch["output_weight"]
-            log_prob, entropy = chunked_log_probs_and_entropy(
-                x.to(weight.dtype),  # Float16Module hands the last stage's output up in fp32
-                weight,
-                labels,
-                tp,
-                temperature=self.temperature,
-                vocab_size=self.vocab_size,
-                chunk_tokens=self.logprob_chunk_tokens,
-                with_entropy=with_entropy,
-            )
-            return {"log_prob": log_prob, **({"entropy": entropy} if with_entropy else {})}
-        if not with_entropy:
-            # The entropy costs another pass over the vocabulary (and its backward).
-            return {
-                "log_prob": vocab_parallel_log_probs(
-                    x, labels, tp, self.temperature, self.vocab_size
-                )
-            }
-        log_prob, entropy = vocab_parallel_log_probs_and_entropy(
-            x, labels, tp, self.temperature, self.vocab_size
-        )
-        return {"log_prob": log_prob, "entropy": entropy}
-
-    def _per_token(
-        self, output: torch.Tensor, batch: Mapping[str, torch.Tensor], with_entropy: bool
-    ) -> dict[str, torch.Tensor]:
-        """`[b, s, V/tp]` logits (or `[b, s, h]` hidden states, see `_log_probs`) or
-        `[b, s, 1]` values → `[b, r]` response-token outputs."""
-        if self.cp_size > 1:
-            return self._per_token_cp(output, batch, with_entropy)
-        # The column predicting response token k (`gather_index`); a value head read at
-        # the token itself (output_at="token") is one column further on.
-        index = batch["gather_index"] + (1 - self.output_shift) * self.value_head
-        index = index.clamp(max=output.shape[1] - 1)
-        if "cu_seqlens" in batch:  # packed: one [1, T, ...] row holds every sequence
-            cols = output[0].index_select(0, index.view(-1)).view(*index.shape, -1)
-        else:
-            # gather, not output[rows, index]: advanced indexing is a slow host op.
-            cols = output.gather(1, index[..., None].expand(-1, -1, output.shape[-1]))
-        if self.value_head:
-            return {"values": cols[..., 0].float()}
-        labels = batch["responses"].to(self.device)
-        out = {}
-        if "kl_ref_logits" in batch:
-            ref = batch["kl_ref_logits"]
-            if "cu_seqlens" in batch:
-                ref_cols = ref[0].index_select(0, index.view(-1)).view(*index.shape, -1)
-            else:
-                ref_cols = ref.gather(1, index[..., None].expand(-1, -1, ref.shape[-1]))
-            out["kl_full"] = vocab_parallel_kl(
-                cols, ref_cols, self.groups.tp, self.temperature, self.vocab_size
-            )
-        out.update(self._log_probs(cols, labels, batch, with_entropy))
-        return out
-
-    def _run(self, micro: list[dict], forward_step, forward_only: bool) -> list:
-        """All micro-batches through the schedule; returns what the loss funcs reported.
-
-        With forward_only, `collect_non_loss_data` makes the schedule store loss_func's
-        return value as is (our per-token dict), instead of treating it as a loss.
-        """
-        if self.pack:
-            seq, mbs = max(m["packed_ids"].shape[1] for m in micro), 1
-        else:
-            seq = max(m["input_ids"].shape[1] for m in micro)
-            mbs = max(m["input_ids"].shape[0] for m in micro)
-        iters = [iter(micro) for _ in self.model]
-        return get_forward_backward_func()(
-            forward_step_func=forward_step,
-            data_iterator=iters if len(iters) > 1 else iters[0],
-            model=self.model,
-            num_microbatches=len(micro),
-            seq_length=seq,
-            micro_batch_size=mbs,
-            forward_only=forward_only,
-            collect_non_loss_data=forward_only,
-        )
 
     # ---- forward only ------------------------------------------------------------------
 
@@ -580,18 +255,16 @@ class MegatronRole:
         micro = self._micro_batches(batch, split)
         keys = ["values"] if self.value_head else ["log_prob"] + ["entropy"] * with_entropy
         keys += ["kl_full"] * (kl_to is not None)
+        head = self._head()
 
         def loss_func(mbatch, output, non_loss_data=False):
-            return self._per_token(output, mbatch, with_entropy)
+            return head.per_token(output, mbatch, with_entropy)
 
-        step = partial(self._forward_step, loss_func=loss_func, kl_to=kl_to)
         b, r = batch["responses"].shape
         results = {k: torch.zeros(b, r, dtype=torch.float32, device=self.device) for k in keys}
-        self._routing_stats = RoutingStats()
-        try:
-            outs = self._run(micro, step, forward_only=True)
-        finally:
-            self._last_routing_stats, self._routing_stats = self._routing_stats, None
+        # The routers' mismatch counts of this call (`routing_mismatch_frac`).
+        self._last_routing_stats = stats = RoutingStats()
+        outs = self._schedule(micro, loss_func, forward_only=True, kl_to=kl_to, stats=stats)
         if self.is_pp_last:
             for key in keys:
                 full = [mb.pad_responses(o[key][: len(rows)], r) for o, rows in zip(outs, split)]
@@ -602,6 +275,19 @@ class MegatronRole:
             dist.broadcast(results[key], src=self.groups.pp_last_rank, group=self.groups.pp)
             results[key].masked_fill_(~mask, 0.0)
         return results
+
+    def routing_mismatch_frac(self) -> float | None:
+        """Of the (token, layer) pairs with a recorded routing in the last `forward_only`,
+        the fraction whose recorded top-k set differs from the router's own choice (given
+        the layers below as they ran); summed over pipeline stages and DP (and TP with
+        sequence parallelism, which splits the tokens). None when nothing was recorded.
+        Collective over this role's ranks."""
+        return routing.mismatch_fraction(
+            self._last_routing_stats or RoutingStats(),
+            self.groups,
+            self.config.sequence_parallel,
+            self.device,
+        )
 
     # ---- training ----------------------------------------------------------------------
 
@@ -680,41 +366,6 @@ class MegatronRole:
             while_last_step_runs()
         return self._resolve(pending)
 
-    def _check_kl_to(self, other: MegatronRole | None) -> None:
-        """The other role runs beside this one on each micro-batch: one pipeline stage,
-        the same vocabulary shards; in eval mode (a constant of the loss)."""
-        if other is None:
-            return
-        if len(self.model) != 1 or self.groups.pp_size != 1 or other.value_head:
-            raise ValueError(
-                "kl_to: the full KL needs pp=1 and an LM head on both roles (the other "
-                "role's logits are computed beside this role's on each micro-batch)"
-            )
-        other._check_loaded()
-        for chunk in other.model:
-            chunk.eval()
-
-    def _check_trainable(self) -> None:
-        if self.optimizer is None:
-            raise RuntimeError("train_step on a frozen role (built with optim=None)")
-        self._check_loaded()
-
-    def _train_mode(self) -> None:
-        """Training mode for the optimizer steps of one call, set once, not per step:
-        `Module.train()` walks every submodule (3.3k with 16 layers of 64 experts, ~10 ms
-        of host time), and nothing between two steps of a call switches it back
-        (`forward_only` does, and the Megatron engine on these modules, between calls)."""
-        for chunk in self.model:
-            chunk.train()
-
-    def _resolve(self, pending: list[step_metrics.PendingMetrics]) -> list[dict[str, float]]:
-        return step_metrics.resolve(
-            pending,
-            is_pp_last=self.is_pp_last,
-            pp_group=self.groups.pp,
-            pp_last_rank=self.groups.pp_last_rank,
-        )
-
     def _optimizer_step(
         self,
         mini_batch: Batch,
@@ -728,20 +379,21 @@ class MegatronRole:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         lr = lr_at(self.step_count, self.optim_config, self.total_steps)
-        self._set_lr(lr)
+        set_lr(self.optimizer, lr, self.optim_config.weight_decay)
         totals = batch_totals(mini_batch["response_mask"].to(self.device), group=self.groups.dp)
         split = self._split(mini_batch, micro_batch_size, host_mask)
         micro = self._micro_batches(mini_batch, split, host_mask)
         # The schedule turns the returned loss into loss·scale·cp/n (megatron-core's ×cp,
         # meant for a loss over a CP rank's own tokens) and DDP averages over dp·cp ranks.
         # Here every CP rank computes the same loss but back-propagates through its own
-        # tokens only (`_per_token_cp`), so the cp ranks' gradients sum to that loss's
-        # gradient g once: the update is scale·cp/n / (dp·cp) · Σ_dp Σ_micro g, which is
-        # the mini-batch loss's gradient exactly when scale = dp·n, with or without CP.
+        # tokens only (`cp_split.gather_outputs`), so the cp ranks' gradients sum to that
+        # loss's gradient g once: the update is scale·cp/n / (dp·cp) · Σ_dp Σ_micro g, which
+        # is the mini-batch loss's gradient exactly when scale = dp·n, with or without CP.
         scale = self.groups.dp_size * len(micro)
+        head = self._head()
 
         def loss_func(mbatch, output):
-            outputs = self._per_token(output, mbatch, with_entropy)
+            outputs = head.per_token(output, mbatch, with_entropy)
             loss, metrics = loss_fn(outputs, mbatch, totals)
             # The schedule divides the returned `loss * scale` in place, a tensor of its
             # own: what is reported here needs no copy.
@@ -749,8 +401,7 @@ class MegatronRole:
             reported.update({k: v.detach().float() for k, v in metrics.items()})
             return loss * scale, reported
 
-        step = partial(self._forward_step, loss_func=loss_func, kl_to=kl_to)
-        per_micro = self._run(micro, step, forward_only=False)
+        per_micro = self._schedule(micro, loss_func, forward_only=False, kl_to=kl_to)
         local_loss = (
             torch.stack([m["loss"] for m in per_micro]).sum()
             if self.is_pp_last and per_micro
@@ -779,16 +430,125 @@ class MegatronRole:
         )
         return pending
 
-    def _set_lr(self, lr: float) -> None:
-        """This step's learning rate and weight decay in every parameter group.
+    def _resolve(self, pending: list[step_metrics.PendingMetrics]) -> list[dict[str, float]]:
+        return step_metrics.resolve(
+            pending,
+            is_pp_last=self.is_pp_last,
+            pp_group=self.groups.pp,
+            pp_last_rank=self.groups.pp_last_rank,
+        )
 
-        megatron-core marks biases and 1-D parameters (norms) with `wd_mult` 0 but leaves
-        applying it to its `OptimizerParamScheduler`, which we do not use: without the
-        multipliers here the norms would be decayed towards 0. With the optimizer CPU
-        offload these are the `HybridDeviceOptimizer`'s groups, which it copies into its
-        CPU and device optimizers at every step.
-        """
-        weight_decay = self.optim_config.weight_decay
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_mult", 1.0)
-            group["weight_decay"] = weight_decay * group.get("wd_mult", 1.0)
+    # ---- micro-batches through the schedule --------------------------------------------
+
+    def _split(
+        self, batch: Batch, micro_batch_size: int | None, host_mask: torch.Tensor | None = None
+    ) -> list[list[int]]:
+        """The batch's rows in micro-batches. host_mask: a host copy of the batch's
+        `attention_mask`, if the caller has one (a token budget then costs no device sync)."""
+        rows = batch["prompts"].shape[0]
+        vpp = len(self.model) > 1
+        if self.use_dynamic_batch and micro_batch_size is None:
+            lens = (batch["attention_mask"] if host_mask is None else host_mask).sum(dim=-1)
+            # The interleaved schedule needs a multiple of pp micro-batches.
+            mult = self.groups.pp_size if vpp else 1
+            return mb.dynamic_micro_batches(lens, self.max_tokens, multiple_of=mult)
+        split = mb.fixed_micro_batches(rows, micro_batch_size or self.micro_batch_size)
+        if vpp and len(split) % self.groups.pp_size:
+            raise ValueError(
+                f"the interleaved pipeline schedule needs a multiple of pp="
+                f"{self.groups.pp_size} micro-batches; {rows} rows in micro-batches of "
+                f"{micro_batch_size or self.micro_batch_size} give {len(split)}"
+            )
+        return split
+
+    def _micro_batches(
+        self, batch: Batch, split: list[list[int]], host_mask: torch.Tensor | None = None
+    ) -> list[dict]:
+        """The micro-batches of `split`, on the device, shaped for the schedule."""
+        return mb.schedule_micro_batches(
+            batch,
+            split,
+            self.device,
+            pack=self.pack,
+            one_shape=self.interleaved,
+            multiple_of=self.pack_multiple,
+            seq_multiple=self.seq_multiple,
+            host_mask=host_mask,
+        )
+
+    def _schedule(
+        self,
+        micro: list[dict],
+        loss_func: Callable,
+        *,
+        forward_only: bool,
+        kl_to: MegatronRole | None,
+        stats: RoutingStats | None = None,
+    ) -> list:
+        """The micro-batches through megatron-core's schedule (`schedule.py`), each forward
+        in the batch's routing (`routing.py`, mismatches counted into `stats`) and, with
+        `kl_to`, beside that role's model; returns what loss_func reported."""
+        step = partial(
+            schedule.forward_step,
+            loss_func=loss_func,
+            cp=self.groups.cp if self.cp_size > 1 else None,
+            # The exact KL needs both models' logits at every position: those stay whole.
+            from_hidden=self.logprob_chunk_tokens > 0 and not self.value_head and kl_to is None,
+            routing=partial(
+                routing.around_forward,
+                replay=self.router_replay,
+                compare=self.compare_routing,
+                stats=stats,
+                tp=self.groups.tp,
+                sequence_parallel=self.config.sequence_parallel,
+                role=self.name,
+            ),
+            kl_model=None if kl_to is None else kl_to.model[0],
+        )
+        return schedule.run(self.model, micro, step, pack=self.pack, forward_only=forward_only)
+
+    def _head(self) -> OutputHead:
+        """How this role reads its model's output, with its settings as they are now."""
+        return OutputHead(
+            value_head=self.value_head,
+            output_shift=self.output_shift,
+            temperature=self.temperature,
+            vocab_size=self.vocab_size,
+            chunk_tokens=self.logprob_chunk_tokens,
+            tp=self.groups.tp,
+            cp=self.groups.cp if self.cp_size > 1 else None,
+            device=self.device,
+        )
+
+    # ---- checks ------------------------------------------------------------------------
+
+    def _check_loaded(self) -> None:
+        if self.offloader.is_offloaded:
+            raise RuntimeError("this role is offloaded: call reload() before running it")
+
+    def _check_kl_to(self, other: MegatronRole | None) -> None:
+        """The other role runs beside this one on each micro-batch: one pipeline stage,
+        the same vocabulary shards; in eval mode (a constant of the loss)."""
+        if other is None:
+            return
+        if len(self.model) != 1 or self.groups.pp_size != 1 or other.value_head:
+            raise ValueError(
+                "kl_to: the full KL needs pp=1 and an LM head on both roles (the other "
+                "role's logits are computed beside this role's on each micro-batch)"
+            )
+        other._check_loaded()
+        for chunk in other.model:
+            chunk.eval()
+
+    def _check_trainable(self) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("train_step on a frozen role (built with optim=None)")
+        self._check_loaded()
+
+    def _train_mode(self) -> None:
+        """Training mode for the optimizer steps of one call, set once, not per step:
+        `Module.train()` walks every submodule (3.3k with 16 layers of 64 experts, ~10 ms
+        of host time), and nothing between two steps of a call switches it back
+        (`forward_only` does, and the Megatron engine on these modules, between calls)."""
+        for chunk in self.model:
+            chunk.train()
