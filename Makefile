@@ -34,12 +34,13 @@ test: lint
 	$(VENV)/bin/pytest -q --durations=15
 
 # GRPO on the synthetic digit_echo task: 4 CPU ranks (TP=2 x DP=2), random 4-layer
-# model; one console line per step, the reward climbs. Metrics: runs/tiny_cpu/, drawn
+# model; one console line per step, the reward climbs. rl_megatron.launcher is torchrun
+# keeping a rank's one-line error and exit code (`rl-megatron-run`). Metrics: runs/tiny_cpu/, drawn
 # into runs/tiny_cpu/curves.png. Every rank filters its own third-party warning noise
 # (rl_megatron/utils/warning_filters.py; logging.level=DEBUG shows it all).
 # A second `make demo` resumes from runs/tiny_cpu/checkpoints; `make clean` starts over.
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/python -m torch.distributed.run --standalone \
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m rl_megatron.launcher --standalone \
 		--nproc_per_node 4 launch/ppo.py --config yaml_configs/tiny_cpu.yaml
 	$(PY) -m rl_megatron.plot runs/tiny_cpu --out runs/tiny_cpu/curves.png
 

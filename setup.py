@@ -8,6 +8,8 @@ setup(
     description="Megatron-core-native PPO/GRPO trainer with in-place 3D resharding to vLLM",
     python_requires=">=3.11",
     packages=find_packages(include=["rl_megatron", "rl_megatron.*"]),
+    # torchrun that keeps a rank's one-line error and exit code (rl_megatron/launcher.py)
+    entry_points={"console_scripts": ["rl-megatron-run = rl_megatron.launcher:main"]},
     install_requires=[
         "torch>=2.6",
         "megatron-core==0.16.1",  # newest release supporting Python 3.11

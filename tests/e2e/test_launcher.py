@@ -100,3 +100,96 @@ def test_dry_run_layout_line_shows_expert_degrees(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     line = next(x for x in result.stdout.splitlines() if x.startswith("training layout:"))
     assert line.startswith("training layout: tp=1 pp=1 dp=2 cp=1 vpp=None ep=2 etp=1 sp=off;")
+
+
+# --- rl-megatron-run (rl_megatron/launcher.py): torchrun that keeps the ranks' one line ---
+
+
+def _launch(torchrun_args: list[str], script: str, *args: str, timeout: int = 240):
+    """`python -m rl_megatron.launcher` (what the `rl-megatron-run` script runs)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "rl_megatron.launcher", "--standalone", *torchrun_args]
+    cmd += [script, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+# Each rank does what its argument says: `rank:what` pairs, the others exit 0.
+RANK_SCRIPT = """
+import os, signal, sys, time
+rank = os.environ["RANK"]
+what = dict(pair.split(":") for pair in sys.argv[1:]).get(rank, "ok")
+if what == "refuse":
+    print(f"error: refused on rank {rank}", file=sys.stderr)
+    sys.exit(2)
+if what == "raise":
+    raise RuntimeError(f"internal bug on rank {rank}")
+if what == "kill":
+    os.kill(os.getpid(), signal.SIGKILL)
+if what == "wait":
+    time.sleep(60)
+"""
+
+
+@pytest.fixture
+def rank_script(tmp_path):
+    path = tmp_path / "ranks.py"
+    path.write_text(RANK_SCRIPT)
+    return str(path)
+
+
+def test_launcher_keeps_a_config_errors_one_line_and_exit_code(tmp_path):
+    result = _launch(
+        ["--nproc_per_node", "2"], "launch/ppo.py", "--config", TINY, "actor.optim.lrr=1e-6",
+        f"trainer.output_dir={tmp_path}",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == [
+        "config error: actor.optim.lrr: unknown key; did you mean actor.optim.lr?"
+    ]
+    assert result.stdout == ""
+
+
+@pytest.mark.parametrize(
+    "ranks, code, stderr",
+    [
+        # A refusal on one rank: the agent stops the other (SIGTERM), which is no failure.
+        (["0:refuse", "1:wait"], 2, ["error: refused on rank 0"]),
+        (["0:refuse", "1:refuse"], 2, ["error: refused on rank 0", "error: refused on rank 1"]),
+        (["0:ok", "1:ok"], 0, []),
+        (["1:kill", "0:wait"], 1, [
+            "error: rank 1 killed by SIGKILL; the other ranks were stopped (each rank's own "
+            "output is above)"]),
+    ],
+)  # fmt: skip
+def test_launcher_exit_code_and_line_follow_the_ranks(rank_script, ranks, code, stderr):
+    result = _launch(["--nproc_per_node", "2"], rank_script, *ranks)
+    assert result.returncode == code, result.stderr[-3000:]
+    assert sorted(result.stderr.strip().splitlines()) == stderr
+    assert result.stdout == ""
+
+
+def test_launcher_keeps_an_internal_errors_traceback_and_adds_one_line(rank_script):
+    result = _launch(["--nproc_per_node", "2"], rank_script, "1:raise", "0:wait")
+    assert result.returncode == 1, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert "RuntimeError: internal bug on rank 1" in lines
+    assert lines[0] == "Traceback (most recent call last):"
+    assert lines[-1] == (
+        "error: rank 1 exited with code 1; the other ranks were stopped (each rank's own "
+        "output is above)"
+    )
+    assert "ChildFailedError" not in result.stderr
+    assert sum("Traceback" in line for line in lines) == 1
+
+
+def test_launch_torchrun_py_is_the_same_launcher(rank_script):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "launch/torchrun.py", "--standalone", "--nproc_per_node", "2"]
+    result = subprocess.run(
+        [*cmd, rank_script, "0:refuse", "1:refuse"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "ChildFailedError" not in result.stderr
