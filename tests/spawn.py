@@ -24,7 +24,6 @@ Tests read the mode through `ON_GPU`, `test_device()` and `max_ranks()`.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -34,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tests.ports import reserve_port
 
 DEVICE_ENV = "RL_MEGATRON_TEST_DEVICE"
 _MODE = os.environ.get(DEVICE_ENV, "cpu")
@@ -73,9 +74,8 @@ test_device.__test__ = False  # type: ignore[attr-defined]
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # Below the ephemeral range, once per process: tests/ports.py says why.
+    return reserve_port()
 
 
 def _setup_device(rank: int) -> str:

@@ -15,14 +15,14 @@ import pytest
 
 from rl_megatron.utils.run_lock import RunDirLock
 from tests.e2e.test_launcher import ROOT, TINY
+from tests.ports import reserve_port
 
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # Below the ephemeral range, once per process: tests/ports.py says why.
+    return reserve_port()
 
 
 def _start_ranks(world_size: int, args: list[str]) -> list[subprocess.Popen]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_launcher import ROOT, TINY
+from tests.ports import reserve_port
 
 STANDIN = Path(__file__).parent / "slurm_standin"
 TWO_STEPS = ["trainer.total_steps=2", "trainer.val_interval=0", "checkpoint.save_interval=0"]
@@ -45,9 +45,8 @@ YAML_LINE = re.compile(r"^( +\S.*|[a-z_]+:( .*)?)$")
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    # Below the ephemeral range, once per process: tests/ports.py says why.
+    return reserve_port()
 
 
 def _env(**extra: str) -> dict[str, str]:

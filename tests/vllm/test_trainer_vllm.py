@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
+from tests.ports import reserve_port
 from tests.rollout_refs import tiny_llama
 from tests.vllm.torchrun_script import REPO
 
@@ -180,9 +180,7 @@ def test_kv_cache_that_does_not_fit_is_one_line_naming_a_value_that_does(tmp_pat
     env |= {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     # One rank without torchrun (whose own exit code and traceback would stand in front of
     # the rank's), with the variables it sets: vLLM's external_launcher reads them.
-    with socket.socket() as free:
-        free.bind(("127.0.0.1", 0))
-        port = free.getsockname()[1]
+    port = reserve_port()  # below the ephemeral range: tests/ports.py
     env |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
     env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
 
