@@ -282,6 +282,8 @@ def test_cpu_shared_memory_is_named_per_run_and_removed(run):
     if torch.cuda.is_available() or run[0]["layout"]["num_replicas"] != 1:
         pytest.skip("shared memory is the CPU build's, at rollout TP = 2")
     shm = [res["cpu_shm"] for res in run]
+    if not any(s["shm_kernels"] for s in shm):
+        pytest.skip("this CPU's vLLM kernels (AVX2 build) have no shared-memory communicator")
     ident = shm[0]["ident"]
     assert ident and all(s["ident"] == ident for s in shm)
     for s in shm:

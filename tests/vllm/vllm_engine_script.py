@@ -81,6 +81,9 @@ def shm_names(engine: VllmEngine) -> dict[str, Any]:
     ident = engine.shm_ident
     return {
         "ident": ident,
+        # Whether this machine's kernels have the SHM communicator at all: vLLM's AVX2
+        # build (a CPU without AVX-512) has no `init_shm_manager` and falls back to gloo.
+        "shm_kernels": hasattr(torch.ops._C, "init_shm_manager"),
         "group_name": group_name,
         "left_after_start": [p.name for p in run_segments(ident)] if ident else [],
     }
