@@ -192,8 +192,8 @@ MUTATIONS = [
     (
         "actor trained on the uncorrected batch",
         TRAINER,
-        'roles.actor, actor_batch, self._actor_loss, "actor", kl_to=beside',
-        'roles.actor, batch, self._actor_loss, "actor", kl_to=beside',
+        "                actor_batch,\n                self._actor_loss,",
+        "                batch,\n                self._actor_loss,",
         ONE_RANK,
     ),
     ("critic.loss_agg_mode ignored", TRAINER, "c.loss_agg_mode,", '"token-mean",', ONE_RANK),
@@ -434,15 +434,15 @@ MUTATIONS = [
     (
         "vLLM engine: a deeper sleep after level 0 unmaps the KV cache twice",
         "rl_megatron/rollout/vllm_engine.py",
-        "        if self._kv_cache_unmapped:  # vLLM's sleep unmaps every allocation: once each",
-        "        if False:",
+        "        if asleep:\n            self._wake(asleep)",
+        "        if False:\n            self._wake(asleep)",
         "tests/unit/test_vllm_sleep_levels.py",
     ),
     (
         "vLLM engine: no prefix-cache reset after a generate",
         "rl_megatron/rollout/vllm_engine.py",
-        "        self._prefix_cache_dirty = True\n        outputs",
-        "        outputs",
+        "        self._prefix_cache_dirty = True\n        # Not `LLM.generate`",
+        "        # Not `LLM.generate`",
         "tests/vllm/test_vllm_engine.py",
     ),
     (
