@@ -24,16 +24,10 @@ import pytest
 
 from rl_megatron.utils.disk_space import gigabytes
 from tests.e2e.test_launcher import ROOT, TINY
-from tests.e2e.test_run_safety import DIST_VARS, _finish, _free_port
+from tests.e2e.test_run_safety import DIST_VARS, TWO_RANKS_SMALL, _finish, _free_port
 
 SMALL = [
-    "parallel.tp=1",
-    "rollout.tp=1",
-    "rollout.n=2",
-    "data.train_batch_size=2",
-    "actor.mini_batch_size=4",
-    "actor.micro_batch_size=2",
-    "trainer.val_interval=0",
+    *TWO_RANKS_SMALL,
     "trainer.total_steps=4",
     "checkpoint.save_interval=2",
     "checkpoint.save_hf=true",

@@ -18,20 +18,14 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_launcher import TINY
-from tests.e2e.test_run_safety import _finish, _start_ranks
+from tests.e2e.test_run_safety import TWO_RANKS_SMALL, _finish, _start_ranks
 
 LIMIT = 2  # reward.timeout_s
 # Seconds from the hang's start to the last rank's exit beyond LIMIT: the other sample's
 # call, the collectives, teardown and interpreter exit, on 2 loaded cores.
 MARGIN = 20
 SMALL = [
-    "parallel.tp=1",
-    "rollout.tp=1",
-    "rollout.n=2",
-    "data.train_batch_size=2",
-    "actor.mini_batch_size=4",
-    "actor.micro_batch_size=2",
-    "trainer.val_interval=0",
+    *TWO_RANKS_SMALL,
     "checkpoint.save_interval=0",
     f"reward.timeout_s={LIMIT}",
 ]

@@ -18,6 +18,16 @@ from tests.e2e.test_launcher import ROOT, TINY
 from tests.ports import reserve_port
 
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+# Two ranks of one replica each, two samples per prompt: the smallest run that trains.
+TWO_RANKS_SMALL = [
+    "parallel.tp=1",
+    "rollout.tp=1",
+    "rollout.n=2",
+    "data.train_batch_size=2",
+    "actor.mini_batch_size=4",
+    "actor.micro_batch_size=2",
+    "trainer.val_interval=0",
+]
 
 
 def _free_port() -> int:
