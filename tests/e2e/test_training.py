@@ -319,14 +319,15 @@ def test_raising_reward_function(tmp_path):
             tmp_path / "a", f"reward.function={module}:always_raises", "reward.on_error=raise"
         )
     )
-    assert "'always_raises' failed on sample 0 (synthetic:train:" in line
+    # The function is named as reward.function gives it (file and name).
+    assert f"'{module}:always_raises' failed on sample 0 (synthetic:train:" in line
     assert "KeyError: 'score_me'" in line
     # on_error=score: failures are scored and counted...
     result = _one_rank(tmp_path / "b", f"reward.function={module}:raises_on_odd_answers")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = _metrics(tmp_path / "b" / "tiny_cpu")
     assert all(0 < r["reward/errors"] < 64 for r in rows), [r["reward/errors"] for r in rows]
-    assert "samples failed in 'raises_on_odd_answers'" in result.stdout  # the log
+    assert f"samples failed in '{module}:raises_on_odd_answers'" in result.stdout  # the log
     # ...but a function that fails on every sample stops the run instead of training on it,
     # naming the step as the console does. `sys.exit` in it is such a failure, not an exit.
     # (The run also truncates prompts at load, counted in every step's metrics.)
