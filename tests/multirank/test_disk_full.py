@@ -154,6 +154,7 @@ def _body(rank: int, world_size: int, tmp_path: Path) -> None:
 
         # 5. A kill during the export of step 1 (its folder gone, a .partial left): the
         # next start removes the .partial, the resumed run exports step 1 again, the same.
+        dist.barrier()  # every rank has read the folder above before rank 0 removes it
         if rank == 0:
             shutil.rmtree(hf / "step_00000001")
             (hf / ".step_00000001.partial").mkdir()
