@@ -55,6 +55,18 @@ class _DropShutdownRace(logging.Filter):
         return "failed to shutdown the rendezvous" not in record.getMessage()
 
 
+class _DropExitBarrierRace(logging.Filter):
+    """The same race at the exit barrier: this node's ranks all finished, and the agent
+    hosting the store exited before this one read the barrier, so the read fails with a
+    closed connection (`DistNetworkError`) and torch logs it with its traceback. A timeout
+    there (the other node still running) is another error and stays visible."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Error waiting on exit barrier" not in record.getMessage() or not record.exc_info:
+            return True
+        return type(record.exc_info[1]).__name__ != "DistNetworkError"
+
+
 class _DropChildFailureReport(logging.Filter):
     """The agent's own report of a failed rank ("failed (exitcode: 2) local_rank: …") and
     the SIGTERM it sends the others: `main` says it in one line instead."""
@@ -67,6 +79,9 @@ class _DropChildFailureReport(logging.Filter):
 def _quiet_the_agent() -> None:
     logging.getLogger("torch.distributed.elastic.rendezvous.dynamic_rendezvous").addFilter(
         _DropShutdownRace()
+    )
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(
+        _DropExitBarrierRace()
     )
     for name in (
         "torch.distributed.elastic.multiprocessing.api",
