@@ -113,14 +113,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, kwargs: dict, e
         (Path(errors) / f"rank{rank}.txt").write_text(traceback.format_exc())
         raise
     finally:
-        try:
-            from megatron.core import parallel_state
+        from rl_megatron.distributed import teardown
 
-            parallel_state.destroy_model_parallel()
-        except ImportError:
-            pass
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        teardown()  # what a run does: engines first, then Megatron's groups and the world
 
 
 def run_on_ranks(fn: Callable[..., Any], world_size: int, **kwargs: Any) -> None:

@@ -3,41 +3,18 @@ HF folder: the values of its config.json that the model is built with (issue 36)
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _launch(args: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "launch/ppo.py", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+from tests.e2e.test_launcher import _run
+from tests.unit.test_resolved_config import _hf_folder
 
 
 def _run_config(tmp_path: Path, model_type: str = "llama") -> Path:
     """A tiny Llama folder (config.json only: a dry run loads no weights) with SmolLM2's
     kind of values that differ from the config's defaults, and a run on it."""
-    from transformers import LlamaConfig
-
-    hf_dir = tmp_path / "hf"
-    LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rope_theta=500000.0,
-        tie_word_embeddings=True,
-    ).save_pretrained(hf_dir)
+    hf_dir = _hf_folder(tmp_path / "hf")
     if model_type != "llama":
         text = (hf_dir / "config.json").read_text().replace('"llama"', f'"{model_type}"')
         (hf_dir / "config.json").write_text(text)
@@ -56,7 +33,7 @@ def _run_config(tmp_path: Path, model_type: str = "llama") -> Path:
 
 def test_the_printed_and_saved_config_show_config_json_values(tmp_path):
     config = _run_config(tmp_path)
-    result = _launch(["--config", str(config), "--dry-run", "model.rope_theta=1000.0"])
+    result = _run(["--config", str(config), "--dry-run", "model.rope_theta=1000.0"])
     assert result.returncode == 0, result.stderr[-3000:]
     saved = yaml.safe_load((tmp_path / "runs" / "smol" / "config.resolved.yaml").read_text())
     assert saved["model"]["rope_theta"] == 500000.0
@@ -76,7 +53,7 @@ def test_the_printed_and_saved_config_show_config_json_values(tmp_path):
 
 def test_a_config_json_the_builders_refuse_is_one_line_before_anything_starts(tmp_path):
     config = _run_config(tmp_path, model_type="gpt2")
-    result = _launch(["--config", str(config), "--dry-run"])
+    result = _run(["--config", str(config), "--dry-run"])
     assert result.returncode == 2
     assert result.stderr.strip().splitlines() == [
         "config error: config.json: model_type='gpt2' is not supported "
