@@ -5,16 +5,28 @@ also hands out for every outgoing connection: between the test picking it and th
 ranks binding it, another run's gloo or store connection can take it (`EADDRINUSE`; seen
 when the Slurm tests start five launches at once). The ports here lie below that range, so
 no connection is ever given one, and each is handed out once per test process.
+
+Two test processes on one machine (two `make test` at once) could still both find a port
+free and bind it later. So a port is handed out only to the process holding its lock, an
+exclusive `flock` on `<tmp>/rl_megatron_test_ports/<port>.lock`, kept until that process
+exits (the kernel drops it then, however the process ends: no stale reservation).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import socket
+import tempfile
 from pathlib import Path
 
 _LOWEST = 20000
+# torch's default ports (c10d rendezvous, MASTER_PORT): a launch told no port binds them.
+_TORCH_DEFAULTS = {29400, 29500}
 _HANDED_OUT: set[int] = set()
+_LOCKS: dict[int, int] = {}  # port → the open lock file's descriptor, held for life
+LOCK_DIR = Path(tempfile.gettempdir()) / "rl_megatron_test_ports"
 
 
 def _ephemeral_low() -> int:
@@ -33,8 +45,32 @@ def _is_free(port: int) -> bool:
     return True
 
 
+def _lock(port: int) -> bool:
+    """Take the machine-wide reservation of `port` for this process; False: another has it."""
+    LOCK_DIR.mkdir(exist_ok=True)
+    with contextlib.suppress(OSError):  # another user's folder: theirs to keep open
+        LOCK_DIR.chmod(0o1777)
+    try:
+        fd = os.open(LOCK_DIR / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:  # another user's lock file
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _LOCKS[port] = fd
+    return True
+
+
+def _start(span: int) -> int:
+    """Where this process begins its search, as an offset from the lowest port."""
+    return (os.getpid() * 7919) % span
+
+
 def reserve_port() -> int:
-    """A free port below the ephemeral range, never the same twice in this process.
+    """A free port below the ephemeral range, never the same twice on this machine while
+    this process lives.
 
     The start depends on the process id, so two test processes on one machine (two
     `make test` at once) begin far apart.
@@ -43,10 +79,13 @@ def reserve_port() -> int:
     span = high - _LOWEST
     if span <= 0:
         raise RuntimeError(f"no ports below the ephemeral range (which starts at {high})")
-    start = (os.getpid() * 7919) % span
+    start = _start(span)
     for offset in range(span):
         port = _LOWEST + (start + offset) % span
-        if port not in _HANDED_OUT and _is_free(port):
+        if port in _HANDED_OUT or port in _TORCH_DEFAULTS or not _lock(port):
+            continue
+        if _is_free(port):  # checked under the lock: another process's run may hold it
             _HANDED_OUT.add(port)
             return port
+        os.close(_LOCKS.pop(port))
     raise RuntimeError("no free port below the ephemeral range")
