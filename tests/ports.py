@@ -9,7 +9,8 @@ no connection is ever given one, and each is handed out once per test process.
 Two test processes on one machine (two `make test` at once) could still both find a port
 free and bind it later. So a port is handed out only to the process holding its lock, an
 exclusive `flock` on `<tmp>/rl_megatron_test_ports/<port>.lock`, kept until that process
-exits (the kernel drops it then, however the process ends: no stale reservation).
+exits (the kernel drops it then, however the process ends: no stale reservation) or has
+reserved `_MAX_HELD` newer ones.
 """
 
 from __future__ import annotations
@@ -25,7 +26,11 @@ _LOWEST = 20000
 # torch's default ports (c10d rendezvous, MASTER_PORT): a launch told no port binds them.
 _TORCH_DEFAULTS = {29400, 29500}
 _HANDED_OUT: set[int] = set()
-_LOCKS: dict[int, int] = {}  # port → the open lock file's descriptor, held for life
+_LOCKS: dict[int, int] = {}  # port → the open lock file's descriptor, oldest first
+# Reservations held at once: the oldest is given back beyond this (its launch ended long
+# ago: a test's launches run at once, tests one after another), so a whole `make test`
+# stays far below a 1024-descriptor limit. The port is still never handed out again here.
+_MAX_HELD = 128
 LOCK_DIR = Path(tempfile.gettempdir()) / "rl_megatron_test_ports"
 
 
@@ -86,6 +91,8 @@ def reserve_port() -> int:
             continue
         if _is_free(port):  # checked under the lock: another process's run may hold it
             _HANDED_OUT.add(port)
+            while len(_LOCKS) > _MAX_HELD:
+                os.close(_LOCKS.pop(next(iter(_LOCKS))))
             return port
         os.close(_LOCKS.pop(port))
     raise RuntimeError("no free port below the ephemeral range")

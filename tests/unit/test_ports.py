@@ -69,3 +69,11 @@ def test_no_room_below_the_ephemeral_range_is_one_clear_error(monkeypatch, low):
     monkeypatch.setattr(ports, "_ephemeral_low", lambda: low)
     with pytest.raises(RuntimeError, match=f"no ports below the ephemeral range .*{low}"):
         ports.reserve_port()
+
+
+def test_old_reservations_are_given_back_but_never_handed_out_again(monkeypatch):
+    monkeypatch.setattr(ports, "_MAX_HELD", 3)
+    got = [ports.reserve_port() for _ in range(6)]
+    assert len(ports._LOCKS) == 3 and set(ports._LOCKS) == set(got[-3:])
+    _start_at(monkeypatch, got[0])
+    assert ports.reserve_port() not in got
