@@ -158,7 +158,11 @@ def init_process_group(
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))
         store = None
-        if env.world_size > 1 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        if env.world_size == 1:
+            # Nobody to meet: an in-memory store. `env://` would bind MASTER_PORT (29500
+            # unless given), and a second one-rank run on the machine would fail on it.
+            store = dist.HashStore()
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
             store = rendezvous_store(env, rendezvous_timeout_s)
             store.set_timeout(datetime.timedelta(seconds=timeout_s))  # from here on: collectives'
         dist.init_process_group(

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +64,21 @@ def test_help_exits_0():
     assert result.returncode == 0 and "--dry-run" in result.stdout
 
 
+def test_one_rank_run_binds_no_port(tmp_path):
+    """A one-rank run (no torchrun, no MASTER_PORT) once bound torch's default 29500, so a
+    second one on the machine failed with EADDRINUSE and a traceback; it has nobody to meet."""
+    with socket.socket() as held:
+        with contextlib.suppress(OSError):  # someone else holds it: as good for this test
+            held.bind(("", 29500))
+            held.listen()
+        result = _run(
+            ["--config", TINY, "--dry-run", "parallel.tp=1", "rollout.tp=1",
+             f"trainer.output_dir={tmp_path}"],
+        )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "training layout: tp=1 pp=1 dp=1" in result.stdout
+
+
 @pytest.mark.slow
 def test_dry_run_prints_layout_table_on_4_ranks(tmp_path):
     result = _run(
@@ -91,13 +108,14 @@ def test_dry_run_prints_layout_table_on_4_ranks(tmp_path):
 
 @pytest.mark.slow
 def test_dry_run_layout_line_shows_expert_degrees(tmp_path):
-    """The launch line names every degree: an MoE run's ep and etp, sequence parallelism."""
-    result = _run(
-        ["--config", "yaml_configs/tiny_moe_cpu.yaml", "--dry-run", "parallel.ep=2",
-         f"trainer.output_dir={tmp_path}"],
-        torchrun_ranks=2,
+    """The launch line names every degree: an MoE run's ep and etp, sequence parallelism.
+    Through `rl-megatron-run` (the plain-torchrun dry run is above): a passing run, exit 0."""
+    result = _launch(
+        ["--nproc_per_node", "2"], "launch/ppo.py", "--config", "yaml_configs/tiny_moe_cpu.yaml",
+        "--dry-run", "parallel.ep=2", f"trainer.output_dir={tmp_path}",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
     line = next(x for x in result.stdout.splitlines() if x.startswith("training layout:"))
     assert line.startswith("training layout: tp=1 pp=1 dp=2 cp=1 vpp=None ep=2 etp=1 sp=off;")
 
@@ -214,3 +232,29 @@ def test_the_exit_barrier_race_is_dropped_and_a_timeout_is_not():
     drop = _DropExitBarrierRace()
     assert not drop.filter(record(DistNetworkError("Failed to recv, got 0 bytes")))
     assert drop.filter(record(DistStoreError("Socket Timeout")))
+
+
+@pytest.mark.parametrize("log_dir", [True, False])
+def test_launcher_repeats_a_refusal_that_went_to_a_log_file(rank_script, tmp_path, log_dir):
+    """--redirects 3: the ranks' output is in files only (--log-dir's, or a temporary
+    folder's); the refusal's line still shows."""
+    logs = ["--log-dir", str(tmp_path / "logs")] if log_dir else []
+    result = _launch(
+        ["--nproc_per_node", "2", "--redirects", "3", *logs], rank_script, "1:refuse", "0:wait"
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.strip().splitlines() == ["error: refused on rank 1"]
+    assert result.stdout == ""
+
+
+def test_launcher_names_the_log_file_holding_a_crashs_traceback(rank_script, tmp_path):
+    logs = tmp_path / "logs"
+    result = _launch(
+        ["--nproc_per_node", "2", "--redirects", "1:2", "--log-dir", str(logs)],
+        rank_script, "1:raise", "0:wait",
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr[-3000:]
+    [line] = result.stderr.strip().splitlines()
+    [log] = logs.glob("*/attempt_0/1/stderr.log")
+    assert line == (f"error: rank 1 exited with code 1 ({log}); the other ranks were stopped")
+    assert "RuntimeError: internal bug on rank 1" in log.read_text()
