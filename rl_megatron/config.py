@@ -145,7 +145,7 @@ class RolloutConfig:
     # algorithm.rollout_correction needs them (the behaviour policy's log-probs); with them
     # the step also logs the mismatch metrics (rollout/logprob_diff_*, ...). vLLM builds
     # them in Python on every decode step: 0.77-0.81x the tokens/s of the same engine
-    # without them on an H200 (benchmarks/RESULTS.md, fifth run). The Megatron engine has
+    # without them on an H200 (benchmarks/runs/2026-11-30-h200x2-run05-update-host-waits.md). The Megatron engine has
     # them from its logits and always reports them.
     calculate_log_probs: bool | None = None
     weight_sync_bucket_mb: int = 512  # transfer bucket for 3D resharding, MiB
