@@ -7,9 +7,12 @@ import heapq
 import math
 import os
 import time
+from pathlib import Path
 
 import pytest
 
+from rl_megatron.config import ConfigError, load_config
+from rl_megatron.config_checks import validate
 from rl_megatron.environments.base import Environment, Observation
 from rl_megatron.environments.workers import EnvironmentPool
 from rl_megatron.rollout.multi_turn import Turn, TurnBudget, run_trajectories
@@ -274,3 +277,45 @@ def test_a_slow_environment_holds_only_its_own_trajectory(pool):
     # The step takes the slow trajectory's own time (3 calls of 1 s), nothing added.
     assert wall < 3 * 1.0 + 0.5
     assert metrics["multi_turn/env_time_s"] >= 3.0
+
+
+# --------------------------------------------------------------------------- config
+
+TINY = Path(__file__).resolve().parents[2] / "yaml_configs" / "tiny_cpu.yaml"
+ONE_RANK = ["parallel.tp=1", "rollout.tp=1"]
+
+
+def test_multi_turn_config_defaults_and_budget():
+    config = load_config(TINY, ONE_RANK)
+    assert config.environment.function is None  # single-turn, today's behaviour
+    assert config.trainer.dump_rollouts is False
+    config = load_config(
+        TINY,
+        ONE_RANK
+        + ["environment.function=my_env.py:Lookup", "rollout.multi_turn.max_turns=3",
+           "rollout.max_prompt_length=40", "rollout.max_response_length=20"],
+    )  # fmt: skip
+    validate(config, world_size=1)
+    budget = TurnBudget.from_config(config.rollout)
+    assert budget == TurnBudget(max_turns=3, max_turn_tokens=20, max_total_tokens=60)
+    config.rollout.multi_turn.max_turn_tokens = 8
+    assert TurnBudget.from_config(config.rollout).max_turn_tokens == 8
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["environment.timeout_s=0"], "environment.timeout_s: must be > 0, got 0"),
+        (["environment.timeout_s=900", "parallel.timeout_s=1800"],
+         "environment.timeout_s: 900 must be below half of parallel.timeout_s=1800"),
+        (["environment.max_concurrent=0"], "environment.max_concurrent: must be >= 1"),
+        (["rollout.multi_turn.max_turns=0"], "rollout.multi_turn.max_turns: must be >= 1, got 0"),
+        (["rollout.multi_turn.max_turn_tokens=10000"],
+         "rollout.multi_turn.max_turn_tokens: 10000 must be in [1, rollout.max_response_length="),
+    ],
+)  # fmt: skip
+def test_multi_turn_config_checks_name_the_key(overrides, expected):
+    config = load_config(TINY, ONE_RANK + ["environment.function=my_env.py:Lookup", *overrides])
+    with pytest.raises(ConfigError) as info:
+        validate(config, world_size=1)
+    assert str(info.value).startswith(expected) and "\n" not in str(info.value)
