@@ -8,7 +8,6 @@ one line naming `environment.function` and the module or file.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from typing import Any
 
@@ -43,10 +42,7 @@ def load_environment(name: str) -> type[Any]:
             f"or be one of {', '.join(BUILTIN)}"
         )
     try:
-        if module_name.endswith(".py"):
-            module = import_user_module(module_name, prefix="rl_megatron_user_env_")
-        else:
-            module = importlib.import_module(module_name)
+        module = import_user_module(module_name, prefix="rl_megatron_user_env_")
     except UserFileError as exc:
         raise EnvironmentLoadError(f"{_KEY}: {exc}") from None
     except (Exception, SystemExit) as exc:  # a user module can fail to import in any way

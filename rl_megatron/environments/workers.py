@@ -196,10 +196,9 @@ class EnvironmentPool:
 
     def _send(self, worker: _Worker, kind: str, payload: Any) -> None:
         worker.call, worker.sent_at = kind, time.monotonic()
-        try:
+        # A dead worker's pipe refuses the send: `ready` sees its end and reports the death.
+        with contextlib.suppress(OSError):
             worker.conn.send((kind, payload))
-        except (OSError, ValueError):  # a dead worker's pipe: `ready` reports it at once
-            worker.sent_at = -self.timeout_s
 
     def _receive(self, worker: _Worker) -> tuple[Hashable, Any] | None:
         kind, traj_id = worker.call, worker.traj_id

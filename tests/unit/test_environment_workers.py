@@ -134,6 +134,18 @@ def test_a_failing_environment_ends_only_its_trajectory(pool, key, expected, tim
     assert collect(pool, 1)["next"] == [{"role": "user", "content": "key ok"}]
 
 
+def test_a_worker_killed_between_calls_fails_the_next_call(pool):
+    import signal
+
+    pool.start(0, {"key": "ok"})
+    collect(pool, 1)
+    os.kill(pool._owner[0].pid, signal.SIGKILL)  # the OOM killer, say
+    time.sleep(0.1)
+    pool.step(0, "x")
+    error = collect(pool, 1)[0]
+    assert str(error) == "the environment worker process died during step (killed by SIGKILL)"
+
+
 def test_garbage_from_start_is_one_line():
     class BadStart(Environment):
         def start(self, sample):
@@ -147,6 +159,18 @@ def test_garbage_from_start_is_one_line():
         pool.start(0, {})
         error = collect(pool, 1)[0]
         assert str(error) == "start returned dict, not a list of message dicts"
+    finally:
+        pool.shutdown()
+
+
+def test_a_factory_whose_instance_lacks_step_is_one_line():
+    pool = EnvironmentPool(lambda: object(), name="f.py:make", timeout_s=2.0, max_concurrent=1)
+    try:
+        pool.start(0, {})
+        assert str(collect(pool, 1)[0]) == (
+            "start: EnvironmentLoadError: environment.function: 'f.py:make': object has no "
+            "start or step method (subclass rl_megatron.environments.Environment)"
+        )
     finally:
         pool.shutdown()
 
