@@ -32,8 +32,12 @@ _POLL_S = 0.002  # the wait on one source while the other has work in flight
 
 @dataclass
 class Turn:
-    """One generated turn. `finish_reason`: "stop" (a stop token, kept as the last of
-    `token_ids`) or "length" (the request's max_tokens reached)."""
+    """One generated turn: the engine's sampled ids, stop token included (vLLM keeps a stop
+    token id in `token_ids`), and their log-probs. The driver reads a turn's end from its
+    last token (`ChatIncrements.stop_token_ids`), not from `finish_reason` ("stop" or
+    "length", for the engine's own records): a turn stopped by a stop *string* has no
+    end-of-turn token to train on and is treated as cut. `request_id` is the one given to
+    `submit`: "<trajectory index>-<turn index>"."""
 
     request_id: str
     token_ids: list[int]
