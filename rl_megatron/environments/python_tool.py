@@ -9,9 +9,9 @@ runs, a small bootstrap in the child applies the limits the code cannot lift:
 * Files: RLIMIT_FSIZE (a write past it fails with EFBIG).
 * Processes: RLIMIT_NPROC for an ordinary user. The kernel ignores it for root (uid 0), so
   as root the child also joins a fresh `pids` cgroup with `pids.max` where the cgroup
-  filesystem is writable. Which one bounds the call is `PythonResult.process_limit`
-  ("rlimit", "cgroup" or "none": as root without a writable cgroup, a fork bomb is only
-  ended by the wall clock).
+  filesystem is writable. As root without one, an audit hook refuses every new process
+  (fork, spawn, exec, subprocess; advisory: ctypes gets around it). Which one bounds the
+  call is `PythonResult.process_limit` ("rlimit", "cgroup" or "audit_hook").
 * Network: the child unshares a new network namespace (root) or a new user + network
   namespace (others), where no interface is up, so connect/bind fail at the kernel. Where
   the kernel refuses that, an audit hook installed before the code refuses socket
@@ -61,7 +61,7 @@ class PythonResult:
     killed_for: str | None  # "cpu", "memory", "output", "wall", or None
     output_truncated: bool  # stdout + stderr were cut at `output_bytes`
     network: str  # "netns" or "audit_hook" (module docstring)
-    process_limit: str  # "rlimit", "cgroup" or "none" (module docstring)
+    process_limit: str  # "rlimit", "cgroup" or "audit_hook" (module docstring)
 
 
 # Runs in the child before the code: argv = snippet path, status fd, config JSON. It reports
@@ -79,6 +79,16 @@ if cfg["cgroup"]:
         procs = "cgroup"
     except OSError:
         pass
+if procs == "none":
+    # Root without a pids cgroup: nothing in the kernel bounds the processes, so no new
+    # process at all (advisory, as the network hook below: ctypes gets around it).
+    SPAWN = {"os.fork", "os.forkpty", "os.posix_spawn", "os.spawn", "os.system", "os.exec",
+             "subprocess.Popen"}
+    def no_spawn(event, args):
+        if event in SPAWN:
+            raise BlockingIOError(f"no new processes in this sandbox ({event} refused)")
+    sys.addaudithook(no_spawn)
+    procs = "audit_hook"
 CLONE_NEWUSER, CLONE_NEWNET = 0x10000000, 0x40000000
 flags = CLONE_NEWNET if os.geteuid() == 0 else CLONE_NEWUSER | CLONE_NEWNET
 if ctypes.CDLL(None, use_errno=True).unshare(flags) == 0:

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from rl_megatron.environments import python_tool
 from rl_megatron.environments.python_tool import PythonLimits, run_python
 
 LIMITS = PythonLimits(cpu_s=1, wall_s=2.0, memory_bytes=512 << 20, output_bytes=4096, processes=16)
@@ -52,18 +53,30 @@ def test_plain_script_runs_in_a_fresh_directory_removed_afterwards():
 
 
 def test_fork_bomb_fails_and_leaves_no_process():
-    # Root without a writable cgroup has no process bound (RLIMIT_NPROC does not bind
-    # uid 0): the bomb would then run until the wall clock, on the whole machine.
-    if run_python("pass", LIMITS).process_limit == "none":
-        pytest.skip("no process limit here (root without a writable pids cgroup)")
     result, seconds = _timed(
         "import os\nprint(os.getpid(), flush=True)\nwhile True:\n    os.fork()"
     )
     pid = int(result.stdout.split()[0])
-    assert result.process_limit in ("rlimit", "cgroup"), result
+    assert result.process_limit in ("rlimit", "cgroup", "audit_hook"), result
     assert "BlockingIOError" in result.stderr  # fork refused at the process limit
     assert seconds < 5
     assert not _alive(pid) and _session_members(pid) == []
+
+
+def test_root_without_a_cgroup_starts_no_process(monkeypatch):
+    """RLIMIT_NPROC does not bind uid 0: without a pids cgroup, no process is started at
+    all (else a fork bomb would load the whole machine until the wall clock)."""
+    if os.geteuid() != 0:
+        pytest.skip("the rlimit binds a user that is not root")
+    monkeypatch.setattr(python_tool, "_pids_cgroup", lambda processes: None)
+    result, seconds = _timed(
+        "import os\nprint(os.getpid(), flush=True)\nwhile True:\n    os.fork()"
+    )
+    assert result.process_limit == "audit_hook", result
+    assert "BlockingIOError: no new processes in this sandbox (os.fork refused)" in result.stderr
+    assert seconds < 5 and not _alive(int(result.stdout.split()[0]))
+    sub = run_python("import subprocess\nsubprocess.run(['true'])", LIMITS)
+    assert "subprocess.Popen refused" in sub.stderr and sub.exit_status == 1
 
 
 def test_a_process_that_left_the_session_is_killed_too():
