@@ -285,6 +285,12 @@ TINY = Path(__file__).resolve().parents[2] / "yaml_configs" / "tiny_cpu.yaml"
 ONE_RANK = ["parallel.tp=1", "rollout.tp=1"]
 
 
+def test_dump_rollouts_is_refused_until_records_are_written():
+    config = load_config(TINY, ONE_RANK + ["trainer.dump_rollouts=true"])
+    with pytest.raises(ConfigError, match=r"^trainer.dump_rollouts: rollout records are not"):
+        validate(config, world_size=1)
+
+
 def test_multi_turn_config_defaults_and_budget():
     config = load_config(TINY, ONE_RANK)
     assert config.environment.function is None  # single-turn, today's behaviour
@@ -295,7 +301,11 @@ def test_multi_turn_config_defaults_and_budget():
         + ["environment.function=my_env.py:Lookup", "rollout.multi_turn.max_turns=3",
            "rollout.max_prompt_length=40", "rollout.max_response_length=20"],
     )  # fmt: skip
-    validate(config, world_size=1)
+    # Every limit is in range; the run is refused until the loop drives environments.
+    with pytest.raises(
+        ConfigError, match=r"^environment.function: multi-turn rollouts are not wired"
+    ):
+        validate(config, world_size=1)
     budget = TurnBudget.from_config(config.rollout)
     assert budget == TurnBudget(max_turns=3, max_turn_tokens=20, max_total_tokens=60)
     config.rollout.multi_turn.max_turn_tokens = 8
