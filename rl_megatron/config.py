@@ -110,6 +110,17 @@ class ParallelConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    # Turns of the policy per trajectory at most (with environment.function set); the
+    # trajectory ends with finish reason "max_turns" after the last one's observation.
+    max_turns: int = 4
+    # Tokens one turn may sample; null: rollout.max_response_length. A turn cut here ends
+    # its trajectory ("turn_length"). Every trajectory, prompt, turns and observations
+    # together, stays within rollout.max_prompt_length + rollout.max_response_length.
+    max_turn_tokens: int | None = None
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["vllm", "megatron"] = "vllm"
     tp: int = 1  # generation tensor-parallel size t_g; must divide parallel.tp·parallel.pp
@@ -153,6 +164,7 @@ class RolloutConfig:
     # compilation_config: {...}); the ones the trainer sets itself are refused here.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     val_temperature: float = 0.0  # 0 = greedy evaluation
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -340,6 +352,20 @@ class RewardConfig:
 
 
 @dataclass
+class EnvironmentConfig:
+    # Multi-turn rollouts: the environment class, "path/to/file.py:Name",
+    # "package.module:Name" or a built-in (tool_calling); null: single-turn generation.
+    function: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)  # passed to the class, per trajectory
+    # Seconds one call (start, step, close) may take; its worker process is killed past
+    # it and the trajectory ends ("environment_error"). Below half of parallel.timeout_s.
+    timeout_s: float = 60.0
+    max_concurrent: int = 32  # environment worker processes per rank at most
+    # An observation's text (its messages together) is cut to this many characters.
+    max_observation_chars: int = 16384
+
+
+@dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=list)  # JSONL / Parquet
     val_files: list[str] = field(default_factory=list)
@@ -380,6 +406,9 @@ class TrainerConfig:
     # step, with one line naming the step and the role; `skip` drops that optimizer step
     # (weights unchanged, counted as `<role>/steps_skipped`) and trains on.
     on_nonfinite: Literal["stop", "skip"] = "stop"
+    # Write each step's trajectories (token ids, loss mask, log-probs, texts, turns,
+    # finish reason, reward) as JSONL under the run folder, for debugging.
+    dump_rollouts: bool = False
 
 
 @dataclass
@@ -418,6 +447,7 @@ class Config:
     critic: CriticConfig = field(default_factory=CriticConfig)
     reference: ReferenceConfig = field(default_factory=ReferenceConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
+    environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

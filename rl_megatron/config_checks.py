@@ -18,6 +18,7 @@ from rl_megatron.config import (
     ConfigError,
     CriticConfig,
     DataConfig,
+    EnvironmentConfig,
     LoggingConfig,
     ModelConfig,
     OptimConfig,
@@ -61,6 +62,12 @@ def validate(config: Config, world_size: int) -> ParallelLayout:
     _check_actor_critic(config, layout.dp)
     _check_optimizer_cpu_offload(config)
     _check_run(config.trainer, config.checkpoint, config.logging)
+    _check_environment(config)
+    _require(
+        not config.trainer.dump_rollouts,
+        "trainer.dump_rollouts",
+        "rollout records are not written yet; leave it false",
+    )
     return layout
 
 
@@ -563,4 +570,36 @@ def _check_experiment_name(name: str) -> None:
         bool(path.parts),  # "." and "./" have none
         key,
         f"{name!r} names trainer.output_dir itself; give the run a folder of its own",
+    )
+
+
+def _check_environment(config: Config) -> None:
+    """environment.* and rollout.multi_turn: limits that keep a trajectory bounded."""
+    env: EnvironmentConfig = config.environment
+    if env.function is None:
+        return
+    parallel_limit = config.parallel.timeout_s
+    _require(env.timeout_s > 0, "environment.timeout_s", f"must be > 0, got {env.timeout_s:g}")
+    _require(
+        env.timeout_s < parallel_limit / 2,
+        "environment.timeout_s",
+        f"{env.timeout_s:g} must be below half of parallel.timeout_s={parallel_limit} (the "
+        "other ranks wait for this rank's rollout at most parallel.timeout_s)",
+    )
+    _require(env.max_concurrent >= 1, "environment.max_concurrent", "must be >= 1")
+    _require(env.max_observation_chars >= 1, "environment.max_observation_chars", "must be >= 1")
+    mt, r = config.rollout.multi_turn, config.rollout
+    _require(mt.max_turns >= 1, "rollout.multi_turn.max_turns", f"must be >= 1, got {mt.max_turns}")
+    if mt.max_turn_tokens is not None:
+        _require(
+            1 <= mt.max_turn_tokens <= r.max_response_length,
+            "rollout.multi_turn.max_turn_tokens",
+            f"{mt.max_turn_tokens} must be in [1, rollout.max_response_length="
+            f"{r.max_response_length}]",
+        )
+    # The pieces (environments/, rollout/trajectory.py, rollout/multi_turn.py) are built and
+    # tested on their own; the engines and the loop do not drive them yet (issue 38).
+    raise ConfigError(
+        "environment.function: multi-turn rollouts are not wired into the trainer yet; "
+        "leave it null (single-turn generation)"
     )

@@ -9,15 +9,12 @@ line naming the setting, the module and what went wrong.
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
-import sys
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rl_megatron.rewards.rules import RULES
+from rl_megatron.utils.user_imports import UserFileError, first_line, import_user_module
 
 if TYPE_CHECKING:
     from rl_megatron.config import Config
@@ -70,16 +67,13 @@ def _import_user_function(spec: str) -> RewardFn:
     if not module_name or not attr:
         raise RewardError(f"reward.function: {spec!r} must look like 'package.module:function'")
     try:
-        if module_name.endswith(".py"):
-            module = _import_file(Path(module_name))
-        else:
-            module = importlib.import_module(module_name)
-    except RewardError:
-        raise
+        module = import_user_module(module_name, prefix="rl_megatron_user_reward_")
+    except UserFileError as exc:
+        raise RewardError(f"reward.function: {exc}") from None
     except (Exception, SystemExit) as exc:  # a user module can fail to import in any way
         raise RewardError(
             f"reward.function: cannot import {module_name!r} for {spec!r} "
-            f"({type(exc).__name__}: {_first_line(exc)})"
+            f"({type(exc).__name__}: {first_line(exc)})"
         ) from None
     if not hasattr(module, attr):
         raise RewardError(f"reward.function: module {module_name!r} has no attribute {attr!r}")
@@ -96,26 +90,3 @@ def _import_user_function(spec: str) -> RewardFn:
     except ValueError:
         pass  # builtins without a signature: trust them, errors surface when scoring
     return fn
-
-
-def _import_file(path: Path) -> Any:
-    """Import a `.py` file as a module named after its stem."""
-    if not path.is_file():
-        raise RewardError(f"reward.function: file not found: {path}")
-    name = f"rl_megatron_user_reward_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise RewardError(f"reward.function: cannot import {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # lets the module pickle / import its own names
-    try:
-        spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else "no message"
