@@ -256,11 +256,10 @@ def _check_value_models(root, ref_reward, ids, tp, pp):
     from rl_megatron.models.hf_config import load_hf_config
 
     pos = torch.arange(S, device=ids.device).expand(B, S)
-    reward = build_reward_model(root / "reward", ParallelLayout.from_megatron(), dtype=DTYPE)
-    from_reward = build_critic(root / "reward", init_from="reward", tp=tp, pp=pp, dtype=DTYPE)
-    fresh = build_critic(
-        root / "llama", ParallelLayout.from_megatron(), init_from="actor", dtype=DTYPE
-    )
+    layout = ParallelLayout.from_megatron()
+    reward = build_reward_model(root / "reward", layout, dtype=DTYPE)
+    from_reward = build_critic(root / "reward", layout, init_from="reward", dtype=DTYPE)
+    fresh = build_critic(root / "llama", layout, init_from="actor", dtype=DTYPE)
     assert not any(p.requires_grad for p in reward[0].parameters())
     assert all(p.requires_grad for p in fresh[0].parameters())
     values = [_forward(m, ids, pos, None) for m in (reward, from_reward, fresh)]
