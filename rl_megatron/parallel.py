@@ -199,12 +199,6 @@ class ParallelLayout:
         tp·cp ranks, which is tp without context parallelism (its own default)."""
         return self.tp * self.cp if self.etp is None else self.etp
 
-    @property
-    def expert_dp(self) -> int:
-        """Ranks holding the same experts (megatron-core's expert-data-parallel group): an
-        expert's gradient is reduced over them (and scaled by expert_dp / dp)."""
-        return self.world_size // (self.expert_tp * self.ep * self.pp)
-
     # ---- ranks ------------------------------------------------------------------------
 
     def coordinates(self, rank: int) -> dict[str, int]:

@@ -44,6 +44,8 @@ def test_context_parallel_layout():
 
 
 def test_sequence_divisor():
+    assert ParallelLayout(tp=4, pp=1, dp=1).cp_chunks == 1
+    assert ParallelLayout(tp=1, pp=1, dp=1, cp=3).cp_chunks == 6
     assert ParallelLayout(tp=4, pp=1, dp=1).sequence_divisor == 1
     assert ParallelLayout(tp=4, pp=1, dp=1, sequence_parallel=True).sequence_divisor == 4
     assert ParallelLayout(tp=2, pp=1, dp=1, cp=2, sequence_parallel=True).sequence_divisor == 8
