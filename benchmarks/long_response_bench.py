@@ -114,7 +114,7 @@ def sweep(name: str, overrides: list[str], args, run) -> list[dict]:
     )  # fmt: skip
     info = model_info(config)
     rows = []
-    actor = build_roles(config, info, total_steps=10, groups=run.groups).actor
+    actor = build_roles(config, info, 10, run.groups).actor
     try:
         for length in args.lengths:
             row = {

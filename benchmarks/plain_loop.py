@@ -20,6 +20,7 @@ from bench_utils import (
 from phase_probes import GC_PAUSES
 from update_traces import device_idle_of, profiled, sync_sites_of
 
+from rl_megatron.parallel import ParallelLayout
 from rl_megatron.utils.flops import TransformerShape, device_peak_tflops, flops_per_token
 
 
@@ -130,18 +131,18 @@ class PlainLoop:
         from rl_megatron.models.hf_config import moe_loss_overrides
 
         p, m = config.parallel, config.model
-        # The actor's TransformerConfig extras (trainer/build.py, `build_roles`): sequence
-        # parallelism, the actor's recompute and, with experts, its router losses (off unless
-        # model.moe_*_loss_coeff say otherwise). The rest of an MoE layer (alltoall dispatcher,
-        # no token dropping, ep and etp from parallel_state) is the builder's, as for the actor.
+        # The actor's TransformerConfig extras (trainer/build.py, `build_roles`): the actor's
+        # recompute and, with experts, its router losses (off unless model.moe_*_loss_coeff
+        # say otherwise). The rest of an MoE layer (alltoall dispatcher, no token dropping,
+        # every degree from the layout) is the builder's, as for the actor.
         extra = {
             "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
-            "sequence_parallel": p.sequence_parallel,
             **config.actor.recompute.transformer_config(),
         }
         if m.num_experts:
             extra.update(moe_loss_overrides(m.moe_aux_loss_coeff, m.moe_z_loss_coeff))
-        chunks = build_gpt_chunks(info, tp=p.tp, pp=p.pp, dtype=dtype, **extra)
+        layout = ParallelLayout.from_megatron(sequence_parallel=p.sequence_parallel)
+        chunks = build_gpt_chunks(info, layout, dtype=dtype, **extra)
         model_config = chunks[0].config
         ddp_config = DistributedDataParallelConfig(
             use_distributed_optimizer=True, grad_reduce_in_fp32=True, overlap_grad_reduce=False

@@ -136,6 +136,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab import interleave  # noqa: E402
 from update_traces import profile_calls  # noqa: E402
 
+from rl_megatron.parallel import ParallelLayout
+
 # Qwen3-MoE fields shared by the MoE entries of MODELS (every layer sparse, QK-norm).
 _QWEN3_MOE = dict(model_type="qwen3_moe", norm_topk_prob=True, intermediate_size=128)
 MODELS = {
@@ -393,7 +395,7 @@ def run_layout(t: int, p: int, d: int, ep: int, etp: int, args, info, rank: int)
         training = TrainingLayout(t, p, d)
     model_parallel_cuda_manual_seed(0)
     # Parameters only (no DDP wrapper, grad buffers or optimizer), initialised on the device.
-    chunks = build_gpt_chunks(info, tp=t, pp=p, dtype=dtype)
+    chunks = build_gpt_chunks(info, ParallelLayout.from_megatron(), dtype=dtype)
     world = dist.get_world_size()
     rows = []
     for t_g in args.rollout_tp:

@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from rollout_common import KEYS, batch_tokens, bench_batches, greedy, max_model_len
 
+from rl_megatron.parallel import ParallelLayout
+
 
 def build_megatron_actor(ckpt: Path, args) -> list[torch.nn.Module]:
     """The actor as the trainer builds it from an HF checkpoint (TP = world, PP = 1)."""
@@ -23,7 +25,9 @@ def build_megatron_actor(ckpt: Path, args) -> list[torch.nn.Module]:
     world = dist.get_world_size()
     parallel_state.initialize_model_parallel(world, 1, order=MEGATRON_RANK_ORDER)
     model_parallel_cuda_manual_seed(0)
-    chunks = build_actor(str(ckpt), tp=world, pp=1, dtype=getattr(torch, args.dtype))
+    chunks = build_actor(
+        str(ckpt), ParallelLayout.from_megatron(), dtype=getattr(torch, args.dtype)
+    )
     if torch.cuda.is_available():
         chunks = [c.cuda() for c in chunks]
     return chunks

@@ -164,8 +164,7 @@ def run_cli(
         import torch.distributed as dist
 
         if dist.is_initialized():
-            from megatron.core import parallel_state
+            from rl_megatron.distributed import teardown
 
-            parallel_state.destroy_model_parallel()
-            dist.destroy_process_group()
+            teardown()  # megatron-core's groups, then the default one
     return 0

@@ -66,10 +66,12 @@ from rl_megatron.models.hf_config import (  # noqa: E402
     check_tokenizer_vocab,
     load_hf_config,
 )
-from rl_megatron.parallel import MEGATRON_RANK_ORDER  # noqa: E402
+from rl_megatron.parallel import ParallelGroups, ParallelLayout  # noqa: E402
 from rl_megatron.utils.disk_space import DiskFullError, is_disk_full, no_space_line
 
 PROG = "hf_to_megatron"
+# Seconds a collective of the conversion may wait (megatron-core's default, 30 minutes).
+INIT_TIMEOUT_S = 1800
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -119,28 +121,21 @@ def _world_needed(args: argparse.Namespace) -> int:
 
 def convert(args: argparse.Namespace, info) -> None:
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from rl_megatron.distributed import init_megatron
 
     start = time.time()
     common.init_distributed()
     rank, size = common.world()
-    # One process writes the whole model at TP1·PP1: the stored tensors are global, so only
-    # the vocabulary padding depends on the target TP, and it is set explicitly.
-    tp, pp, vpp = (args.tp, args.pp, args.vpp) if size > 1 else (1, 1, None)
-    ep, etp = (args.ep, args.etp) if size > 1 else (1, 1)
-    parallel_state.initialize_model_parallel(
-        tp,
-        pp,
-        virtual_pipeline_model_parallel_size=vpp,
-        expert_model_parallel_size=ep,
-        expert_tensor_parallel_size=etp if info.is_moe else None,
-        order=MEGATRON_RANK_ORDER,
-    )
+    layout = _layout(args, info, size)
+    init_megatron(layout, INIT_TIMEOUT_S)
+    ParallelGroups.from_megatron(layout)  # checks the layout's rank arithmetic: tp, etp ranks
     model_parallel_cuda_manual_seed(0)
     dtype = common.DTYPES[args.dtype]
     padded = padded_vocab_size(info.vocab_size, args.make_vocab_size_divisible_by, args.tp)
-    chunks, state = _meta_template(info, tp=tp, pp=pp, vpp=vpp, dtype=dtype, padded=padded)
+    chunks, state = _meta_template(info, layout, dtype=dtype, padded=padded)
 
     try:
         tmp = partial_dir(args.out)
@@ -148,7 +143,8 @@ def convert(args: argparse.Namespace, info) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         dist.barrier()
-        source = _Source(chunks, state, SafetensorsCheckpoint(args.hf_dir), info, padded)
+        ckpt = SafetensorsCheckpoint(args.hf_dir)
+        source = _Source(chunks, state, ckpt, info, padded, layout)
         strategy = _streaming_save(source, rank == 0)
         dist_checkpointing.save(state, str(tmp), sharded_strategy=strategy)
         _verify(state, tmp)
@@ -168,6 +164,23 @@ def convert(args: argparse.Namespace, info) -> None:
         if not is_disk_full(exc):
             raise
         raise DiskFullError(no_space_line(args.out, _state_bytes(state))) from None
+
+
+def _layout(args: argparse.Namespace, info, size: int) -> ParallelLayout:
+    """The layout this conversion runs at. One process writes the whole model at TP1·PP1:
+    the stored tensors are global, so only the vocabulary padding depends on the target
+    TP, and it is set explicitly. More processes: the target's tp·pp, data parallelism
+    over the rest (what ep·etp needs beyond tp: `_world_needed`)."""
+    if size == 1:
+        return ParallelLayout(tp=1, pp=1, dp=1, etp=1 if info.is_moe else None)
+    return ParallelLayout(
+        tp=args.tp,
+        pp=args.pp,
+        dp=size // (args.tp * args.pp),
+        vpp=args.vpp,
+        ep=args.ep,
+        etp=args.etp if info.is_moe else None,
+    )
 
 
 def _state_bytes(state: dict) -> int:
@@ -205,7 +218,7 @@ class _AllOnMeta(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _meta_template(info, *, tp: int, pp: int, vpp: int | None, dtype: torch.dtype, padded: int):
+def _meta_template(info, layout: ParallelLayout, *, dtype: torch.dtype, padded: int):
     """This rank's model chunks on the meta device, and their sharded state dict.
 
     The state dict is exactly what the trainer saves and loads (`model`, or `model0`,
@@ -216,9 +229,7 @@ def _meta_template(info, *, tp: int, pp: int, vpp: int | None, dtype: torch.dtyp
     with torch.device("meta"), _AllOnMeta():
         chunks = build_gpt_chunks(
             info,
-            tp=tp,
-            pp=pp,
-            vpp=vpp,
+            layout,
             dtype=dtype,
             padded_vocab=padded,
             value_head=info.head == "value",
@@ -239,8 +250,15 @@ class _Source:
     requested piece. Only the last parameter is cached (gate and up are written in a row).
     """
 
-    def __init__(self, chunks, state: dict, ckpt: SafetensorsCheckpoint, info, padded: int):
-        from megatron.core import parallel_state as ps
+    def __init__(
+        self,
+        chunks,
+        state: dict,
+        ckpt: SafetensorsCheckpoint,
+        info,
+        padded: int,
+        layout: ParallelLayout,
+    ):
         from megatron.core.dist_checkpointing.dict_utils import (
             dict_list_map_inplace,
             nested_values,
@@ -252,12 +270,11 @@ class _Source:
         )
 
         self.ckpt, self.info, self.padded = ckpt, info, padded
-        self.tp = ps.get_tensor_model_parallel_world_size()
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
-        self.etp = (
-            ps.get_expert_tensor_parallel_world_size(),
-            ps.get_expert_tensor_parallel_rank(),
-        )
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        self.tp, self.tp_rank = layout.tp, layout.coordinates(rank)["tp"]
+        self.etp = (layout.expert_tp, layout.expert_coordinates(rank)["etp"])
         rules = hm.rules_for(info, info.head)
         of_param = {
             id(param): (rule, layer)

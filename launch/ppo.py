@@ -135,10 +135,8 @@ def _run(args: argparse.Namespace, config, layout: ParallelLayout, env, log) -> 
             return 2
         if env.rank == 0:
             print(format_layout_table(rows, generation))
-            t = run.layout
             print(
-                f"training layout: tp={t.tp} pp={t.pp} dp={t.dp} cp={t.cp} vpp={t.vpp} "
-                f"ep={t.ep} etp={t.etp} sp={'on' if t.sequence_parallel else 'off'}; "
+                f"training layout: {run.layout.describe()}; "
                 f"generation layout: tp={generation.tp} replicas={generation.replicas} "
                 f"(micro-dp {micro_dp(run.layout, generation)} per training replica), "
                 f"engine={config.rollout.engine}",

@@ -1,12 +1,18 @@
 """The run's parallel layout: one object, built once from the config and the world size.
 
     layout = ParallelLayout.from_config(config.parallel, world_size)   # checks, one-line errors
-    groups = ParallelGroups.from_megatron(layout, rank)                # after initialize_model_parallel
+    groups = ParallelGroups.from_megatron(layout)    # after distributed.init_megatron(layout)
+
+`distributed.distributed_run` builds both once (`run.layout`, `run.groups`) and every
+consumer is handed them: model builders, roles, checkpoints, exports, the launch line.
+Nothing outside this module and `distributed.py` reads megatron-core's `parallel_state`
+(tests/unit/test_parallel_context.py fails on it).
 
 `ParallelLayout` holds the degrees (tp, pp, vpp, dp, cp, ep, etp) and sequence parallelism,
 and answers every question of rank arithmetic the rest of the package asks: a rank's
 coordinates, a replica's ranks, the sizes that losses are normalised and gradients averaged
-over, the divisor of sequence lengths. `ParallelGroups` holds the process groups
+over, the divisor of sequence lengths, the pipeline stages a rank's chunks are, the record
+a checkpoint keeps of it. `ParallelGroups` holds the process groups
 megatron-core created for it (checked against the layout's own arithmetic), and is what
 code that communicates is given. Nothing else recomputes either.
 
@@ -126,6 +132,31 @@ class ParallelLayout:
             sequence_parallel=p.sequence_parallel,
         )
 
+    @classmethod
+    def from_megatron(cls, sequence_parallel: bool = False) -> ParallelLayout:
+        """The layout megatron-core's `initialize_model_parallel` was called at, for code
+        that initialised it by hand (tests, benchmarks); a run takes `run.layout` instead.
+        Sequence parallelism is not megatron-core's to know: the caller says. megatron-core
+        must use our rank order (`MEGATRON_RANK_ORDER`): the layout's arithmetic is checked
+        against its coordinates."""
+        from megatron.core import parallel_state as ps
+
+        tp = ps.get_tensor_model_parallel_world_size()
+        pp = ps.get_pipeline_model_parallel_world_size()
+        cp = ps.get_context_parallel_world_size()
+        layout = cls(
+            tp=tp,
+            pp=pp,
+            dp=dist.get_world_size() // (tp * pp * cp),
+            cp=cp,
+            vpp=ps.get_virtual_pipeline_model_parallel_world_size(),
+            ep=ps.get_expert_model_parallel_world_size(),
+            etp=ps.get_expert_tensor_parallel_world_size(),
+            sequence_parallel=sequence_parallel,
+        )
+        _check_coordinates(layout)
+        return layout
+
     # ---- sizes ------------------------------------------------------------------------
 
     @property
@@ -149,11 +180,16 @@ class ParallelLayout:
         return self.dp * self.cp
 
     @property
+    def cp_chunks(self) -> int:
+        """Chunks context parallelism cuts each sequence into: 2·cp (each rank takes two,
+        for causal load balance), 1 without it; a packed row's own length is padded to it."""
+        return 2 * self.cp if self.cp > 1 else 1
+
+    @property
     def sequence_divisor(self) -> int:
         """Sequence lengths are padded to a multiple of this: tp with sequence
-        parallelism (each rank takes a slice), 2·cp with context parallelism (each rank
-        takes two chunks, for causal load balance)."""
-        return (self.tp if self.sequence_parallel else 1) * (2 * self.cp if self.cp > 1 else 1)
+        parallelism (each rank takes a slice) times `cp_chunks`."""
+        return (self.tp if self.sequence_parallel else 1) * self.cp_chunks
 
     @property
     def expert_tp(self) -> int:
@@ -162,12 +198,6 @@ class ParallelLayout:
         pp > 1, needs their DP size to equal the attention's (etp·ep = tp·cp): they span
         tp·cp ranks, which is tp without context parallelism (its own default)."""
         return self.tp * self.cp if self.etp is None else self.etp
-
-    @property
-    def expert_dp(self) -> int:
-        """Ranks holding the same experts (megatron-core's expert-data-parallel group): an
-        expert's gradient is reduced over them (and scaled by expert_dp / dp)."""
-        return self.world_size // (self.expert_tp * self.ep * self.pp)
 
     # ---- ranks ------------------------------------------------------------------------
 
@@ -195,10 +225,39 @@ class ParallelLayout:
         start = dp_rank * self.replica_size
         return list(range(start, start + self.replica_size))
 
+    def is_first_stage(self, rank: int, vp_stage: int | None = None) -> bool:
+        """Whether chunk `vp_stage` (None: no VPP) of `rank` is the pipeline's first stage
+        (it embeds the tokens): pipeline rank 0, and its first virtual chunk."""
+        return self.coordinates(rank)["pp"] == 0 and not vp_stage
+
+    def is_last_stage(self, rank: int, vp_stage: int | None = None) -> bool:
+        """Whether chunk `vp_stage` (None: no VPP) of `rank` is the pipeline's last stage
+        (it holds the output layer): the last pipeline rank, and its last virtual chunk."""
+        last_chunk = vp_stage is None or vp_stage == (self.vpp or 1) - 1
+        return self.coordinates(rank)["pp"] == self.pp - 1 and last_chunk
+
+    def record(self) -> dict:
+        """Every degree, as a checkpoint records it (`state_checks`) and the launch line
+        shows it. etp is what megatron-core's expert mesh is given (`expert_tp`: tp·cp
+        for a dense model, never None), as checkpoints have recorded it."""
+        return {
+            "world_size": self.world_size,
+            "tp": self.tp,
+            "pp": self.pp,
+            "vpp": self.vpp,
+            "dp": self.dp,
+            "cp": self.cp,
+            "ep": self.ep,
+            "etp": self.expert_tp,
+            "sequence_parallel": self.sequence_parallel,
+        }
+
     def describe(self) -> str:
-        return (
-            f"tp={self.tp} pp={self.pp} dp={self.dp} cp={self.cp} ep={self.ep} "
-            f"etp={self.expert_tp} vpp={self.vpp}"
+        """`tp=2 pp=1 dp=2 cp=1 ep=1 etp=2 vpp=None sp=off`: every degree, one line."""
+        r = self.record()
+        sp = "on" if self.sequence_parallel else "off"
+        return " ".join(f"{k}={r[k]}" for k in ("tp", "pp", "dp", "cp", "ep", "etp", "vpp")) + (
+            f" sp={sp}"
         )
 
 
@@ -207,6 +266,7 @@ class ParallelGroups:
     """The process groups of a layout, as megatron-core created them; passed explicitly
     to every collective of ours.
 
+    layout: the layout they are the groups of (its sizes: `grad_dp`, `sequence_divisor`);
     tp, pp, cp: this rank's groups; dp: data parallel without context parallelism (the
     replicas: losses are normalised and rows shared over it); dp_cp: with it (gradients);
     replica: the ranks of this rank's replica (tp·cp·pp; the same rows, the same rewards);
@@ -216,6 +276,7 @@ class ParallelGroups:
     its gradients reduced over expert_dp by megatron-core's DDP).
     """
 
+    layout: ParallelLayout
     tp: dist.ProcessGroup
     pp: dist.ProcessGroup
     cp: dist.ProcessGroup
@@ -229,45 +290,20 @@ class ParallelGroups:
     expert_dp: dist.ProcessGroup | None = None
 
     @property
-    def pp_size(self) -> int:
-        return dist.get_world_size(self.pp)
-
-    @property
-    def dp_size(self) -> int:
-        return dist.get_world_size(self.dp)
-
-    @property
     def is_pp_last(self) -> bool:
         return dist.get_rank() == self.pp_last_rank
 
     @classmethod
     def from_megatron(cls, layout: ParallelLayout | None = None) -> ParallelGroups:
-        """megatron-core's groups of the current `initialize_model_parallel`.
-
-        With `layout`, this rank's coordinates in megatron-core's groups must be the
-        layout's own (a mismatch is an internal bug, not the user's).
+        """megatron-core's groups of the current `initialize_model_parallel`, at `layout`
+        (a run's; None: read from megatron-core, `ParallelLayout.from_megatron`). This
+        rank's coordinates in them must be the layout's own (`_check_coordinates`).
         """
         from megatron.core import parallel_state as ps
 
-        if layout is not None:
-            theirs = {
-                "tp": ps.get_tensor_model_parallel_rank(),
-                "cp": ps.get_context_parallel_rank(),
-                "pp": ps.get_pipeline_model_parallel_rank(),
-                "dp": ps.get_data_parallel_rank(),
-            }
-            ours = layout.coordinates(dist.get_rank())
-            if layout.etp is not None:  # an MoE layout: its expert mesh too
-                theirs.update(
-                    etp=ps.get_expert_tensor_parallel_rank(),
-                    ep=ps.get_expert_model_parallel_rank(),
-                    edp=ps.get_expert_data_parallel_rank(),
-                )
-                ours.update(layout.expert_coordinates(dist.get_rank()))
-            if theirs != ours:
-                raise RuntimeError(
-                    f"rank {dist.get_rank()}: layout {ours} != megatron-core's {theirs}"
-                )
+        if layout is None:
+            layout = ParallelLayout.from_megatron()
+        _check_coordinates(layout)
         # megatron-core's model-parallel group (tp·pp) is a replica while cp = 1; with
         # context parallelism a replica is tp·cp·pp ranks, a group megatron-core does not
         # make (its rank order puts them in one block: MEGATRON_RANK_ORDER).
@@ -275,6 +311,7 @@ class ParallelGroups:
         if ps.get_context_parallel_world_size() > 1:
             replica = _replica_group(ps.get_data_parallel_world_size())
         return cls(
+            layout=layout,
             tp=ps.get_tensor_model_parallel_group(),
             pp=ps.get_pipeline_model_parallel_group(),
             cp=ps.get_context_parallel_group(),
@@ -286,6 +323,32 @@ class ParallelGroups:
             ep=ps.get_expert_model_parallel_group(),
             etp=ps.get_expert_tensor_parallel_group(),
             expert_dp=ps.get_expert_data_parallel_group(),
+        )
+
+
+def _check_coordinates(layout: ParallelLayout) -> None:
+    """This rank's coordinates in megatron-core's groups are the layout's own: a mismatch
+    (megatron-core initialised in another rank order) is an internal bug, not the user's."""
+    from megatron.core import parallel_state as ps
+
+    theirs = {
+        "tp": ps.get_tensor_model_parallel_rank(),
+        "cp": ps.get_context_parallel_rank(),
+        "pp": ps.get_pipeline_model_parallel_rank(),
+        "dp": ps.get_data_parallel_rank(),
+    }
+    ours = layout.coordinates(dist.get_rank())
+    if layout.etp is not None:  # an MoE layout: its expert mesh too
+        theirs.update(
+            etp=ps.get_expert_tensor_parallel_rank(),
+            ep=ps.get_expert_model_parallel_rank(),
+            edp=ps.get_expert_data_parallel_rank(),
+        )
+        ours.update(layout.expert_coordinates(dist.get_rank()))
+    if theirs != ours:
+        raise RuntimeError(
+            f"rank {dist.get_rank()}: layout {ours} != megatron-core's {theirs} (rank order "
+            f"{MEGATRON_RANK_ORDER}?)"
         )
 
 

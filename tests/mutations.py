@@ -126,7 +126,7 @@ MUTATIONS = [
     (
         "loss not scaled by the DP size",
         ROLES,
-        "scale = self.groups.dp_size * len(micro)",
+        "scale = self.layout.dp * len(micro)",
         "scale = len(micro)",
         TP_DP,
     ),

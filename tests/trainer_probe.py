@@ -108,11 +108,14 @@ BASE = [
 # ------------------------------------------------------------------------------ engine
 
 
-def replay_engine(vocab_size: int, eos_id: int, actor_chunks=None, info=None, hf_config=None):
+def replay_engine(
+    vocab_size: int, eos_id: int, actor_chunks=None, info=None, hf_config=None, groups=None
+):
     """A `RolloutEngine` that answers with seeded random tokens (digits half the time).
 
-    With the actor's chunks, its HF `info` and `hf_config`, it also returns log-probs: the
-    actor's (transformers' Llama in float64 on its gathered weights) plus seeded noise.
+    With the actor's chunks, its HF `info` and `hf_config` (and the run's `groups`, which
+    gather them), it also returns log-probs: the actor's (transformers' Llama in float64 on
+    its gathered weights) plus seeded noise.
     """
     from rl_megatron.checkpoint.hf_export import iter_hf_tensors
     from rl_megatron.rollout.batch import FinishReason, RolloutBatch
@@ -128,7 +131,7 @@ def replay_engine(vocab_size: int, eos_id: int, actor_chunks=None, info=None, hf
             """The actor's log-probs of each response plus noise. Global rank 0 gathers the
             weights; every rank gets them and scores its own replica's rows (in float64,
             identically on the ranks of a replica)."""
-            box = [dict(iter_hf_tensors(actor_chunks, info, head="lm"))]  # collective
+            box = [dict(iter_hf_tensors(actor_chunks, info, groups, head="lm"))]  # collective
             dist.broadcast_object_list(box, src=0)
             model = ref.llama(hf_config, box[0])
             with torch.no_grad():
@@ -214,13 +217,14 @@ def build_probe_trainer(config, run, total_steps: int):
     log = logging.getLogger("trainer_probe")
     data = build_data(config, log)
     info = model_info(config)
-    roles = build_roles(config, info, total_steps=total_steps, groups=run.groups)
+    roles = build_roles(config, info, total_steps, run.groups)
     engine = replay_engine(
         config.model.vocab_size,
         data.tokenizer.eos_token_id,
         roles.actor.model,
         info,
         random_init_hf_config(config),
+        run.groups,
     )
     return PPOTrainer(config, run, data, info, roles, engine, total_steps, log)
 
@@ -282,7 +286,10 @@ def hf_weights(role, info, head: str) -> dict[str, torch.Tensor]:
 
     # An offloaded role's parameters have no storage until it is reloaded.
     with role.on_device():
-        return {name: t.double() for name, t in iter_hf_tensors(role.model, info, head=head)}
+        return {
+            name: t.double()
+            for name, t in iter_hf_tensors(role.model, info, role.groups, head=head)
+        }
 
 
 def hf_grads(role, info, head: str, local: list[torch.Tensor], dp_group) -> dict:

@@ -7,8 +7,8 @@
 
 Each builder returns one model chunk per virtual pipeline stage of this rank (a list of
 length 1 without VPP), built by `models.builders.build_gpt_chunks` without random init and
-filled by `hf_loader.load_hf_weights`; it expects `parallel_state.initialize_model_parallel
-(tp, pp, vpp)` to have been called with the same sizes. On a machine without CUDA call
+filled by `hf_loader.load_hf_weights`, at the run's `ParallelLayout` (megatron-core
+initialised at it: `distributed.init_megatron`). On a machine without CUDA call
 `rl_megatron.cpu_compat.enable_if_no_gpu()` first.
 """
 
@@ -22,15 +22,14 @@ from megatron.core.models.gpt import GPTModel
 from rl_megatron.checkpoint.hf_loader import load_hf_weights
 from rl_megatron.models.builders import ValueHead, build_gpt_chunks, mark_tensor_parallel_weights
 from rl_megatron.models.hf_config import HFConfigError, load_hf_config
+from rl_megatron.parallel import ParallelLayout
 
 
 def _build(
     hf_dir: str | Path,
     head: str,
+    layout: ParallelLayout,
     *,
-    tp: int,
-    pp: int,
-    vpp: int | None,
     dtype: torch.dtype,
     load: bool,
     head_seed: int = 0,
@@ -39,9 +38,7 @@ def _build(
     info = load_hf_config(hf_dir)
     chunks = build_gpt_chunks(
         info,
-        tp=tp,
-        pp=pp,
-        vpp=vpp,
+        layout,
         dtype=dtype,
         value_head=head != "lm",
         perform_initialization=not load,
@@ -54,7 +51,7 @@ def _build(
             chunk.output_layer.reset_parameters(head_seed)
     if load:
         mark_tensor_parallel_weights(chunks)
-        load_hf_weights(chunks, hf_dir, info, head=head)
+        load_hf_weights(chunks, hf_dir, info, layout, head=head)
     return chunks
 
 
@@ -67,38 +64,32 @@ def _freeze(chunks: list[GPTModel]) -> list[GPTModel]:
 
 def build_actor(
     hf_dir: str | Path,
+    layout: ParallelLayout,
     *,
-    tp: int,
-    pp: int,
-    vpp: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     load: bool = True,
     **kwargs,
 ) -> list[GPTModel]:
     """Actor: causal LM from an HF `*ForCausalLM` checkpoint (`load=False`: random init)."""
-    return _build(hf_dir, "lm", tp=tp, pp=pp, vpp=vpp, dtype=dtype, load=load, **kwargs)
+    return _build(hf_dir, "lm", layout, dtype=dtype, load=load, **kwargs)
 
 
 def build_reference(
     hf_dir: str | Path,
+    layout: ParallelLayout,
     *,
-    tp: int,
-    pp: int,
-    vpp: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     **kwargs,
 ) -> list[GPTModel]:
     """Reference policy: the actor's initial weights, in eval mode, without gradients."""
-    return _freeze(_build(hf_dir, "lm", tp=tp, pp=pp, vpp=vpp, dtype=dtype, load=True, **kwargs))
+    return _freeze(_build(hf_dir, "lm", layout, dtype=dtype, load=True, **kwargs))
 
 
 def build_critic(
     hf_dir: str | Path,
+    layout: ParallelLayout,
     *,
     init_from: str = "actor",
-    tp: int,
-    pp: int,
-    vpp: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     head_seed: int = 0,
     **kwargs,
@@ -113,17 +104,13 @@ def build_critic(
     if init_from not in ("actor", "reward"):
         raise HFConfigError(f"critic init_from must be 'actor' or 'reward', got '{init_from}'")
     head = "none" if init_from == "actor" else "value"
-    return _build(
-        hf_dir, head, tp=tp, pp=pp, vpp=vpp, dtype=dtype, load=True, head_seed=head_seed, **kwargs
-    )
+    return _build(hf_dir, head, layout, dtype=dtype, load=True, head_seed=head_seed, **kwargs)
 
 
 def build_reward_model(
     hf_dir: str | Path,
+    layout: ParallelLayout,
     *,
-    tp: int,
-    pp: int,
-    vpp: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     **kwargs,
 ) -> list[GPTModel]:
@@ -131,4 +118,4 @@ def build_reward_model(
 
     Its output is `[b, s, 1]`; the sequence's reward is the value at its last real token.
     """
-    return _freeze(_build(hf_dir, "value", tp=tp, pp=pp, vpp=vpp, dtype=dtype, load=True, **kwargs))
+    return _freeze(_build(hf_dir, "value", layout, dtype=dtype, load=True, **kwargs))

@@ -41,6 +41,7 @@ from rl_megatron.checkpoint.hf_loader import (
 )
 from rl_megatron.models.families import family
 from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.parallel import ParallelGroups
 from rl_megatron.utils.disk_space import DiskFullError, disk_full_cause, no_space_line
 
 # Files next to the weights that a user expects to find in an HF model directory.
@@ -292,20 +293,25 @@ class _Schedule:
     pp_rank: int
 
 
-def _schedule(model_chunks: list[torch.nn.Module], info: HFModelInfo, head: str):
+def _schedule(
+    model_chunks: list[torch.nn.Module],
+    info: HFModelInfo,
+    head: str,
+    groups: ParallelGroups,
+):
     """The export schedule (collective over the PP group); None outside DP replica 0."""
-    from megatron.core import parallel_state as ps
-
-    if info.is_moe and ps.get_expert_model_parallel_world_size() > 1:
+    layout = groups.layout
+    if info.is_moe and layout.ep > 1:
         # The experts of replica 0 live on other DP replicas' ranks too; this exporter
         # walks one replica. The tools convert such a model's Megatron checkpoint.
         raise CheckpointError(
             "exporting an MoE model at parallel.ep > 1 from memory is not supported yet; "
             "save a Megatron checkpoint and run checkpoints_tools/megatron_to_hf.py"
         )
-    if ps.get_data_parallel_rank(with_context_parallel=True) != 0:
-        return None  # another DP replica writes
-    pp_group = ps.get_pipeline_model_parallel_group()
+    mine = layout.coordinates(dist.get_rank())
+    if mine["dp"] != 0 or mine["cp"] != 0:
+        return None  # another DP (or CP) replica writes
+    pp_group = groups.pp
     rules = hm.rules_for(info, head)
     local: dict[tuple, torch.nn.Parameter] = {}
     for chunk in model_chunks:
@@ -324,16 +330,20 @@ def _schedule(model_chunks: list[torch.nn.Module], info: HFModelInfo, head: str)
         rules,
         local,
         order,
-        ps.get_tensor_model_parallel_group(),
-        ps.get_expert_tensor_parallel_group() if info.is_moe else None,
+        groups.tp,
+        groups.etp if info.is_moe else None,
         dist.get_process_group_ranks(pp_group),
-        ps.get_tensor_model_parallel_rank(),
-        ps.get_pipeline_model_parallel_rank(),
+        mine["tp"],
+        mine["pp"],
     )
 
 
 def iter_hf_tensors(
-    model_chunks: list[torch.nn.Module], info: HFModelInfo, *, head: str = "lm"
+    model_chunks: list[torch.nn.Module],
+    info: HFModelInfo,
+    groups: ParallelGroups,
+    *,
+    head: str = "lm",
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, cpu_tensor)` for the whole model on the writing rank, nothing elsewhere.
 
@@ -341,9 +351,10 @@ def iter_hf_tensors(
 
     Args:
         model_chunks: this rank's GPTModel chunks (wrappers allowed).
+        groups: the run's process groups, with its layout (`DistributedRun.groups`).
         head: "lm" or "value" (scalar head exported as `score.weight`).
     """
-    plan = _schedule(model_chunks, info, head)
+    plan = _schedule(model_chunks, info, head, groups)
     if plan is not None:
         yield from _iter_scheduled(plan, info)
 
@@ -442,6 +453,7 @@ def save_hf_checkpoint(
     model_chunks: list[torch.nn.Module],
     info: HFModelInfo,
     out_dir: str | Path,
+    groups: ParallelGroups,
     *,
     src_dir: str | Path,
     head: str = "lm",
@@ -457,6 +469,7 @@ def save_hf_checkpoint(
         info: the model's parsed HF config.
         out_dir: target directory; must be absent or empty unless `force`, and never
             `src_dir`, above it or inside it.
+        groups: the run's process groups, with its layout (`DistributedRun.groups`).
         src_dir: the HF directory the model came from: its config.json (dtype updated) and
             tokenizer / generation files are copied.
         head: "lm" → *ForCausalLM, "value" → *ForSequenceClassification (`score.weight`).
@@ -464,7 +477,7 @@ def save_hf_checkpoint(
         max_shard_bytes: size at which a new safetensors shard is started.
         progress: show a tensors-done bar on the writing rank.
     """
-    plan = _schedule(model_chunks, info, head)
+    plan = _schedule(model_chunks, info, head, groups)
     writer = bar = tmp = full = None
     if dist.get_rank() == 0:
         groups = [

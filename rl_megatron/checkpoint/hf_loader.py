@@ -16,9 +16,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from rl_megatron.checkpoint import hf_mapping as hm
 from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.parallel import ParallelLayout
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -166,10 +168,9 @@ def load_hf_weights(
     model_chunks: list[torch.nn.Module],
     hf_dir: str | Path,
     info: HFModelInfo,
+    layout: ParallelLayout,
     *,
     head: str = "lm",
-    tp_rank: int | None = None,
-    tp_size: int | None = None,
     progress: bool = False,
 ) -> int:
     """Copy an HF checkpoint's weights into this rank's model chunks, in place.
@@ -180,25 +181,15 @@ def load_hf_weights(
         info: the parsed config of `hf_dir`.
         head: "lm" (causal LM), "value" (load `score.weight` of *ForSequenceClassification
             into the scalar head) or "none" (leave the head as initialised: fresh critic).
-        tp_rank, tp_size: this rank's tensor-parallel coordinates; default parallel_state's.
-            An expert's rows are split by the expert-TP group (parallel_state's).
+        layout: the run's parallel layout: this rank's tensor-parallel coordinates split
+            a dense weight's rows, its expert-TP coordinates an expert's.
         progress: show a bar of this rank's parameters loaded / total.
     Returns:
         The number of parameters loaded on this rank.
     """
-    if tp_rank is None or tp_size is None:
-        from megatron.core import parallel_state
-
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    etp = (1, 0)
-    if info.is_moe:
-        from megatron.core import parallel_state
-
-        etp = (
-            parallel_state.get_expert_tensor_parallel_world_size(),
-            parallel_state.get_expert_tensor_parallel_rank(),
-        )
+    rank = dist.get_rank()
+    tp_size, tp_rank = layout.tp, layout.coordinates(rank)["tp"]
+    etp = (layout.expert_tp, layout.expert_coordinates(rank)["etp"]) if info.is_moe else (1, 0)
     rules = hm.rules_for(info, head)
     heads = {"lm_head.weight", "score.weight"}
     with SafetensorsCheckpoint(hf_dir) as ckpt:

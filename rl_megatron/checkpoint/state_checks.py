@@ -6,7 +6,8 @@ does not allow) or at another `model.dtype` is refused with a one-line `Checkpoi
 naming the config key, on every rank before dist_checkpointing's collectives start, so no
 rank fails alone half-way (and nobody reads megatron-core's KeyError of optimizer keys).
 
-The layout record (`trainer_state.json`'s `layout`) holds every degree: world_size, tp, pp,
+The layout record (`trainer_state.json`'s `layout`, `ParallelLayout.record()` of the layout
+the roles were built at) holds every degree: world_size, tp, pp,
 vpp, dp, cp, ep, etp and sequence_parallel. Older records lack vpp, ep, etp and
 sequence_parallel (`LATER_FIELDS`): those are not compared, since their value is unknown.
 """
@@ -19,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from megatron.core import parallel_state as ps
 
 from rl_megatron.checkpoint import hf_loader, integrity, safe_metadata
 from rl_megatron.checkpoint.step_dirs import STATE_FILE
 from rl_megatron.config import DTYPE_NAMES
+from rl_megatron.parallel import ParallelLayout
 
 FORMAT_VERSION = 1
 SIDECAR_FILE = "rl_megatron.json"  # checkpoints_tools/_common.py META_FILE
@@ -43,23 +44,13 @@ class CheckpointError(hf_loader.CheckpointError, RuntimeError):
 # ---- layout ----------------------------------------------------------------------------------
 
 
-def current_layout(roles: Mapping[str, Any] | None = None) -> dict:
-    """This run's parallel layout, identical on every rank: every degree megatron-core was
-    initialised with (ep, etp: its expert mesh) and, from `roles`' models, vpp (chunks per
-    stage; None = not interleaved) and sequence parallelism."""
-    configs = [getattr(role, "config", None) for role in (roles or {}).values()]
-    chunks = max((len(role.model) for role in (roles or {}).values()), default=1)
-    return {
-        "world_size": dist.get_world_size(),
-        "tp": ps.get_tensor_model_parallel_world_size(),
-        "pp": ps.get_pipeline_model_parallel_world_size(),
-        "vpp": chunks if chunks > 1 else None,
-        "dp": ps.get_data_parallel_world_size(),
-        "cp": ps.get_context_parallel_world_size(),
-        "ep": ps.get_expert_model_parallel_world_size(),
-        "etp": ps.get_expert_tensor_parallel_world_size(),
-        "sequence_parallel": any(getattr(c, "sequence_parallel", False) for c in configs),
-    }
+def roles_layout(roles: Mapping[str, Any]) -> ParallelLayout:
+    """The layout `roles` were built at (each role's `layout`: the run's, handed to the
+    role with its groups); its `record()` is what a checkpoint keeps."""
+    layouts = {role.layout for role in roles.values()}
+    if len(layouts) != 1:
+        raise ValueError(f"roles {sorted(roles)} are not built at one layout: {layouts}")
+    return layouts.pop()
 
 
 def layout_changes(saved_layout: dict, layout: dict) -> dict[str, tuple]:
@@ -72,15 +63,10 @@ def layout_changes(saved_layout: dict, layout: dict) -> dict[str, tuple]:
     }
 
 
-def rank_coordinates() -> dict:
-    """This rank's place in the layout (the rank order decides it)."""
-    return {
-        "rank": dist.get_rank(),
-        "tp": ps.get_tensor_model_parallel_rank(),
-        "pp": ps.get_pipeline_model_parallel_rank(),
-        "cp": ps.get_context_parallel_rank(),
-        "dp": ps.get_data_parallel_rank(),
-    }
+def rank_coordinates(layout: ParallelLayout) -> dict:
+    """This rank's place in `layout` (the rank order decides it)."""
+    rank = dist.get_rank()
+    return {"rank": rank, **layout.coordinates(rank)}
 
 
 def check_role_layout(
@@ -88,7 +74,7 @@ def check_role_layout(
 ) -> None:
     """Refuse what megatron-core cannot load, before it fails half-way on some rank."""
     check_role_dtype(role_dir, saved, role)
-    layout, vpp = current_layout({"role": role}), len(role.model)
+    layout, vpp = role.layout.record(), len(role.model)
     changes = layout_changes(saved_layout, layout)
     if _has_experts(role) and role.optimizer is not None:
         # megatron-core 0.16.1 chains a separate optimizer for the experts (their own DP

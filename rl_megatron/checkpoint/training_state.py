@@ -118,13 +118,14 @@ from rl_megatron.checkpoint.state_checks import (
     check_checkpoint,
     check_indexes,
     check_role_layout,
-    current_layout,
     layout_changes,
     rank_coordinates,
     role_dtype,
+    roles_layout,
 )
 from rl_megatron.checkpoint.step_dirs import STATE_FILE
 from rl_megatron.config import DTYPE_NAMES
+from rl_megatron.parallel import ParallelLayout
 from rl_megatron.utils.disk_space import (
     DiskFullError,
     free_bytes,
@@ -202,7 +203,8 @@ class CheckpointManager:
         # A full disk on any rank (ENOSPC / EDQUOT) is agreed at the next collective: every
         # rank raises the same DiskFullError, the `.tmp-` directory is removed and the
         # previous checkpoint stays as it was (`_written`).
-        needed = self._expected_bytes(roles)
+        layout = roles_layout(roles)
+        needed = self._expected_bytes(roles, layout)
         tmp = self._make_tmp(final, needed)
         self._writing = (final, needed)  # what a full-disk line names (`_full_line`)
         try:
@@ -213,7 +215,7 @@ class CheckpointManager:
                 if entry is not None:
                     files[f"{name}/{MANIFEST_FILE}"] = entry
             rng, full = _catch_full(
-                lambda: save_rng(tmp / RNG_DIR, dist.get_rank(), rank_coordinates())
+                lambda: save_rng(tmp / RNG_DIR, dist.get_rank(), rank_coordinates(layout))
             )
             # Also the barrier before the commit: every rank has written all it writes.
             gathered = self._gather((rng, full and no_space_line(final, needed)))
@@ -225,7 +227,7 @@ class CheckpointManager:
                 meta = {
                     "format_version": FORMAT_VERSION,
                     "step": step,
-                    "layout": current_layout(roles),
+                    "layout": layout.record(),
                     "roles": {
                         name: _role_meta(role, self.optimizer_sharding)
                         for name, role in roles.items()
@@ -252,20 +254,18 @@ class CheckpointManager:
             raise
         return final
 
-    def _expected_bytes(self, roles: Mapping[str, Any]) -> int:
+    def _expected_bytes(self, roles: Mapping[str, Any], layout: ParallelLayout) -> int:
         """About what checkpoint `step` will take on disk (collective), for the full-disk line:
         the newest complete checkpoint's size, or (the first save) each role's parameters
         at their dtype plus, with an optimizer, 12 bytes each (fp32 master weights and two
         Adam moments), counted once per model-parallel shard."""
-        from megatron.core import parallel_state as ps
-
         local = 0
         for role in roles.values():
             params = [p for chunk in role.model for p in chunk.parameters()]
             local += sum(p.numel() * p.element_size() for p in params)
             if role.optimizer is not None:
                 local += 12 * sum(p.numel() for p in params)
-        replicas = ps.get_data_parallel_world_size(with_context_parallel=True)
+        replicas = layout.grad_dp  # the ranks holding the same shard: dp·cp
         estimate = sum(self._gather(local)) // max(replicas, 1)
         previous = None
         if self._is_leader():
@@ -423,13 +423,13 @@ class CheckpointManager:
             except BaseCheckpointError as exc:
                 problem = str(exc)
         rng = None
-        layout = current_layout(roles)
+        layout = roles_layout(roles)
         unknown = [k for k in LATER_FIELDS if k not in meta["layout"]]
         if unknown and self._is_leader():
             log.info("%s: an older layout record, without %s: not compared", path, unknown)
         try:
-            if not layout_changes(meta["layout"], layout):
-                rng = read_rng(path / RNG_DIR, dist.get_rank(), rank_coordinates())
+            if not layout_changes(meta["layout"], layout.record()):
+                rng = read_rng(path / RNG_DIR, dist.get_rank(), rank_coordinates(layout))
         except ValueError as exc:
             problem = problem or str(exc)
         self._agree(problem)

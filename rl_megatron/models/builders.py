@@ -1,7 +1,7 @@
 """Megatron `GPTModel` chunks for an HF architecture, in the current parallel layout.
 
-`build_gpt_chunks(info, ...)` builds one chunk per virtual pipeline stage of this rank (a
-list of length 1 without VPP), randomly initialised or left for a loader to fill:
+`build_gpt_chunks(info, layout, ...)` builds one chunk per virtual pipeline stage of this
+rank (a list of length 1 without VPP), randomly initialised or left for a loader to fill:
 
 * a causal LM (`GPTModel`, vocabulary-parallel output layer: actor, reference),
 * or the same trunk with a scalar `ValueHead` as output layer (`value_head=True`: critic,
@@ -9,16 +9,17 @@ list of length 1 without VPP), randomly initialised or left for a loader to fill
 
 Building a role from an HF checkpoint is this plus loading its weights:
 `checkpoint/hf_builders.py` (`build_actor`, `build_reference`, `build_critic`,
-`build_reward_model`). Expects `parallel_state.initialize_model_parallel(tp, pp, vpp)` to
-have been called with the same sizes; on a machine without CUDA call
-`rl_megatron.cpu_compat.enable_if_no_gpu()` first.
+`build_reward_model`). Every degree comes from the run's `ParallelLayout`, which megatron-core
+must have been initialised at (`distributed.init_megatron(layout)`); on a machine without
+CUDA call `rl_megatron.cpu_compat.enable_if_no_gpu()` first.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from megatron.core import parallel_state, tensor_parallel
+from megatron.core import tensor_parallel
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -26,6 +27,7 @@ from torch import Tensor
 
 from rl_megatron.models.hf_config import HFModelInfo, gpt_model_kwargs, transformer_config_from_hf
 from rl_megatron.models.specs import gpt_layer_spec
+from rl_megatron.parallel import ParallelLayout
 
 
 class ValueHead(MegatronModule):
@@ -64,27 +66,10 @@ class ValueHead(MegatronModule):
         return F.linear(hidden_states, self.weight), None
 
 
-def _check_layout(tp: int, pp: int, vpp: int | None) -> None:
-    have = (
-        parallel_state.get_tensor_model_parallel_world_size(),
-        parallel_state.get_pipeline_model_parallel_world_size(),
-        parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1,
-    )
-    if have != (tp, pp, vpp or 1):
-        raise ValueError(
-            f"model asked for tp={tp} pp={pp} vpp={vpp or 1} but parallel_state was "
-            f"initialised with tp={have[0]} pp={have[1]} vpp={have[2]}"
-        )
-
-
 def build_gpt_chunks(
     info: HFModelInfo,
+    layout: ParallelLayout,
     *,
-    tp: int,
-    pp: int,
-    vpp: int | None = None,
-    ep: int | None = None,
-    etp: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     value_head: bool = False,
     padded_vocab: int | None = None,
@@ -97,8 +82,7 @@ def build_gpt_chunks(
 
     Args:
         info: parsed HF config.
-        tp, pp, vpp: must match `parallel_state`.
-        ep, etp: expert-parallel / expert-TP sizes (MoE); None = parallel_state's.
+        layout: the run's parallel layout (every degree; this rank's pipeline stages).
         dtype: parameter dtype.
         value_head: scalar `ValueHead` instead of the LM output layer (critic, reward).
         padded_vocab: fix the padded vocabulary (e.g. to a checkpoint's); default pads to
@@ -107,16 +91,13 @@ def build_gpt_chunks(
         perform_initialization: False when weights are loaded right after (faster).
         config_overrides: extra `TransformerConfig` fields.
     """
-    _check_layout(tp, pp, vpp)
-    if not info.is_moe:
-        ep, etp = 1, 1  # whatever parallel_state says, a dense model has nothing to split
-    ep = parallel_state.get_expert_model_parallel_world_size() if ep is None else ep
-    etp = parallel_state.get_expert_tensor_parallel_world_size() if etp is None else etp
-    # Context parallelism is a property of the run (parallel_state), as megatron-core's
-    # RoPE and attention read it from the config to split and gather the sequence.
-    config_overrides.setdefault(
-        "context_parallel_size", parallel_state.get_context_parallel_world_size()
-    )
+    tp, pp, vpp = layout.tp, layout.pp, layout.vpp
+    # A dense model has no experts to split, whatever megatron-core's expert mesh is.
+    ep, etp = (layout.ep, layout.expert_tp) if info.is_moe else (1, 1)
+    # Context and sequence parallelism are properties of the run, as megatron-core's RoPE,
+    # attention and layers read them from the config to split and gather the sequence.
+    config_overrides["context_parallel_size"] = layout.cp
+    config_overrides["sequence_parallel"] = layout.sequence_parallel
     config = transformer_config_from_hf(
         info,
         tp=tp,
@@ -143,19 +124,15 @@ def build_gpt_chunks(
         num_experts=config.num_moe_experts,
         moe_grouped_gemm=config.moe_grouped_gemm,
     )
-    chunks = []
+    chunks, rank = [], dist.get_rank()
     stages = vpp if vpp and vpp > 1 else None
     for vp_stage in range(stages or 1):
         stage = vp_stage if stages else None
         model = GPTModel(
             config=config,
             transformer_layer_spec=spec,
-            pre_process=parallel_state.is_pipeline_first_stage(
-                ignore_virtual=False, vp_stage=stage
-            ),
-            post_process=parallel_state.is_pipeline_last_stage(
-                ignore_virtual=False, vp_stage=stage
-            ),
+            pre_process=layout.is_first_stage(rank, stage),
+            post_process=layout.is_last_stage(rank, stage),
             vp_stage=stage,
             **kwargs,
         )

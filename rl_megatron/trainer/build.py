@@ -34,7 +34,7 @@ from rl_megatron.models.hf_config import (
     moe_loss_overrides,
     parse_hf_config,
 )
-from rl_megatron.parallel import ParallelGroups
+from rl_megatron.parallel import ParallelGroups, ParallelLayout
 from rl_megatron.rollout.engine import RolloutEngine
 from rl_megatron.trainer.roles import MegatronRole
 
@@ -151,18 +151,11 @@ class Roles:
         return out
 
 
-def _random_chunks(config: Config, info: HFModelInfo, value_head: bool, extra: dict) -> list:
+def _random_chunks(
+    config: Config, info: HFModelInfo, layout: ParallelLayout, value_head: bool, extra: dict
+) -> list:
     """Randomly initialised chunks (no `model.hf_path`): the demo and the tests."""
-    p = config.parallel
-    chunks = build_gpt_chunks(
-        info,
-        tp=p.tp,
-        pp=p.pp,
-        vpp=p.vpp,
-        dtype=DTYPES[config.model.dtype],
-        value_head=value_head,
-        **extra,
-    )
+    chunks = build_gpt_chunks(info, layout, value_head=value_head, **extra)
     for chunk in chunks:
         if isinstance(getattr(chunk, "output_layer", None), ValueHead):
             chunk.output_layer.reset_parameters(config.trainer.seed)
@@ -180,19 +173,16 @@ def _copy_trunk(src: list, dst: list) -> None:
 
 
 def build_roles(
-    config: Config, info: HFModelInfo, total_steps: int, groups: ParallelGroups | None = None
+    config: Config, info: HFModelInfo, total_steps: int, groups: ParallelGroups
 ) -> Roles:
     """Actor, and critic / reference / reward model where the config enables them.
 
-    groups: the run's process groups (`DistributedRun.groups`); None: megatron-core's.
+    groups: the run's process groups (`DistributedRun.groups`); the models are built at
+        their layout (`run.layout`), every degree from there.
     """
-    p, m = config.parallel, config.model
+    m, layout = config.model, groups.layout
     dtype = DTYPES[m.dtype]
-    layout = dict(tp=p.tp, pp=p.pp, vpp=p.vpp, dtype=dtype)
-    extra = {
-        "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
-        "sequence_parallel": p.sequence_parallel,
-    }
+    extra = {"dtype": dtype, "make_vocab_size_divisible_by": m.make_vocab_size_divisible_by}
     if m.num_experts:
         extra.update(moe_loss_overrides(m.moe_aux_loss_coeff, m.moe_z_loss_coeff))
     act, cr, ref = config.actor, config.critic, config.reference
@@ -200,17 +190,17 @@ def build_roles(
     actor_extra = {**extra, **act.recompute.transformer_config()}
     critic_extra = {**extra, **cr.recompute.transformer_config()}
     if m.hf_path is not None:
-        actor_chunks = build_actor(m.hf_path, **layout, **actor_extra)
+        actor_chunks = build_actor(m.hf_path, layout, **actor_extra)
     else:
-        actor_chunks = _random_chunks(config, info, False, actor_extra)
+        actor_chunks = _random_chunks(config, info, layout, False, actor_extra)
     temperature = config.rollout.temperature or 1.0
 
     reference = None
     if ref.enable:
         if m.hf_path is not None:
-            ref_chunks = build_reference(m.hf_path, **layout, **extra)
+            ref_chunks = build_reference(m.hf_path, layout, **extra)
         else:
-            ref_chunks = _random_chunks(config, info, False, extra)
+            ref_chunks = _random_chunks(config, info, layout, False, extra)
             _copy_trunk(actor_chunks, ref_chunks)
             for chunk in ref_chunks:
                 chunk.eval()
@@ -228,13 +218,13 @@ def build_roles(
     critic = None
     if cr.enable:
         if cr.init_from is not None:
-            critic_chunks = build_critic(cr.init_from, init_from="reward", **layout, **critic_extra)
+            critic_chunks = build_critic(cr.init_from, layout, init_from="reward", **critic_extra)
         elif m.hf_path is not None:
             critic_chunks = build_critic(
-                m.hf_path, **layout, head_seed=config.trainer.seed, **critic_extra
+                m.hf_path, layout, head_seed=config.trainer.seed, **critic_extra
             )
         else:
-            critic_chunks = _random_chunks(config, info, True, critic_extra)
+            critic_chunks = _random_chunks(config, info, layout, True, critic_extra)
             _copy_trunk(actor_chunks, critic_chunks)
         critic = MegatronRole(
             critic_chunks,
@@ -249,7 +239,7 @@ def build_roles(
         )
     reward_model = None
     if config.reward.type == "model":
-        rm_chunks = build_reward_model(config.reward.model_path, **layout, **extra)
+        rm_chunks = build_reward_model(config.reward.model_path, layout, **extra)
         reward_model = MegatronRole(
             rm_chunks,
             name="reward model",

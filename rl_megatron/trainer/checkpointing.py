@@ -25,6 +25,7 @@ from rl_megatron.checkpoint.training_state import CheckpointManager
 from rl_megatron.config import CheckpointConfig, Config
 from rl_megatron.models.conversions import padded_vocab_size
 from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.parallel import ParallelLayout
 
 
 class Checkpointable(Protocol):
@@ -112,27 +113,21 @@ def remove_leftovers(run_dir: Path, logger: logging.Logger) -> None:
         logger.info("start-up: %s (left by an interrupted save)", change)
 
 
-def sidecar(config: Config, info: HFModelInfo, head: str) -> dict:
+def sidecar(config: Config, info: HFModelInfo, head: str, layout: ParallelLayout) -> dict:
     """A role's `rl_megatron.json`, so `megatron_to_hf.py` can export its checkpoint.
 
-    head: "lm" (actor) or "value" (critic).
+    head: "lm" (actor) or "value" (critic). layout: the run's; its record (every degree,
+    as trainer_state.json's `layout`) says what the role was trained at, though
+    megatron_to_hf.py reads none of them: the stored tensors are global.
     """
-    p, m = config.parallel, config.model
+    m = config.model
     return {
         "format_version": 1,
         "head": head,
         "dtype": m.dtype,  # the manager writes torch's name, as checkpoints_tools do
         "padded_vocab_size": padded_vocab_size(
-            info.vocab_size, m.make_vocab_size_divisible_by, p.tp
+            info.vocab_size, m.make_vocab_size_divisible_by, layout.tp
         ),
-        # The degrees it was trained at (trainer_state.json's `layout` has dp and world size
-        # too); megatron_to_hf.py reads none of them: the stored tensors are global.
-        "tp": p.tp,
-        "pp": p.pp,
-        "vpp": p.vpp,
-        "cp": p.cp,
-        "ep": p.ep,
-        "etp": p.etp,
-        "sequence_parallel": p.sequence_parallel,
+        **layout.record(),
         "source": m.hf_path,
     }

@@ -1,6 +1,6 @@
 """The actor as a Hugging Face model folder while it trains (`checkpoint.save_hf`).
 
-    snapshots = HFSnapshots(config, info, tokenizer, rank)   # every rank
+    snapshots = HFSnapshots(config, info, tokenizer, rank, groups)   # every rank
     path = snapshots.save(actor.model, step)                  # collective
 
 Each save writes `<run>/hf/step_XXXXXXXX/` (config.json, tokenizer files, safetensors) with
@@ -37,6 +37,7 @@ import torch.distributed as dist
 from rl_megatron.checkpoint.hf_export import save_hf_checkpoint
 from rl_megatron.config import Config
 from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.parallel import ParallelGroups
 from rl_megatron.utils.disk_space import DiskFullError, is_disk_full, no_space_line, tree_bytes
 
 SOURCE_DIR = ".source"
@@ -51,9 +52,18 @@ class HFSnapshots:
         info: the actor's architecture.
         tokenizer: the run's tokenizer (anything with `save_pretrained(directory)`).
         rank: global rank; rank 0 writes (every rank must call `save`).
+        groups: the run's process groups, with its layout (what the export walks).
     """
 
-    def __init__(self, config: Config, info: HFModelInfo, tokenizer: Any, rank: int) -> None:
+    def __init__(
+        self,
+        config: Config,
+        info: HFModelInfo,
+        tokenizer: Any,
+        rank: int,
+        groups: ParallelGroups,
+    ) -> None:
+        self.groups = groups
         self.root = config.run_dir / "hf"
         self.source = self.root / SOURCE_DIR
         self.info, self.rank = info, rank
@@ -83,7 +93,9 @@ class HFSnapshots:
         out = self.root / f"step_{step:08d}"
         started = time.perf_counter()
         # force: a resumed run may save a step again; the old folder goes only at the rename.
-        save_hf_checkpoint(model_chunks, self.info, out, src_dir=self.source, force=True)
+        save_hf_checkpoint(
+            model_chunks, self.info, out, self.groups, src_dir=self.source, force=True
+        )
         if self.rank == 0:
             prune(self.root, self.keep_last)
             if log is not None:

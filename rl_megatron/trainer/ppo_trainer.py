@@ -89,13 +89,13 @@ class PPOTrainer:
         )
         for name, role in roles.trainable().items():
             head = "value" if role.value_head else "lm"
-            sidecar = checkpointing.sidecar(config, info, head)
+            sidecar = checkpointing.sidecar(config, info, head, run.layout)
             self.checkpoints.register_role(name, role, sidecar)
         self.checkpoints.register("sampler", self.sampler)
         self.checkpoints.register("kl_ctrl", self.kl_ctrl)
         # checkpoint.save_hf: the actor as an HF model folder beside every checkpoint.
         self.hf_snapshots = (
-            HFSnapshots(config, info, data.tokenizer, run.env.rank)
+            HFSnapshots(config, info, data.tokenizer, run.env.rank, run.groups)
             if config.checkpoint.save_hf
             else None
         )

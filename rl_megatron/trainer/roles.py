@@ -179,14 +179,17 @@ class MegatronRole:
         self.interleaved = len(chunks) > 1
         self.config.variable_seq_lengths = not self.interleaved
         self.pack = pack_sequences
-        # Sequence parallelism splits the (packed) sequence over TP ranks.
-        self.pack_multiple = (
-            self.config.tensor_model_parallel_size if (self.config.sequence_parallel) else 1
-        )
-        # Context parallelism cuts every sequence into 2·cp chunks (`cp_split.py`).
-        self.cp_size = dist.get_world_size(self.groups.cp)
-        self.seq_multiple = 2 * self.cp_size if self.cp_size > 1 else 1
-        self.pack_multiple *= self.seq_multiple
+        self.layout = layout = self.groups.layout
+        if layout.sequence_parallel != self.config.sequence_parallel:
+            raise ValueError(
+                f"{name}: model built with sequence_parallel={self.config.sequence_parallel}, "
+                f"its groups' layout has {layout.sequence_parallel}"
+            )
+        # Sequence parallelism splits the (packed) sequence over TP ranks, context
+        # parallelism cuts every sequence into 2·cp chunks (`cp_split.py`).
+        self.pack_multiple = layout.sequence_divisor
+        self.seq_multiple = layout.cp_chunks
+        self.cp_size = layout.cp
         self.is_pp_last = self.groups.is_pp_last
         self.offload_config = offload or OffloadConfig()
         if optim is None:
@@ -285,7 +288,7 @@ class MegatronRole:
         return routing.mismatch_fraction(
             self._last_routing_stats or RoutingStats(),
             self.groups,
-            self.config.sequence_parallel,
+            self.layout.sequence_parallel,
             self.device,
         )
 
@@ -389,7 +392,7 @@ class MegatronRole:
         # tokens only (`cp_split.gather_outputs`), so the cp ranks' gradients sum to that
         # loss's gradient g once: the update is scale·cp/n / (dp·cp) · Σ_dp Σ_micro g, which
         # is the mini-batch loss's gradient exactly when scale = dp·n, with or without CP.
-        scale = self.groups.dp_size * len(micro)
+        scale = self.layout.dp * len(micro)
         head = self._head()
 
         def loss_func(mbatch, output):
@@ -450,13 +453,13 @@ class MegatronRole:
         if self.use_dynamic_batch and micro_batch_size is None:
             lens = (batch["attention_mask"] if host_mask is None else host_mask).sum(dim=-1)
             # The interleaved schedule needs a multiple of pp micro-batches.
-            mult = self.groups.pp_size if vpp else 1
+            mult = self.layout.pp if vpp else 1
             return mb.dynamic_micro_batches(lens, self.max_tokens, multiple_of=mult)
         split = mb.fixed_micro_batches(rows, micro_batch_size or self.micro_batch_size)
-        if vpp and len(split) % self.groups.pp_size:
+        if vpp and len(split) % self.layout.pp:
             raise ValueError(
                 f"the interleaved pipeline schedule needs a multiple of pp="
-                f"{self.groups.pp_size} micro-batches; {rows} rows in micro-batches of "
+                f"{self.layout.pp} micro-batches; {rows} rows in micro-batches of "
                 f"{micro_batch_size or self.micro_batch_size} give {len(split)}"
             )
         return split
@@ -500,7 +503,7 @@ class MegatronRole:
                 compare=self.compare_routing,
                 stats=stats,
                 tp=self.groups.tp,
-                sequence_parallel=self.config.sequence_parallel,
+                sequence_parallel=self.layout.sequence_parallel,
                 role=self.name,
             ),
             kl_model=None if kl_to is None else kl_to.model[0],
@@ -531,7 +534,7 @@ class MegatronRole:
         the same vocabulary shards; in eval mode (a constant of the loss)."""
         if other is None:
             return
-        if len(self.model) != 1 or self.groups.pp_size != 1 or other.value_head:
+        if len(self.model) != 1 or self.layout.pp != 1 or other.value_head:
             raise ValueError(
                 "kl_to: the full KL needs pp=1 and an LM head on both roles (the other "
                 "role's logits are computed beside this role's on each micro-batch)"

@@ -102,7 +102,7 @@ def test_dry_run_prints_layout_table_on_4_ranks(tmp_path):
     # rank node tp pp dp cp | gen_tp gen_dp — ranks ordered tp fastest, then pp.
     coords = {int(r[0]): tuple(int(x) for x in r[2:6]) for r in rows}
     assert coords == {0: (0, 0, 0, 0), 1: (1, 0, 0, 0), 2: (0, 1, 0, 0), 3: (1, 1, 0, 0)}
-    assert "training layout: tp=2 pp=2 dp=1 cp=1 vpp=None ep=1 etp=None sp=off;" in result.stdout
+    assert "training layout: tp=2 pp=2 dp=1 cp=1 ep=1 etp=2 vpp=None sp=off;" in result.stdout
     assert (tmp_path / "tiny_cpu" / "config.resolved.yaml").is_file()
 
 
@@ -117,7 +117,7 @@ def test_dry_run_layout_line_shows_expert_degrees(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Traceback" not in result.stderr and "ChildFailedError" not in result.stderr
     line = next(x for x in result.stdout.splitlines() if x.startswith("training layout:"))
-    assert line.startswith("training layout: tp=1 pp=1 dp=2 cp=1 vpp=None ep=2 etp=1 sp=off;")
+    assert line.startswith("training layout: tp=1 pp=1 dp=2 cp=1 ep=2 etp=1 vpp=None sp=off;")
 
 
 # --- rl-megatron-run (rl_megatron/launcher.py): torchrun that keeps the ranks' one line ---

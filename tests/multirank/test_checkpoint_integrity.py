@@ -79,7 +79,9 @@ def _trainer_objects(hf: Path, roles: dict, manager):
     info = load_hf_config(hf)
     checkpoints = RunCheckpoints(manager, config.checkpoint)
     for name, head in (("actor", "lm"), ("critic", "value")):
-        checkpoints.register_role(name, roles[name], sidecar(config, info, head))
+        checkpoints.register_role(
+            name, roles[name], sidecar(config, info, head, roles[name].layout)
+        )
     checkpoints.register("sampler", sampler)
     checkpoints.register("kl_ctrl", kl)
     return config, checkpoints, sampler, kl

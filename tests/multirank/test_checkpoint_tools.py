@@ -31,6 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelLayout
 from tests.spawn import run_on_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -146,17 +147,19 @@ def _load_into_model(rank: int, world_size: int, hf_dir: Path, ckpt: Path) -> No
     from rl_megatron.models.builders import build_gpt_chunks
     from rl_megatron.models.hf_config import load_hf_config
 
-    ps.initialize_model_parallel(2, 1)
+    ps.initialize_model_parallel(2, 1, order=MEGATRON_RANK_ORDER)
     model_parallel_cuda_manual_seed(0)
     info = load_hf_config(hf_dir)
     from_ckpt, from_hf = (
-        build_gpt_chunks(info, tp=2, pp=1, padded_vocab=256, perform_initialization=False)[0]
+        build_gpt_chunks(
+            info, ParallelLayout.from_megatron(), padded_vocab=256, perform_initialization=False
+        )[0]
         for _ in range(2)
     )
     state = {"model": from_ckpt.sharded_state_dict()}
     loaded = dist_checkpointing.load(state, str(ckpt), strict="raise_all")
     from_ckpt.load_state_dict(loaded["model"], strict=True)
-    load_hf_weights([from_hf], hf_dir, info)
+    load_hf_weights([from_hf], hf_dir, info, ParallelLayout.from_megatron())
     expected = dict(from_hf.named_parameters())
     for name, param in from_ckpt.named_parameters():
         assert torch.equal(param, expected[name]), f"rank {rank}: {name} differs"

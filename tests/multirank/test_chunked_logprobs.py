@@ -18,6 +18,7 @@ shifted by the group's max.
 
 from __future__ import annotations
 
+from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelLayout
 from tests.spawn import run_on_ranks
 
 TP = 2
@@ -76,7 +77,10 @@ def _build(info, sequence_parallel: bool):
 
     if not sequence_parallel:
         (model,) = build_gpt_chunks(
-            info, tp=TP, pp=1, dtype=torch.float32, make_vocab_size_divisible_by=8
+            info,
+            ParallelLayout.from_megatron(),
+            dtype=torch.float32,
+            make_vocab_size_divisible_by=8,
         )
         return model
 
@@ -175,7 +179,7 @@ def _body(rank: int, world_size: int) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
-    ps.initialize_model_parallel(TP, 1)
+    ps.initialize_model_parallel(TP, 1, order=MEGATRON_RANK_ORDER)
     model_parallel_cuda_manual_seed(0)
     for sequence_parallel in (False, True):
         for tied in (False, True):
@@ -201,7 +205,7 @@ def _refusals(rank: int, world_size: int) -> None:
     from rl_megatron.models.chunked_logprobs import output_hidden_states
     from rl_megatron.models.hf_config import parse_hf_config
 
-    ps.initialize_model_parallel(1, 1)
+    ps.initialize_model_parallel(1, 1, order=MEGATRON_RANK_ORDER)
     model_parallel_cuda_manual_seed(0)
     info = parse_hf_config(
         dict(
@@ -215,10 +219,12 @@ def _refusals(rank: int, world_size: int) -> None:
             max_position_embeddings=64,
         )
     )
-    (critic,) = build_gpt_chunks(info, tp=1, pp=1, dtype=torch.float32, value_head=True)
+    (critic,) = build_gpt_chunks(
+        info, ParallelLayout.from_megatron(), dtype=torch.float32, value_head=True
+    )
     with pytest.raises(ValueError, match="value heads"), output_hidden_states(critic):
         pass
-    (lm,) = build_gpt_chunks(info, tp=1, pp=1, dtype=torch.float32)
+    (lm,) = build_gpt_chunks(info, ParallelLayout.from_megatron(), dtype=torch.float32)
     with output_hidden_states(lm), pytest.raises(RuntimeError, match="already active"):  # noqa: SIM117
         with output_hidden_states(lm):
             pass

@@ -25,6 +25,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelLayout
 from tests.multirank.test_roles import (
     TOL,
     _assert_same_update,
@@ -66,12 +67,12 @@ def _role(root, kind, tp, **kw):
 
     hf = root / "llama"
     if kind == "actor":
-        chunks = hb.build_actor(hf, tp=tp, pp=1, dtype=torch.float32)
+        chunks = hb.build_actor(hf, ParallelLayout.from_megatron(), dtype=torch.float32)
         return MegatronRole(chunks, optim=_optim(), temperature=0.7, micro_batch_size=2, **kw)
     if kind == "reference":
-        chunks = hb.build_reference(hf, tp=tp, pp=1, dtype=torch.float32)
+        chunks = hb.build_reference(hf, ParallelLayout.from_megatron(), dtype=torch.float32)
         return MegatronRole(chunks, temperature=0.7, micro_batch_size=2, **kw)
-    chunks = hb.build_critic(hf, tp=tp, pp=1, dtype=torch.float32, head_seed=1)
+    chunks = hb.build_critic(hf, ParallelLayout.from_megatron(), dtype=torch.float32, head_seed=1)
     optim = OptimConfig(lr=1e-2, weight_decay=0.0)
     return MegatronRole(chunks, optim=optim, micro_batch_size=2, **kw)
 
@@ -157,7 +158,7 @@ def _body(rank: int, world_size: int, root) -> None:
 
     # Every layout's stepped weights, compared in the TP1·CP1 layout.
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(1, 1)
+    ps.initialize_model_parallel(1, 1, order=MEGATRON_RANK_ORDER)
     model_parallel_cuda_manual_seed(0)
     actor = _role(root, "actor", 1)
     init = _params(actor)

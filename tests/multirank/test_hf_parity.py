@@ -42,6 +42,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelGroups, ParallelLayout
 from tests.spawn import ON_GPU, max_ranks, run_on_ranks, test_device
 
 V, S, B, MICRO = 100, 16, 4, 2
@@ -217,11 +218,13 @@ def _body(rank: int, world_size: int, root) -> None:
     ids, mask, pos = (t.to(device) for t in _inputs())
     for tp, pp, vpp in LAYOUTS:
         ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
+        ps.initialize_model_parallel(
+            tp, pp, virtual_pipeline_model_parallel_size=vpp, order=MEGATRON_RANK_ORDER
+        )
         model_parallel_cuda_manual_seed(0)
         layout = f"tp{tp}pp{pp}vpp{vpp or 1}"
         for family in FAMILIES:
-            chunks = build_actor(root / family, tp=tp, pp=pp, vpp=vpp, dtype=DTYPE)
+            chunks = build_actor(root / family, ParallelLayout.from_megatron(), dtype=DTYPE)
             ref_plain, ref_pad = refs[family]
             plain_pos = torch.arange(S, device=device).expand(B, S)
             plain = _forward(chunks, ids, pos=plain_pos, mask=None)
@@ -234,7 +237,11 @@ def _body(rank: int, world_size: int, root) -> None:
             if (tp, pp, vpp) in EXPORT_LAYOUTS:
                 out = root / f"export_{family}_{layout}"
                 save_hf_checkpoint(
-                    chunks, load_hf_config(root / family), out, src_dir=root / family
+                    chunks,
+                    load_hf_config(root / family),
+                    out,
+                    ParallelGroups.from_megatron(),
+                    src_dir=root / family,
                 )
                 _check_round_trip(root / family, out)
         if (tp, pp, vpp) == VALUE_LAYOUT:
@@ -249,9 +256,10 @@ def _check_value_models(root, ref_reward, ids, tp, pp):
     from rl_megatron.models.hf_config import load_hf_config
 
     pos = torch.arange(S, device=ids.device).expand(B, S)
-    reward = build_reward_model(root / "reward", tp=tp, pp=pp, dtype=DTYPE)
-    from_reward = build_critic(root / "reward", init_from="reward", tp=tp, pp=pp, dtype=DTYPE)
-    fresh = build_critic(root / "llama", init_from="actor", tp=tp, pp=pp, dtype=DTYPE)
+    layout = ParallelLayout.from_megatron()
+    reward = build_reward_model(root / "reward", layout, dtype=DTYPE)
+    from_reward = build_critic(root / "reward", layout, init_from="reward", dtype=DTYPE)
+    fresh = build_critic(root / "llama", layout, init_from="actor", dtype=DTYPE)
     assert not any(p.requires_grad for p in reward[0].parameters())
     assert all(p.requires_grad for p in fresh[0].parameters())
     values = [_forward(m, ids, pos, None) for m in (reward, from_reward, fresh)]
@@ -266,8 +274,9 @@ def _check_value_models(root, ref_reward, ids, tp, pp):
         torch.distributed.all_gather(parts, head, group=ps.get_tensor_model_parallel_group())
         assert torch.equal(parts[0], parts[1]) and head.abs().sum() > 0
     out = root / "export_reward"
+    groups = ParallelGroups.from_megatron()
     save_hf_checkpoint(
-        reward, load_hf_config(root / "reward"), out, src_dir=root / "reward", head="value"
+        reward, load_hf_config(root / "reward"), out, groups, src_dir=root / "reward", head="value"
     )
     _check_round_trip(root / "reward", out)
 

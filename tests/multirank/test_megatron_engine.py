@@ -28,6 +28,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelLayout
 from tests.spawn import ON_GPU, run_on_ranks
 
 MAX_MODEL_LEN, MAX_NEW, TEMPERATURE = 128, 12, 0.7
@@ -41,7 +42,7 @@ def _body(rank: int, world_size: int, ref: dict) -> None:
     from megatron.core import parallel_state
 
     for tp in (2, 1):
-        parallel_state.initialize_model_parallel(tp, 1)
+        parallel_state.initialize_model_parallel(tp, 1, order=MEGATRON_RANK_ORDER)
         _cases(tp, ref)
         if ON_GPU:
             _bf16_logprob_parity(ref)
@@ -50,7 +51,6 @@ def _body(rank: int, world_size: int, ref: dict) -> None:
 
 def _bf16_logprob_parity(ref: dict) -> None:
     """A bf16 engine's sampled log-probs against bf16 and fp32 recomputation (cuda mode)."""
-    from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from rl_megatron.checkpoint.hf_builders import build_actor
@@ -60,21 +60,11 @@ def _bf16_logprob_parity(ref: dict) -> None:
 
     model_parallel_cuda_manual_seed(0)
     info = load_hf_config(ref["ckpt_a"])
-    bf16 = build_actor(
-        ref["ckpt_a"],
-        tp=parallel_state.get_tensor_model_parallel_world_size(),
-        pp=1,
-        dtype=torch.bfloat16,
-    )
+    bf16 = build_actor(ref["ckpt_a"], ParallelLayout.from_megatron(), dtype=torch.bfloat16)
     engine = MegatronEngine(bf16, info, eos_token_ids=[2], max_model_len=MAX_MODEL_LEN, seed=0)
     sampled = SamplingParams(temperature=TEMPERATURE, n=3, max_new_tokens=MAX_NEW, seed=11)
     batch = engine.generate(ref["prompts"], sampled)
-    fp32 = build_actor(
-        ref["ckpt_a"],
-        tp=parallel_state.get_tensor_model_parallel_world_size(),
-        pp=1,
-        dtype=torch.float32,
-    )
+    fp32 = build_actor(ref["ckpt_a"], ParallelLayout.from_megatron(), dtype=torch.float32)
     for name, chunks in (("bf16", bf16), ("fp32", fp32)):
         mismatch = _logprob_gap(chunks, batch, info)
         assert mismatch["rollout/logprob_diff_max"] < LOGPROB_TOL_BF16, (name, mismatch)
@@ -109,7 +99,7 @@ def _cases(tp: int, ref: dict) -> None:
 
     model_parallel_cuda_manual_seed(0)
     info = load_hf_config(ref["ckpt_a"])
-    chunks = build_actor(ref["ckpt_a"], tp=tp, pp=1, dtype=torch.float32)
+    chunks = build_actor(ref["ckpt_a"], ParallelLayout.from_megatron(), dtype=torch.float32)
     engine = MegatronEngine(
         chunks, info, eos_token_ids=[2], max_model_len=MAX_MODEL_LEN, seed=0, max_batch_size=4
     )
@@ -191,7 +181,9 @@ def _cases(tp: int, ref: dict) -> None:
     assert engine.sync_from(chunks, version=2) is None
     assert engine.generate(prompts[:1], greedy).weight_version == 2
     with pytest.raises(ValueError, match="other modules than the ones it generates with"):
-        engine.sync_from(build_actor(ref["ckpt_a"], tp=tp, pp=1, dtype=torch.float32), 3)
+        engine.sync_from(
+            build_actor(ref["ckpt_a"], ParallelLayout.from_megatron(), dtype=torch.float32), 3
+        )
     assert engine.weight_version == 2
 
 

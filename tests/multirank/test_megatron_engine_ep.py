@@ -18,6 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl_megatron.parallel import ParallelLayout
 from tests.spawn import ON_GPU, run_on_ranks
 
 MAX_NEW = 10
@@ -67,7 +68,9 @@ def _body(rank: int, world_size: int, root) -> None:
     results, stop = {}, None
     for ep in (1, 2):
         _init(ep)
-        chunks = build_actor(root / "qwen3_moe", tp=1, pp=1, dtype=torch.float32)
+        chunks = build_actor(
+            root / "qwen3_moe", ParallelLayout.from_megatron(), dtype=torch.float32
+        )
         engine = MegatronEngine(chunks, info, max_model_len=64, seed=0, max_batch_size=2)
         assert engine.needs_every_replica == (ep > 1)
         # The experts really are split: each rank holds 4/ep of them.

@@ -30,6 +30,7 @@ import sys
 import pytest
 import torch
 
+from rl_megatron.parallel import ParallelGroups, ParallelLayout
 from tests.multirank.test_hf_parity import _gather_vocab, _load_dir, _perturb
 from tests.spawn import ON_GPU, run_on_ranks
 
@@ -137,8 +138,9 @@ def _logits_body(rank: int, world_size: int, root) -> None:
     for tp, pp, ep, etp in LAYOUTS:
         _init(tp, pp, ep, etp)
         layout = f"tp{tp}pp{pp}ep{ep}etp{etp}"
+        groups = ParallelGroups.from_megatron()
         for name in MODELS:
-            chunks = build_actor(root / name, tp=tp, pp=pp, dtype=torch.float32)
+            chunks = build_actor(root / name, groups.layout, dtype=torch.float32)
             for chunk in chunks:
                 chunk.eval()
             out = _forward(chunks, refs["ids"])
@@ -148,7 +150,7 @@ def _logits_body(rank: int, world_size: int, root) -> None:
             if (tp, pp, ep, etp) in EXPORT_LAYOUTS:
                 out_dir = root / f"export_{name}_{layout}"
                 save_hf_checkpoint(
-                    chunks, load_hf_config(root / name), out_dir, src_dir=root / name
+                    chunks, load_hf_config(root / name), out_dir, groups, src_dir=root / name
                 )
                 if rank == 0:
                     a, b = _load_dir(root / name), _load_dir(out_dir)
@@ -158,7 +160,7 @@ def _logits_body(rank: int, world_size: int, root) -> None:
             elif ep > 1 and name == "mixtral":
                 with pytest.raises(CheckpointError, match="parallel.ep > 1"):
                     save_hf_checkpoint(
-                        chunks, load_hf_config(root / name), root / "x", src_dir=root / name
+                        chunks, load_hf_config(root / name), root / "x", groups, src_dir=root / name
                     )
 
 
@@ -202,7 +204,9 @@ def _train_body(rank: int, world_size: int, root) -> None:
     batch = tr._batch()
 
     def actor():
-        chunks = build_actor(root / "qwen3_moe", tp=1, pp=1, dtype=torch.float32)
+        chunks = build_actor(
+            root / "qwen3_moe", ParallelLayout.from_megatron(), dtype=torch.float32
+        )
         return MegatronRole(
             chunks, optim=tr._optim(), temperature=tr.TEMPERATURE, micro_batch_size=2
         )

@@ -25,6 +25,7 @@ from identical inputs).
 
 from __future__ import annotations
 
+from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelLayout
 from tests.spawn import run_on_ranks
 
 TP = 2
@@ -82,7 +83,7 @@ def _body(rank: int, world_size: int) -> None:
     from rl_megatron.models.builders import build_gpt_chunks, mark_tensor_parallel_weights
     from rl_megatron.models.hf_config import parse_hf_config
 
-    ps.initialize_model_parallel(TP, 1)
+    ps.initialize_model_parallel(TP, 1, order=MEGATRON_RANK_ORDER)
     model_parallel_cuda_manual_seed(0)
     problems = []
     for label, cfg, head in _variants():
@@ -91,8 +92,7 @@ def _body(rank: int, world_size: int) -> None:
         for init in (True, False):
             chunks = build_gpt_chunks(
                 info,
-                tp=TP,
-                pp=1,
+                ParallelLayout.from_megatron(),
                 dtype=torch.float32,
                 value_head=head == "value",
                 perform_initialization=init,
@@ -122,7 +122,7 @@ def _replicated_grad_problems(label: str, info) -> list[str]:
     from rl_megatron.checkpoint.hf_loader import iter_rule_params
     from rl_megatron.models.builders import build_gpt_chunks
 
-    (chunk,) = build_gpt_chunks(info, tp=TP, pp=1, dtype=torch.float32)
+    (chunk,) = build_gpt_chunks(info, ParallelLayout.from_megatron(), dtype=torch.float32)
     model = DistributedDataParallel(chunk.config, DistributedDataParallelConfig(), chunk)
     ids = torch.arange(1, 9).view(1, 8)
     # Each rank's share of a loss over its vocabulary shard; the output layer's backward

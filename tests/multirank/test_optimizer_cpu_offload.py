@@ -39,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelLayout
 from tests.multirank.test_training_state import _actor_loss, _batch, _write_hf_config
 from tests.spawn import run_on_ranks
 
@@ -51,12 +52,11 @@ def _setup(tp: int) -> None:
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, 1)
+    ps.initialize_model_parallel(tp, 1, order=MEGATRON_RANK_ORDER)
 
 
 def _role(hf: Path, fraction: float, overlap: bool = True, seed: int = 0, **kw):
     """The actor at the current layout, bf16, its optimizer `fraction` offloaded."""
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from rl_megatron.config import OptimConfig
@@ -66,8 +66,9 @@ def _role(hf: Path, fraction: float, overlap: bool = True, seed: int = 0, **kw):
 
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
-    tp = ps.get_tensor_model_parallel_world_size()
-    chunks = build_gpt_chunks(load_hf_config(hf), tp=tp, pp=1, dtype=torch.bfloat16)
+    chunks = build_gpt_chunks(
+        load_hf_config(hf), ParallelLayout.from_megatron(), dtype=torch.bfloat16
+    )
     optim = OptimConfig(
         lr=1e-2,
         adam_eps=1e-6,

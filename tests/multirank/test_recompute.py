@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_megatron.parallel import ParallelGroups, ParallelLayout
 from tests.spawn import run_on_ranks
 
 SETTINGS = {
@@ -52,7 +53,6 @@ def _body(rank, world_size, tmp_path):
     from rl_megatron.config import RecomputeConfig, load_config
     from rl_megatron.distributed import distributed_run
     from rl_megatron.models.builders import build_gpt_chunks
-    from rl_megatron.parallel import ParallelLayout
     from rl_megatron.trainer.build import build_roles, model_info
 
     config = load_config(
@@ -70,7 +70,7 @@ def _body(rank, world_size, tmp_path):
     info = model_info(config)
     with distributed_run(ParallelLayout(tp=1, pp=1, dp=1), seed=0):
         torch.manual_seed(0)
-        base = build_gpt_chunks(info, tp=1, pp=1, dtype=torch.float32)[0]
+        base = build_gpt_chunks(info, ParallelLayout.from_megatron(), dtype=torch.float32)[0]
         state = base.state_dict()
         gen = torch.Generator().manual_seed(1)
         tokens = torch.randint(1, 100, (4, 48), generator=gen)
@@ -78,7 +78,9 @@ def _body(rank, world_size, tmp_path):
         saved, grads = {}, {}
         for name, setting in SETTINGS.items():
             overrides = RecomputeConfig(**setting).transformer_config()
-            chunk = build_gpt_chunks(info, tp=1, pp=1, dtype=torch.float32, **overrides)[0]
+            chunk = build_gpt_chunks(
+                info, ParallelLayout.from_megatron(), dtype=torch.float32, **overrides
+            )[0]
             chunk.load_state_dict(state)
             assert chunk.config.recompute_granularity == (setting.get("granularity")), name
             saved[name], grads[name] = _saved_bytes_and_grads(chunk, tokens, weights)
@@ -92,7 +94,7 @@ def _body(rank, world_size, tmp_path):
         assert saved["core_attn"] <= saved["none"], saved
         assert saved["full"] <= saved["full_block"] < saved["none"], saved
 
-        roles = build_roles(config, info, total_steps=1)
+        roles = build_roles(config, info, 1, ParallelGroups.from_megatron())
         assert roles.actor.model[0].config.recompute_granularity == "full"
         assert roles.actor.model[0].config.recompute_method == "uniform"
         assert roles.critic.model[0].config.recompute_granularity == "selective"

@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rl_megatron.parallel import ParallelLayout
 from tests.spawn import ON_GPU, run_on_ranks, test_device
 
 pytestmark = pytest.mark.slow
@@ -101,7 +102,7 @@ def _body(rank: int, world_size: int, out: str) -> None:
         ps.initialize_model_parallel(t, p, order=MEGATRON_RANK_ORDER)
         model_parallel_cuda_manual_seed(0)
         training = TrainingLayout(t, p, d)
-        return build_gpt_chunks(info, tp=t, pp=p, dtype=torch.float32), training
+        return build_gpt_chunks(info, ParallelLayout.from_megatron(), dtype=torch.float32), training
 
     # ---- PP = 4: middle stages guess the vocabulary the first time.
     chunks, training = actor(1, 4, 1)

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rl_megatron.parallel import ParallelLayout
 from tests.reshard_refs import MOE_MODELS
 from tests.spawn import ON_GPU, run_on_ranks
 
@@ -63,7 +64,7 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
         for m, path in spec["ckpts"].items():
             info = load_hf_config(path)
             state = load_file(f"{path}/model.safetensors")
-            actor = build_actor(path, tp=tp, pp=pp, dtype=torch.float32)
+            actor = build_actor(path, ParallelLayout.from_megatron(), dtype=torch.float32)
             for t_g in (t for t in (1, 2, 4) if plan_block(training) % t == 0):
                 gen = GenerationLayout(t_g, world_size)
                 padded = shards.vllm_padded_vocab(info.vocab_size, t_g)

@@ -36,6 +36,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rl_megatron.parallel import ParallelLayout
 from tests.reshard_refs import MODELS, ROLLOUT_TPS, layouts_for
 from tests.spawn import ON_GPU, max_ranks, run_on_ranks, test_device
 
@@ -149,7 +150,7 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
         init(t, p, vpp)
         training = TrainingLayout(t, p, d, vpp=vpp)
         actors[training] = {
-            m: build_actor(spec["ckpts"][m], tp=t, pp=p, vpp=vpp, dtype=torch.float32)
+            m: build_actor(spec["ckpts"][m], ParallelLayout.from_megatron(), dtype=torch.float32)
             for m in MODELS
         }
         for t_g, m in itertools.product(_pairs(t, p), MODELS):
@@ -173,7 +174,10 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
         for m in MODELS:
             info = infos[m]
             chunks = build_gpt_chunks(
-                info, tp=t_g, pp=1, dtype=torch.float32, perform_initialization=False
+                info,
+                ParallelLayout.from_megatron(),
+                dtype=torch.float32,
+                perform_initialization=False,
             )
             engine = MegatronEngine(chunks, info, max_model_len=64)
             target = MegatronEngineTarget(engine)

@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rl_megatron.parallel import ParallelLayout
 from tests.multirank import test_training_state as tts
 from tests.spawn import ON_GPU, run_on_ranks
 
@@ -75,7 +76,7 @@ def _actor(hf: Path, seed: int, dtype: torch.dtype = torch.float32) -> dict:
     from rl_megatron.trainer.roles import MegatronRole
 
     torch.manual_seed(seed)
-    chunks = build_gpt_chunks(load_hf_config(hf), tp=1, pp=1, dtype=dtype)
+    chunks = build_gpt_chunks(load_hf_config(hf), ParallelLayout.from_megatron(), dtype=dtype)
     return {"actor": MegatronRole(chunks, optim=OptimConfig(lr=1e-2), micro_batch_size=2)}
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelLayout
 from tests.spawn import run_on_ranks
 
 V, B, P, R = 100, 4, 5, 4
@@ -71,10 +72,10 @@ def _body(rank: int, world_size: int, root) -> None:
     from rl_megatron.trainer.experience import sequence_scores_at_last_token
     from rl_megatron.trainer.roles import MegatronRole
 
-    ps.initialize_model_parallel(2, 1)
+    ps.initialize_model_parallel(2, 1, order=MEGATRON_RANK_ORDER)
     model_parallel_cuda_manual_seed(0)
     ref = torch.load(root / "ref.pt")
-    chunks = build_reward_model(root / "rm", tp=2, pp=1, dtype=torch.float32)
+    chunks = build_reward_model(root / "rm", ParallelLayout.from_megatron(), dtype=torch.float32)
     role = MegatronRole(chunks, micro_batch_size=3, output_at="token")
     values = role.forward_only(ref["batch"])["values"]
     got = sequence_scores_at_last_token(values, ref["batch"]["response_mask"])

@@ -32,6 +32,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelLayout
 from tests.multirank.test_hf_parity import _perturb
 from tests.spawn import run_on_ranks
 
@@ -161,7 +162,7 @@ def _actor(root, tp, pp, vpp, **kw):
     from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.trainer.roles import MegatronRole
 
-    chunks = build_actor(root / "llama", tp=tp, pp=pp, vpp=vpp, dtype=torch.float32)
+    chunks = build_actor(root / "llama", ParallelLayout.from_megatron(), dtype=torch.float32)
     kw.setdefault("micro_batch_size", 2)
     return MegatronRole(chunks, optim=_optim(), temperature=TEMPERATURE, **kw)
 
@@ -171,7 +172,9 @@ def _critic(root, tp, pp, **kw):
     from rl_megatron.config import OptimConfig
     from rl_megatron.trainer.roles import MegatronRole
 
-    chunks = build_critic(root / "llama", tp=tp, pp=pp, dtype=torch.float32, head_seed=1)
+    chunks = build_critic(
+        root / "llama", ParallelLayout.from_megatron(), dtype=torch.float32, head_seed=1
+    )
     return MegatronRole(
         chunks, optim=OptimConfig(lr=1e-2, weight_decay=0.0), micro_batch_size=2, **kw
     )
@@ -304,7 +307,9 @@ def _body(rank: int, world_size: int, root) -> None:
     norm_errors = []
     for tp, pp, vpp in LAYOUTS:
         ps.destroy_model_parallel()
-        ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp)
+        ps.initialize_model_parallel(
+            tp, pp, virtual_pipeline_model_parallel_size=vpp, order=MEGATRON_RANK_ORDER
+        )
         model_parallel_cuda_manual_seed(0)
         layout = f"tp{tp}pp{pp}vpp{vpp or 1}"
         actor = _actor(root, tp, pp, vpp)
@@ -338,7 +343,7 @@ def _body(rank: int, world_size: int, root) -> None:
 
     # Compare every layout's stepped weights in the TP1·PP1 layout.
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(1, 1)
+    ps.initialize_model_parallel(1, 1, order=MEGATRON_RANK_ORDER)
     model_parallel_cuda_manual_seed(0)
     actor = _actor(root, 1, 1, None)
     init = _params(actor)

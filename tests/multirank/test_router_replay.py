@@ -37,6 +37,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rl_megatron.parallel import ParallelLayout
 from tests.multirank.test_hf_parity import _perturb
 from tests.spawn import ON_GPU, run_on_ranks
 
@@ -158,7 +159,7 @@ def _rollout_routing(root):
     """A's routing of every row, recorded per row, last token dropped (as vLLM returns)."""
     from rl_megatron.checkpoint.hf_builders import build_actor
 
-    model_a = build_actor(root / "a", tp=1, pp=1, dtype=torch.float32)[0].eval()
+    model_a = build_actor(root / "a", ParallelLayout.from_megatron(), dtype=torch.float32)[0].eval()
     return [_row_forward(model_a, p + r)[0][:-1] for p, r in zip(PROMPTS, RESPONSES)]
 
 
@@ -167,7 +168,7 @@ def _agree_body(rank: int, world_size: int, root) -> None:
 
     _init()
     rollout = _rollout_routing(root)
-    model_b = build_actor(root / "b", tp=1, pp=1, dtype=torch.float32)[0].eval()
+    model_b = build_actor(root / "b", ParallelLayout.from_megatron(), dtype=torch.float32)[0].eval()
     differ = 0
     for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
         recorded = rollout[i]
@@ -203,7 +204,7 @@ def _engine_body(rank: int, world_size: int, root) -> None:
 
     _init()
     info = load_hf_config(root / "a")
-    model = build_actor(root / "a", tp=1, pp=1, dtype=torch.float32)
+    model = build_actor(root / "a", ParallelLayout.from_megatron(), dtype=torch.float32)
     new = 6
     prompts = [*PROMPTS, list(range(3, 63))]  # the last is too long for 64 − 6: rejected
     plain = MegatronEngine(model, info, max_model_len=64, max_batch_size=3)
@@ -258,7 +259,7 @@ def _references(root, rollout):
     (token, layer) pairs where B's own routing differs from A's (and of how many)."""
     from rl_megatron.checkpoint.hf_builders import build_actor
 
-    model_b = build_actor(root / "b", tp=1, pp=1, dtype=torch.float32)[0].eval()
+    model_b = build_actor(root / "b", ParallelLayout.from_megatron(), dtype=torch.float32)[0].eval()
     replayed, own, differ, recorded = [], [], 0, 0
     for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
         routing = torch.cat([rollout[i], torch.full((1, LAYERS, TOPK), -1)])
@@ -293,7 +294,7 @@ def _role_body(rank: int, world_size: int, root) -> None:
         _init(pp, ep)
         where = f"pp{pp} ep{ep} pack={pack}"
         for replay, expected in ((True, replayed), (False, own)):
-            chunks = build_actor(root / "b", tp=1, pp=pp, dtype=torch.float32)
+            chunks = build_actor(root / "b", ParallelLayout.from_megatron(), dtype=torch.float32)
             role = MegatronRole(
                 chunks, micro_batch_size=2, pack_sequences=pack, router_replay=replay
             )
@@ -306,7 +307,7 @@ def _role_body(rank: int, world_size: int, root) -> None:
             if not replay:
                 assert abs(got - frac) <= one_pair + 1e-12, f"{where}: mismatch {got} vs {frac}"
         trained = MegatronRole(
-            build_actor(root / "b", tp=1, pp=pp, dtype=torch.float32),
+            build_actor(root / "b", ParallelLayout.from_megatron(), dtype=torch.float32),
             optim=OptimConfig(lr=1e-4),
             micro_batch_size=2,
             pack_sequences=pack,
@@ -330,7 +331,7 @@ def _check_replay_under_sp(root, rank: int, world_size: int) -> None:
     from rl_megatron.models.router_replay import RoutingStats, moe_routers, replay_routing
 
     _init()
-    model = build_actor(root / "b", tp=1, pp=1, dtype=torch.float32)[0].eval()
+    model = build_actor(root / "b", ParallelLayout.from_megatron(), dtype=torch.float32)[0].eval()
     (layer, router), *_ = moe_routers(model)
     tp = torch.distributed.new_group(list(range(world_size)))
     b, width, hidden, experts = 2, 3, router.config.hidden_size, router.config.num_moe_experts

@@ -40,6 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelLayout
 from tests.multirank.test_roles import _value_loss
 from tests.spawn import run_on_ranks
 
@@ -105,7 +106,6 @@ LOSSES = {"actor": _actor_loss, "critic": _value_loss}
 
 def _roles(hf: Path, seed: int) -> dict:
     """Actor and critic at the current layout, randomly initialised from `seed`."""
-    from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from rl_megatron.config import OptimConfig
@@ -116,11 +116,10 @@ def _roles(hf: Path, seed: int) -> dict:
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     info = load_hf_config(hf)
-    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     roles = {}
     for name in ROLES:
         chunks = build_gpt_chunks(
-            info, tp=tp, pp=pp, dtype=torch.float32, value_head=name == "critic"
+            info, ParallelLayout.from_megatron(), dtype=torch.float32, value_head=name == "critic"
         )
         for chunk in chunks:
             if isinstance(getattr(chunk, "output_layer", None), ValueHead):
@@ -206,7 +205,7 @@ def _setup(tp: int) -> None:
     from megatron.core import parallel_state as ps
 
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tp, 1)
+    ps.initialize_model_parallel(tp, 1, order=MEGATRON_RANK_ORDER)
 
 
 # ---- (d) a save killed half-way ------------------------------------------------------------

@@ -17,6 +17,7 @@ import weakref
 
 import torch
 
+from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelLayout
 from tests.rollout_refs import tiny_llama
 from tests.spawn import run_on_ranks
 
@@ -35,10 +36,10 @@ def _body(rank: int, world_size: int, ckpt: str) -> None:
     from rl_megatron.rollout import decode_session, megatron_engine
     from rl_megatron.rollout.sampling import SamplingParams
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(1, 1, order=MEGATRON_RANK_ORDER)
     model_parallel_cuda_manual_seed(0)
     info = load_hf_config(ckpt)
-    chunks = build_actor(ckpt, tp=1, pp=1, dtype=torch.float32)
+    chunks = build_actor(ckpt, ParallelLayout.from_megatron(), dtype=torch.float32)
 
     built = []
 

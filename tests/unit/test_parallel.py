@@ -44,6 +44,8 @@ def test_context_parallel_layout():
 
 
 def test_sequence_divisor():
+    assert ParallelLayout(tp=4, pp=1, dp=1).cp_chunks == 1
+    assert ParallelLayout(tp=1, pp=1, dp=1, cp=3).cp_chunks == 6
     assert ParallelLayout(tp=4, pp=1, dp=1).sequence_divisor == 1
     assert ParallelLayout(tp=4, pp=1, dp=1, sequence_parallel=True).sequence_divisor == 4
     assert ParallelLayout(tp=2, pp=1, dp=1, cp=2, sequence_parallel=True).sequence_divisor == 8
@@ -96,3 +98,32 @@ def test_expert_layouts_megatron_core_accepts():
             assert layout.expert_coordinates(rank) == want
     dense = ParallelLayout.from_config(ParallelConfig(tp=2, pp=2), world_size=4)
     assert dense.etp is None and dense.expert_tp == 2  # megatron-core's default, unused
+
+
+def test_pipeline_stages_of_virtual_chunks():
+    """First / last stage of a chunk: pp rank 0's chunk 0, the last pp rank's last chunk
+    (what megatron-core's is_pipeline_first/last_stage answer for a vp_stage)."""
+    layout = ParallelLayout(tp=2, pp=2, dp=1, vpp=2)
+    # ranks 0, 1: pp rank 0; ranks 2, 3: pp rank 1.
+    assert [layout.is_first_stage(r, 0) for r in range(4)] == [True, True, False, False]
+    assert [layout.is_first_stage(r, 1) for r in range(4)] == [False] * 4
+    assert [layout.is_last_stage(r, 1) for r in range(4)] == [False, False, True, True]
+    assert [layout.is_last_stage(r, 0) for r in range(4)] == [False] * 4
+    plain = ParallelLayout(tp=1, pp=2, dp=1)
+    assert (plain.is_first_stage(0), plain.is_last_stage(0)) == (True, False)
+    assert (plain.is_first_stage(1), plain.is_last_stage(1)) == (False, True)
+
+
+def test_record_and_launch_line_name_every_degree():
+    dense = ParallelLayout.from_config(ParallelConfig(tp=2, pp=2, vpp=2), world_size=8)
+    assert dense.record() == {
+        "world_size": 8, "tp": 2, "pp": 2, "vpp": 2, "dp": 2, "cp": 1, "ep": 1, "etp": 2,
+        "sequence_parallel": False,
+    }  # fmt: skip
+    # A dense model's etp is megatron-core's default (tp·cp), never None.
+    assert dense.describe() == "tp=2 pp=2 dp=2 cp=1 ep=1 etp=2 vpp=2 sp=off"
+    moe = ParallelLayout.from_config(
+        ParallelConfig(tp=2, ep=2, etp=1, sequence_parallel=True), world_size=4, moe=True
+    )
+    assert moe.describe() == "tp=2 pp=1 dp=2 cp=1 ep=2 etp=1 vpp=None sp=on"
+    assert moe.record()["ep"] == 2 and moe.record()["sequence_parallel"] is True

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from rl_megatron.parallel import ParallelLayout
 from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.rollout.vllm_engine import VllmEngine, VllmEngineArgs
 from tests.vllm.reshard_script import dump
@@ -81,7 +82,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=ep, order=MEGATRON_RANK_ORDER)
     model_parallel_cuda_manual_seed(0)
     training = TrainingLayout(1, 1, world, ep=ep, etp=1)
-    actor = build_actor(spec["ckpt_a"], tp=1, pp=1, dtype=torch.float32)
+    actor = build_actor(spec["ckpt_a"], ParallelLayout.from_megatron(), dtype=torch.float32)
     res["actor_experts"] = sorted(
         n for n, _ in actor[0].named_parameters() if "local_experts" in n and "layers.0." in n
     )

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from rl_megatron.parallel import ParallelLayout
 from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.rollout.vllm_engine import VllmEngine, VllmEngineArgs
 
@@ -83,7 +84,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         ps.initialize_model_parallel(t, p, order=MEGATRON_RANK_ORDER)
         model_parallel_cuda_manual_seed(0)
         training = TrainingLayout(t, p, world // (t * p))
-        actor = build_actor(spec["ckpt_a"], tp=t, pp=p, dtype=torch.float32)
+        actor = build_actor(spec["ckpt_a"], ParallelLayout.from_megatron(), dtype=torch.float32)
         case: dict[str, Any] = {"layout": [t, p, training.dp]}
 
         engine.update_weights(sd_b, version=version + 1)  # stale weights would now show

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
+from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelLayout
 from rl_megatron.rollout.batch import RolloutBatch
 from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.rollout.vllm_engine import (
@@ -250,10 +251,10 @@ def megatron_side(
     from rl_megatron.rollout.megatron_engine import MegatronEngine
 
     cpu_compat.enable_if_no_gpu()  # vLLM is done with these processes by now
-    parallel_state.initialize_model_parallel(spec["tp"], 1)
+    parallel_state.initialize_model_parallel(spec["tp"], 1, order=MEGATRON_RANK_ORDER)
     model_parallel_cuda_manual_seed(0)
     info = load_hf_config(spec["ckpt_a"])
-    chunks = build_actor(spec["ckpt_a"], tp=spec["tp"], pp=1, dtype=torch.float32)
+    chunks = build_actor(spec["ckpt_a"], ParallelLayout.from_megatron(), dtype=torch.float32)
     engine = MegatronEngine(chunks, info, max_model_len=spec["max_model_len"])
     recomputed = recompute_log_probs(
         chunks,
