@@ -55,7 +55,7 @@ def main() -> None:
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.rollout.megatron_engine import MegatronEngine
+    from rl_megatron.rollout.megatron.engine import MegatronEngine
 
     generator = torch.Generator().manual_seed(1)
     prompts = torch.randint(

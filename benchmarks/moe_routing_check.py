@@ -108,7 +108,7 @@ def main() -> int:
     args = p.parse_args()
 
     from rl_megatron.rollout.sampling import SamplingParams
-    from rl_megatron.rollout.vllm_engine import VllmEngine, VllmEngineArgs
+    from rl_megatron.rollout.vllm.engine import VllmEngine, VllmEngineArgs
 
     torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl")

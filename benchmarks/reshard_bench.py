@@ -132,6 +132,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# The name-based full gather, the baseline here, is test support (tests/full_gather.py).
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
 
 from ab import interleave  # noqa: E402
 from update_traces import profile_calls  # noqa: E402
@@ -368,9 +370,7 @@ def run_layout(t: int, p: int, d: int, ep: int, etp: int, args, info, rank: int)
 
     from rl_megatron.models.builders import build_gpt_chunks
     from rl_megatron.models.conversions import padded_vocab_size
-    from rl_megatron.resharding import shards
     from rl_megatron.resharding.agreement import MIB
-    from rl_megatron.resharding.full_gather import SpecNameLoader, full_gather_sync
     from rl_megatron.resharding.layouts import (
         MEGATRON_RANK_ORDER,
         TrainingLayout,
@@ -380,6 +380,8 @@ def run_layout(t: int, p: int, d: int, ep: int, etp: int, args, info, rank: int)
     from rl_megatron.resharding.plan import PlanKey, build_plan
     from rl_megatron.resharding.targets import TensorStoreTarget
     from rl_megatron.resharding.weight_sync import WeightSync
+    from rl_megatron.rollout.vllm import specs as vllm_layout
+    from tests.full_gather import SpecNameLoader, full_gather_sync
 
     dtype = getattr(torch, args.dtype)
     cuda = torch.cuda.is_available()
@@ -402,8 +404,8 @@ def run_layout(t: int, p: int, d: int, ep: int, etp: int, args, info, rank: int)
         if (t * p) % t_g:
             continue
         gen = generation_layout_for(training, t_g)
-        padded = shards.vllm_padded_vocab(info.vocab_size, t_g)
-        store = TensorStoreTarget("vllm", info, gen, rank, padded, dtype, device)
+        padded = vllm_layout.vllm_padded_vocab(info.vocab_size, t_g)
+        store = TensorStoreTarget(vllm_layout.vllm_specs, info, gen, rank, padded, dtype, device)
         weight_sync = WeightSync(store, info=info, training=training, bucket_mb=args.bucket_mb)
         # The tensor store and the loader ignore versions: every call is version 0.
         ours = timed(partial(weight_sync.sync, chunks, version=0), device, *_rw(args))
@@ -432,7 +434,9 @@ def run_layout(t: int, p: int, d: int, ep: int, etp: int, args, info, rank: int)
                     partial(weight_sync.sync, chunks, version=0), 3, args.profile_dir, stem,
                     write=rank == 0,
                 )  # fmt: skip
-        baseline_store = TensorStoreTarget("vllm", info, gen, rank, padded, dtype, device)
+        baseline_store = TensorStoreTarget(
+            vllm_layout.vllm_specs, info, gen, rank, padded, dtype, device
+        )
         theirs = timed(
             partial(
                 full_gather_sync,
@@ -457,7 +461,16 @@ def run_layout(t: int, p: int, d: int, ep: int, etp: int, args, info, rank: int)
         plan = weight_sync.plan  # the one the sync ran
         strided_layout = hybridflow_generation_layout(training, t_g)
         strided = build_plan(
-            PlanKey(info, training, strided_layout, "vllm", train_padded, padded, bucket, elem)
+            PlanKey(
+                info,
+                training,
+                strided_layout,
+                vllm_layout.vllm_specs,
+                train_padded,
+                padded,
+                bucket,
+                elem,
+            )
         )
         local = plan.local_rank(rank)
         row = {

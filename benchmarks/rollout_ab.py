@@ -42,7 +42,7 @@ Per batch size b (all with `ignore_eos`, so each call makes exactly b·n·max_ne
   trainer's wrapper left out) with B's plain greedy parameters, B as in `greedy`: vLLM's
   own in-process loop, whose per-step output handling (`OutputProcessor`) runs in this
   thread; the trainer's engine drives the engine core itself instead
-  (`rollout/vllm_core_loop.py`), so `greedy` against this says what that is worth.
+  (`rollout/vllm/core_loop.py`), so `greedy` against this says what that is worth.
   Information, no target.
 * `greedy_aa`: A = B = the standalone, plain greedy: the same call against itself, so its
   spread is the host's own noise, which bounds what any worst-round target can resolve
@@ -145,11 +145,11 @@ TARGETED = ("greedy", "sampled")
 ENV_RECORDED = ("VLLM_CPU_OMP_THREADS_BIND", "OMP_NUM_THREADS", "VLLM_CPU_KVCACHE_SPACE")
 # Functions of the trainer's wrapper whose cost the profile reports (name → file suffix).
 PROFILED = {
-    "_generate": "rollout/vllm_engine.py",
-    "_generate_share": "rollout/vllm_engine.py",
+    "_generate": "rollout/vllm/engine.py",
+    "_generate_share": "rollout/vllm/engine.py",
     "fit_prompts": "rollout/sampling.py",
-    "to_vllm_sampling_params": "rollout/vllm_io.py",
-    "convert_sample": "rollout/vllm_io.py",
+    "to_vllm_sampling_params": "rollout/vllm/io.py",
+    "convert_sample": "rollout/vllm/io.py",
     "from_sequences": "rollout/batch.py",
     "all_gather_object": "distributed/distributed_c10d.py",
     "generate": "entrypoints/llm.py",
@@ -157,8 +157,8 @@ PROFILED = {
     # in-process loop that it replaced (`LLM.generate` in this process): one engine step,
     # the core's part of it, and the output handling that a standalone `LLM` does in its
     # front-end process while its engine core runs the next step in another.
-    "run": "rollout/vllm_core_loop.py",
-    "_add": "rollout/vllm_core_loop.py",
+    "run": "rollout/vllm/core_loop.py",
+    "_add": "rollout/vllm/core_loop.py",
     "step": "v1/engine/llm_engine.py",
     "get_output": "v1/engine/core_client.py",
     "step_with_batch_queue": "v1/engine/core.py",
@@ -188,7 +188,7 @@ def trainer_sampling(args):
 
 def the_calls(engine, standalone, prompts: list[list[int]], mode: str, args):
     """(A, B, rows per call) of one mode: zero-argument callables returning token rows."""
-    from rl_megatron.rollout.vllm_io import to_vllm_sampling_params
+    from rl_megatron.rollout.vllm.io import to_vllm_sampling_params
 
     if mode in ("greedy", "greedy_llm", "greedy_aa"):
         sampling, b_params = greedy(args), standalone_sampling_params(args)
@@ -273,7 +273,7 @@ def run_mode(engine, standalone, prompts, mode: str, args) -> tuple[dict, Any]:
 def profile_wrapper(engine, prompts, args) -> dict[str, Any]:
     """cProfile one sampled `VllmEngine.generate` and its own `LLM.generate` on the same
     requests and per-request params (built outside the profiled call)."""
-    from rl_megatron.rollout.vllm_io import to_vllm_sampling_params
+    from rl_megatron.rollout.vllm.io import to_vllm_sampling_params
 
     sampling = trainer_sampling(args)
     stop_ids = sampling.resolved_stop_token_ids(engine.eos_token_ids)
@@ -506,7 +506,7 @@ def main() -> None:
         if args.profile:
             result["profile"] = profile_wrapper(engine, prompts[: max(args.batches)], args)
         # Its engine-core process exits now; the in-process engine is never torn down
-        # (rollout/vllm_engine.py), hence os._exit below.
+        # (rollout/vllm/engine.py), hence os._exit below.
         try:
             standalone.llm_engine.engine_core.shutdown()
         except Exception as exc:

@@ -366,8 +366,8 @@ def main() -> None:
         if engine is not None:
             from rl_megatron.models.hf_config import load_hf_config
             from rl_megatron.resharding.layouts import TrainingLayout
-            from rl_megatron.resharding.targets import VllmEngineTarget
             from rl_megatron.resharding.weight_sync import WeightSync
+            from rl_megatron.rollout.vllm.target import VllmEngineTarget
 
             info = load_hf_config(ckpt)
             layout = TrainingLayout(tp=dist.get_world_size(), pp=1, dp=1)
@@ -437,7 +437,7 @@ def main() -> None:
             args.out_json.write_text(text + "\n")
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)  # see rollout/vllm_engine.py: no teardown under the in-process engine
+    os._exit(0)  # see rollout/vllm/engine.py: no teardown under the in-process engine
 
 
 if __name__ == "__main__":

@@ -36,7 +36,7 @@ def build_megatron_actor(ckpt: Path, args) -> list[torch.nn.Module]:
 def bench_megatron(
     chunks, info, prompts, args, result, graphs: bool = True
 ) -> dict[int, list[list[int]]]:
-    from rl_megatron.rollout.megatron_engine import MegatronEngine
+    from rl_megatron.rollout.megatron.engine import MegatronEngine
 
     engine = MegatronEngine(
         chunks,

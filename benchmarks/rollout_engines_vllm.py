@@ -111,7 +111,7 @@ def wait_for_memory(free_before: float | None, timeout_s: float = 60.0) -> None:
 
 
 def build_vllm_engine(ckpt: Path, args) -> tuple[Any, float]:
-    from rl_megatron.rollout.vllm_engine import VllmEngine, VllmEngineArgs
+    from rl_megatron.rollout.vllm.engine import VllmEngine, VllmEngineArgs
 
     start = time.perf_counter()
     engine = VllmEngine(

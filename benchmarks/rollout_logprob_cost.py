@@ -62,7 +62,7 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     from rl_megatron.rollout.sampling import SamplingParams
-    from rl_megatron.rollout.vllm_engine import VllmEngine, VllmEngineArgs
+    from rl_megatron.rollout.vllm.engine import VllmEngine, VllmEngineArgs
 
     gen = torch.Generator().manual_seed(1)
     prompts = torch.randint(3, args.vocab, (max(args.prompts), args.prompt_len), generator=gen)
@@ -131,7 +131,7 @@ def main() -> None:
         if args.out_json:
             args.out_json.write_text(text + "\n")
     sys.stdout.flush()
-    os._exit(0)  # no teardown under the in-process engine (rollout/vllm_engine.py)
+    os._exit(0)  # no teardown under the in-process engine (rollout/vllm/engine.py)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from rl_megatron.resharding.layouts import (
     generation_layout_for,
     micro_dp,
 )
+from rl_megatron.rollout.engines import check_engine_config
 from rl_megatron.utils import warning_filters
 from rl_megatron.utils.logging import format_config, get_logger
 from rl_megatron.utils.run_lock import run_dir_lock
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         # below and saved as config.resolved.yaml.
         config, replaced = resolve_model_config(load_config(args.config, args.overrides))
         layout = validate(config, env.world_size)
+        check_engine_config(config)  # the chosen rollout engine's own checks
     except (ConfigError, HFConfigError) as exc:
         # Every rank sees the same config error; one line from rank 0 is enough.
         if env.rank == 0:

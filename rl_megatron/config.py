@@ -27,14 +27,6 @@ __all__ = ["Config", "ConfigError", "load_config", "to_dict"]
 Dtype = Literal["bf16", "fp16", "fp32"]
 # The config's short dtype names → torch's (what vLLM and the checkpoint sidecars take).
 DTYPE_NAMES: dict[str, str] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-# vllm.LLM arguments the in-process engine sets from the config (rollout/vllm_engine.py);
-# rollout.engine_kwargs must not override them.
-TRAINER_SET_LLM_ARGS = (
-    "model", "tensor_parallel_size", "distributed_executor_backend", "load_format", "dtype",
-    "gpu_memory_utilization", "seed", "enforce_eager", "enable_prefix_caching",
-    "skip_tokenizer_init", "logprobs_mode", "enable_sleep_mode", "max_model_len",
-    "block_size", "enable_return_routed_experts",
-)  # fmt: skip
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline"]
 # k1/k2/k3/abs from the sampled tokens' log-probs; full: exact, from both full distributions
 # (an extra reference forward per micro-batch; parallel.pp = 1).

@@ -11,7 +11,6 @@ import importlib.util
 from pathlib import PurePosixPath
 
 from rl_megatron.config import (
-    TRAINER_SET_LLM_ARGS,
     ActorConfig,
     CheckpointConfig,
     Config,
@@ -48,11 +47,8 @@ def validate(config: Config, world_size: int) -> ParallelLayout:
     _check_context_parallel(config)
     _check_algorithm(config)
     _check_data(config.data, config.trainer)
-    if config.rollout.engine == "megatron":
-        _check_megatron_engine(config.rollout, p)
     _check_router_replay(config)
     if config.model.num_experts:
-        _check_moe_engine(config.rollout, config.model)
         _require(
             not config.checkpoint.save_hf or p.ep == 1,
             "checkpoint.save_hf",
@@ -203,18 +199,7 @@ def _check_rollout(r: RolloutConfig, p: ParallelConfig, m: ModelConfig) -> None:
         f"{r.max_prompt_length + r.max_response_length} exceeds "
         f"model.max_position_embeddings={m.max_position_embeddings}",
     )
-    _require(
-        0 < r.gpu_memory_utilization <= 1,
-        "rollout.gpu_memory_utilization",
-        f"must be in (0, 1], got {r.gpu_memory_utilization}",
-    )
     _require(r.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb", "must be > 0")
-    managed = sorted(set(r.engine_kwargs) & set(TRAINER_SET_LLM_ARGS))
-    _require(
-        not managed,
-        f"rollout.engine_kwargs.{managed[0] if managed else ''}",
-        "is set by the trainer (from rollout.*, model.*, trainer.seed); set it there",
-    )
 
 
 def _check_context_parallel(config: Config) -> None:
@@ -224,12 +209,6 @@ def _check_context_parallel(config: Config) -> None:
     cp = config.parallel.cp
     if cp == 1:
         return
-    _require(
-        config.rollout.engine == "megatron",
-        "rollout.engine",
-        f"vllm: resharding a context-parallel actor (parallel.cp={cp}) into vLLM is not "
-        "supported yet; use megatron, or parallel.cp=1",
-    )
     _require(
         importlib.util.find_spec("transformer_engine") is None,
         "parallel.cp",
@@ -334,11 +313,6 @@ def _check_rollout_correction(config: Config) -> None:
         )
     if rc.rejection is not None:
         _check_band(rc.rejection, f"{key}.rejection")
-    _require(
-        config.rollout.calculate_log_probs or config.rollout.engine == "megatron",
-        "rollout.calculate_log_probs",
-        f"is false, but {key} needs the engine's log-probs; set it true or leave it out",
-    )
 
 
 def _check_data(d: DataConfig, t: TrainerConfig) -> None:
@@ -360,42 +334,6 @@ def _check_data(d: DataConfig, t: TrainerConfig) -> None:
         "trainer.val_interval",
         "evaluation needs data.val_files (or data.synthetic_task)",
     )
-
-
-def _check_megatron_engine(r: RolloutConfig, p: ParallelConfig) -> None:
-    # The Megatron engine generates with the actor's own modules (no copy, no sync).
-    _require(p.pp == 1, "rollout.engine", "megatron generates with pp=1 only; use vllm")
-    _require(
-        not p.sequence_parallel,
-        "rollout.engine",
-        "megatron decodes one token per step, which sequence_parallel cannot split; use vllm",
-    )
-    _require(
-        r.tp == p.tp,
-        "rollout.tp",
-        f"the megatron engine generates at the training tp={p.tp}; got rollout.tp={r.tp}",
-    )
-
-
-def _check_moe_engine(r: RolloutConfig, m: ModelConfig) -> None:
-    if r.engine == "vllm":
-        # Resharding fills vLLM's fused experts as vLLM splits them without expert
-        # parallelism: every expert on every rank, its FFN split over rollout.tp.
-        _require(
-            not r.engine_kwargs.get("enable_expert_parallel"),
-            "rollout.engine_kwargs.enable_expert_parallel",
-            "resharding an MoE actor into vLLM's expert-parallel layout is not supported "
-            "yet; leave it off (each expert is then split over rollout.tp)",
-        )
-        _require(
-            m.moe_ffn_hidden_size % r.tp == 0,
-            "rollout.tp",
-            f"{r.tp} does not divide model.moe_ffn_hidden_size={m.moe_ffn_hidden_size} "
-            "(vLLM splits each expert's FFN over its TP ranks)",
-        )
-        return
-    # megatron at parallel.ep > 1: the engine's ranks decode different prompts, so they
-    # agree on every forward the expert all-to-all spans (rollout/megatron_engine.py).
 
 
 def _check_router_replay(config: Config) -> None:

@@ -330,7 +330,7 @@ def distributed_run(
 
 
 # What still holds process groups at teardown, run before they go, last registered first:
-# vLLM's in-process engine (rollout/vllm_engine.py) shuts its engine core down there,
+# vLLM's in-process engine (rollout/vllm/engine.py) shuts its engine core down there,
 # which destroys its own groups; left to interpreter exit, its shutdown would find them
 # gone and print a traceback per rank.
 _BEFORE_TEARDOWN: list[Callable[[], None]] = []

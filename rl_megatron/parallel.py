@@ -288,6 +288,9 @@ class ParallelGroups:
     ep: dist.ProcessGroup | None = None
     etp: dist.ProcessGroup | None = None
     expert_dp: dist.ProcessGroup | None = None
+    # etp·ep ranks that exchange tokens in every MoE forward (megatron-core's expert
+    # tensor-and-model-parallel group): a decode's forwards must match across it.
+    expert_model: dist.ProcessGroup | None = None
 
     @property
     def is_pp_last(self) -> bool:
@@ -323,6 +326,7 @@ class ParallelGroups:
             ep=ps.get_expert_model_parallel_group(),
             etp=ps.get_expert_tensor_parallel_group(),
             expert_dp=ps.get_expert_data_parallel_group(),
+            expert_model=ps.get_expert_tensor_and_model_parallel_group(),
         )
 
 

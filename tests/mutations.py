@@ -36,7 +36,7 @@ TRAINER = "rl_megatron/trainer/ppo_trainer.py"
 ROLES = "rl_megatron/trainer/roles.py"
 HEADS = "rl_megatron/trainer/heads.py"
 EXPERIENCE = "rl_megatron/trainer/experience.py"
-ENGINE = "rl_megatron/rollout/megatron_engine.py"
+ENGINE = "rl_megatron/rollout/megatron/engine.py"
 RECORDING = "tests/multirank/test_router_replay.py::test_megatron_engine_records_the_routing"
 DP_ALGORITHMS = (
     "tests/multirank/test_algorithms_dp.py::test_dp_whitening_and_global_loss_normalisation"
@@ -365,7 +365,7 @@ MUTATIONS = [
     ),
     (
         "vLLM target: a parameter that vLLM replaced is written through the kept table",
-        "rl_megatron/resharding/targets.py",
+        "rl_megatron/rollout/vllm/target.py",
         "        if self._owners is None or not self._owners.still_owned():",
         "        if self._owners is None:",
         "tests/unit/test_reshard_caches.py::"
@@ -426,21 +426,21 @@ MUTATIONS = [
     ),
     (
         "vLLM engine: a level-0 sleep unmaps the weights too",
-        "rl_megatron/rollout/vllm_engine.py",
+        "rl_megatron/rollout/vllm/engine.py",
         '    return [d for d in allocations if d.tag == "kv_cache"]',
         "    return allocations",
         "tests/unit/test_vllm_sleep_levels.py",
     ),
     (
         "vLLM engine: a deeper sleep after level 0 unmaps the KV cache twice",
-        "rl_megatron/rollout/vllm_engine.py",
+        "rl_megatron/rollout/vllm/engine.py",
         "        if asleep:\n            self._wake(asleep)",
         "        if False:\n            self._wake(asleep)",
         "tests/unit/test_vllm_sleep_levels.py",
     ),
     (
         "vLLM engine: no prefix-cache reset after a generate",
-        "rl_megatron/rollout/vllm_engine.py",
+        "rl_megatron/rollout/vllm/engine.py",
         "        self._prefix_cache_dirty = True\n        # Not `LLM.generate`",
         "        # Not `LLM.generate`",
         "tests/vllm/test_vllm_engine.py",
@@ -478,7 +478,7 @@ MUTATIONS = [
     ),
     (
         "vLLM engine: unmapped bytes count the mapped allocations",
-        "rl_megatron/rollout/vllm_engine.py",
+        "rl_megatron/rollout/vllm/engine.py",
         "return _allocated_bytes(asleep=True, unknown=False)",
         "return _allocated_bytes(asleep=False, unknown=False)",
         "tests/unit/test_vllm_sleep_levels.py",
@@ -508,28 +508,28 @@ MUTATIONS = [
     ),
     (
         "vLLM engine: a sleep wakes only the KV cache a level-0 sleep unmapped",
-        "rl_megatron/rollout/vllm_engine.py",
+        "rl_megatron/rollout/vllm/engine.py",
         "asleep = self._asleep()",
         'asleep = ["kv_cache"] if self._kv_cache_unmapped else []',
         "tests/unit/test_vllm_sleep_levels.py",
     ),
     (
         "vLLM core loop: every sample of a prompt drawn with the prompt's seed",
-        "rl_megatron/rollout/vllm_core_loop.py",
+        "rl_megatron/rollout/vllm/core_loop.py",
         "child.sampling_params.seed = params.seed + j",
         "child.sampling_params.seed = params.seed",
         "tests/vllm/test_vllm_engine.py::test_samples_are_those_of_vllms_own_generate",
     ),
     (
         "vLLM core loop: an error aborts the finished requests too",
-        "rl_megatron/rollout/vllm_core_loop.py",
+        "rl_megatron/rollout/vllm/core_loop.py",
         "if s.finish_reason is None]",
         "]",
         "tests/vllm/test_vllm_core_loop.py",
     ),
     (
         "vLLM core loop: a step's tokens replace the earlier ones",
-        "rl_megatron/rollout/vllm_core_loop.py",
+        "rl_megatron/rollout/vllm/core_loop.py",
         "sample.token_ids.extend(out.new_token_ids)",
         "sample.token_ids[:] = out.new_token_ids",
         "tests/vllm/test_vllm_core_loop.py",

@@ -104,7 +104,7 @@ step rollout_ab_085b_b256_k8 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dty
   --repeats 3 --calls-per-round 8 --gpu-memory-utilization 0.3 \
   --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
   --out-json "$RES/rollout_ab_h200_085b_b256_k8_$TAG.json"
-# The trainer's engine drives vLLM's in-process engine core itself (rollout/vllm_core_loop.py)
+# The trainer's engine drives vLLM's in-process engine core itself (rollout/vllm/core_loop.py)
 # instead of stepping vLLM's LLMEngine, whose per-step output handling ran in the decode's
 # one thread. greedy = that loop against the standalone (the target); greedy_llm = vLLM's
 # own in-process loop (the trainer's path until then) against the same standalone, for the

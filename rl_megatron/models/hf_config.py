@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from rl_megatron.config import Config, ModelConfig
+from rl_megatron.config import DTYPE_NAMES, Config, ModelConfig
 from rl_megatron.models.conversions import padded_vocab_size
 from rl_megatron.models.families import FAMILIES
 
@@ -515,3 +515,34 @@ def check_tokenizer_vocab(hf_dir: str | Path, info: HFModelInfo) -> None:
             f"{Path(hf_dir)}: tokenizer has {n} tokens but config.json vocab_size="
             f"{info.vocab_size} (the embedding has no row for the extra ids)"
         )
+
+
+def random_init_hf_config(config: Config) -> dict[str, Any]:
+    """The HF `config.json` of a randomly initialised model (`model.hf_path` unset)."""
+    m = config.model
+    if m.num_experts:  # a Qwen3-MoE shape (QK-norm, every layer sparse)
+        arch = {
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "head_dim": m.hidden_size // m.num_attention_heads,
+            "num_experts": m.num_experts,
+            "num_experts_per_tok": m.moe_router_topk,
+            "moe_intermediate_size": m.moe_ffn_hidden_size,
+            "norm_topk_prob": True,
+        }
+    else:
+        arch = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    return {
+        **arch,
+        "vocab_size": m.vocab_size,
+        "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "num_key_value_heads": m.num_query_groups,
+        "intermediate_size": m.ffn_hidden_size,
+        "max_position_embeddings": m.max_position_embeddings,
+        "rope_theta": m.rope_theta,
+        "rms_norm_eps": m.norm_epsilon,
+        "tie_word_embeddings": m.tie_word_embeddings,
+        "torch_dtype": DTYPE_NAMES[m.dtype],
+    }

@@ -116,7 +116,7 @@ class PlanAgreement:
             info=self.info,
             training=self.training,
             generation=self.target.layout,
-            target=self.target.kind,
+            target=self.target.shard_specs,
             training_padded_vocab=values[0],
             generation_padded_vocab=values[1],
             bucket_bytes=self.bucket_bytes,

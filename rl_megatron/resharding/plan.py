@@ -35,13 +35,18 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
+from collections.abc import Callable
 
 from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.resharding import shards
 from rl_megatron.resharding.layouts import GenerationLayout, TrainingLayout, micro_dp
 from rl_megatron.resharding.shards import ShardSpec
 
-TARGET_KINDS = ("vllm", "megatron")
+# The generation side's parameter layout: `specs(info, tp, tp_rank, padded_vocab)` → every
+# parameter shard one rank of a `tp`-way engine holds. Each engine supplies its own
+# (`ReshardTarget.specs`: e.g. `rollout/vllm/specs.py`; `shards.megatron_generation_specs`
+# for a Megatron model at PP 1); a plan knows no engine.
+TargetSpecs = Callable[[HFModelInfo, int, int, int], list[ShardSpec]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +118,7 @@ class PlanKey:
     info: HFModelInfo
     training: TrainingLayout
     generation: GenerationLayout
-    target: str  # "vllm" | "megatron"
+    target: TargetSpecs  # the engine's parameter layout (a module-level function)
     training_padded_vocab: int
     generation_padded_vocab: int
     bucket_bytes: int
@@ -184,18 +189,12 @@ def target_specs(key: PlanKey) -> list[list[ShardSpec]]:
     out = []
     for r in range(size):
         gen_tp = gen.coordinates(r)["gen_tp"]
-        if key.target == "vllm":
-            out.append(shards.vllm_specs(key.info, gen.tp, gen_tp, key.generation_padded_vocab))
-        else:
-            layout = TrainingLayout(tp=gen.tp, pp=1, dp=1)
-            out.append(shards.megatron_specs(key.info, layout, gen_tp, key.generation_padded_vocab))
+        out.append(key.target(key.info, gen.tp, gen_tp, key.generation_padded_vocab))
     return out
 
 
 def _check_key(key: PlanKey) -> None:
     block = plan_block(key.training)
-    if key.target not in TARGET_KINDS:
-        raise ValueError(f"target must be one of {TARGET_KINDS}, got '{key.target}'")
     if block % key.generation.tp:
         what = "tp·pp" if block == key.training.model_parallel_size else "the plan block"
         raise ValueError(f"rollout tp {key.generation.tp} does not divide {what} = {block}")

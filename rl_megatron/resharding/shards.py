@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from rl_megatron.checkpoint import hf_mapping as hm
-from rl_megatron.models.families import family, table
+from rl_megatron.models.families import table
 from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.resharding.layouts import TrainingLayout
 
@@ -56,11 +56,6 @@ QKV_INTERLEAVED = "qkv_interleaved"  # Megatron: [q_g, k_g, v_g] per local query
 QKV_STACKED = "qkv_stacked"  # vLLM: [q (local heads); k (local groups); v]
 GATE_UP = "gate_up"  # Megatron and vLLM: [gate_r; up_r]
 VOCAB = "vocab"  # embedding / LM head rows of this shard, then zero padding
-
-# vLLM pads the vocabulary of VocabParallelEmbedding / ParallelLMHead to a multiple of
-# this before splitting it (vllm/model_executor/layers/vocab_parallel_embedding.py,
-# DEFAULT_VOCAB_PADDING_SIZE).
-VLLM_VOCAB_PADDING = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,13 +128,10 @@ def rows_view(tensor: Any, dim: int, offset: int, rows: int, slot_rows: int = 0)
 # ------------------------------------------------------------------------ tables
 
 # Every layout's parameters are the rows of the model's family table (`models/families/`):
-# Megatron under the rows' dist-checkpoint names, vLLM under their vLLM names; a row's
-# transform says how each layout stacks its HF tensors.
+# Megatron under the rows' dist-checkpoint names (an engine's own naming is its package's,
+# e.g. `rollout/vllm/specs.py`); a row's transform says how each layout stacks its HF tensors.
 _MEGATRON_LAYOUT = types.MappingProxyType(
     {table.COPY: COPY, table.QKV: QKV_INTERLEAVED, table.GATE_UP: GATE_UP, table.VOCAB: VOCAB}
-)
-_VLLM_LAYOUT = types.MappingProxyType(
-    {table.COPY: COPY, table.QKV: QKV_STACKED, table.GATE_UP: GATE_UP, table.VOCAB: VOCAB}
 )
 
 
@@ -155,38 +147,6 @@ def megatron_rules(info: HFModelInfo) -> list[ParamRule]:
             expert=r.expert,
         )
         for r in hm.rules_for(info, "lm")
-    ]
-
-
-def vllm_rules(info: HFModelInfo) -> list[ParamRule]:
-    """vLLM's parameters for `info`, from the family table, in its module order (a bias
-    right after its weight, so a layer is complete as soon as possible); a tied LM head is
-    the embedding (its row is not exported)."""
-    rows = [r for r in hm.rules_for(info, "lm") if r.export]
-    names = {r.vllm_name for r in rows}
-    # An `{expert}` row whose vLLM name has no `{expert}` fills one stacked parameter.
-    stacked = {
-        r.vllm_name
-        for r in family(info.model_type).layers
-        if r.per_expert and "{expert}" not in r.vllm_name
-    }
-    ordered = []
-    for row in rows:
-        weight = row.vllm_name.removesuffix("bias") + "weight"
-        if row.vllm_name.endswith(".bias") and weight in names:
-            continue  # placed right after its weight
-        ordered.append(row)
-        ordered += [r for r in rows if r.vllm_name == row.vllm_name.removesuffix("weight") + "bias"]
-    return [
-        ParamRule(
-            r.vllm_name,
-            tuple(n for n, _ in r.hf),
-            _VLLM_LAYOUT[r.transform],
-            r.tp_dim,
-            expert=r.expert,
-            stacked=r.vllm_name in stacked,
-        )
-        for r in ordered
     ]
 
 
@@ -367,6 +327,14 @@ def megatron_specs(
     return specs
 
 
+def megatron_generation_specs(
+    info: HFModelInfo, tp: int, tp_rank: int, padded_vocab: int
+) -> list[ShardSpec]:
+    """A Megatron model's shards at TP `tp`, PP 1 (`plan.TargetSpecs`): a generation
+    layout under Megatron's own names, e.g. a Megatron engine at another TP size."""
+    return megatron_specs(info, TrainingLayout(tp=tp, pp=1, dp=1), tp_rank, padded_vocab)
+
+
 def expert_coords(layout: TrainingLayout, rank: int, info: HFModelInfo) -> dict[str, Any]:
     """A Megatron rank's experts: the global experts it holds (`held`, those of its EP
     rank: megatron-core gives EP rank r experts [r·E/ep, (r+1)·E/ep)) and the expert-TP
@@ -378,32 +346,7 @@ def expert_coords(layout: TrainingLayout, rank: int, info: HFModelInfo) -> dict[
     return {"held": range(e0, e0 + local), "etp": layout.expert_tp, "etp_rank": e["etp"]}
 
 
-def vllm_specs(info: HFModelInfo, tp: int, tp_rank: int, padded_vocab: int) -> list[ShardSpec]:
-    """Every parameter shard of vLLM's model on one rank of a `tp`-way engine, model order.
-
-    vLLM without expert parallelism (the only mode supported here) holds every expert on
-    every rank, each split over its TP ranks like a dense MLP (vllm/model_executor/layers/
-    fused_moe/routed_experts.py, `_load_w13` / `_load_w2`); slot e is global expert e.
-    """
-    specs = []
-    stacks: dict[str, list[ShardSpec]] = {}  # stacked parameter → its slots so far
-    for rule in vllm_rules(info):
-        layers = range(info.num_layers) if "{layer}" in rule.name else [None]
-        for layer in layers:
-            one = shard_spec(rule, layer, info, tp, tp_rank, padded_vocab)
-            if not rule.stacked:
-                specs.append(one)
-                continue
-            slots = stacks.setdefault(one.name, [])
-            if rule.expert != len(slots):
-                raise AssertionError(f"{one.name}: expert {rule.expert} out of order")
-            slots.append(one)
-    specs += [_stack(slots) for slots in stacks.values()]
-    # vLLM's module order: embedding, layers, norm, head.
-    return sorted(specs, key=_model_order)
-
-
-def _stack(slots: list[ShardSpec]) -> ShardSpec:
+def stack_slots(slots: list[ShardSpec]) -> ShardSpec:
     """One spec for a parameter stacking `slots` (equal shapes) on a new leading dim."""
     first = slots[0]
     slot_rows = first.shape[first.dim]
@@ -413,23 +356,6 @@ def _stack(slots: list[ShardSpec]) -> ShardSpec:
         for span in slot.spans
     )
     return ShardSpec(first.name, (len(slots), *first.shape), first.dim, spans, stack=len(slots))
-
-
-def _model_order(spec: ShardSpec) -> tuple[int, int]:
-    parts = spec.name.split(".")
-    if "layers" in parts:
-        return 1, int(parts[parts.index("layers") + 1])
-    if "embed" in spec.name:
-        return 0, 0
-    return 2, 0
-
-
-def vllm_padded_vocab(vocab_size: int, tp: int) -> int:
-    """vLLM's padded vocabulary (the whole table; each of `tp` ranks holds 1/tp of it)."""
-    padded = -(-vocab_size // VLLM_VOCAB_PADDING) * VLLM_VOCAB_PADDING
-    if padded % tp:
-        raise ValueError(f"vLLM's padded vocabulary {padded} is not divisible by tp={tp}")
-    return padded
 
 
 # ------------------------------------------------------------------------ checks

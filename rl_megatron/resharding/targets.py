@@ -1,39 +1,27 @@
 """Where resharded weights go: `ReshardTarget`, the one interface a weight sync writes
-through, and its adapters to each generation engine.
+through, and `TensorStoreTarget`, a layout's shards as plain tensors (no engine: tests,
+benchmarks).
 
-A target names the generation layout it holds (`kind`: "vllm" or "megatron" parameter
-naming and fusion; `layout`: t_g and the rank map), checks — before anything is written —
-that its parameters and model config agree with the plan, and exposes each parameter's
-storage to the executor:
-
-* `MegatronEngineTarget` — the Megatron rollout engine on a `GPTModel` at TP t_g (PP 1):
-  rows are written straight into its parameters.
-* `VllmEngineTarget` — vLLM in-process. Where vLLM keeps checkpoint-format parameters
-  (the GPU build; unquantized CUDA layers are not post-processed) rows are written
-  straight into them. Where it repacks weights after loading (the CPU build), each
-  parameter is assembled in a buffer and handed, already sharded, to vLLM's layerwise
-  reload, which re-runs the layer's post-processing once the layer is complete.
-* `TensorStoreTarget` — a layout's shards as plain tensors, no engine (tests, benchmarks).
-
-Both engine targets go through the engine's begin / finish API, so the engine records
-the weight version and refuses to generate on a partial update. A target is driven by one
-`WeightSync` (`weight_sync.py`) for its life. The name-based path (full HF tensors into
-`load_weights`) is `full_gather.py`.
+A target names the generation layout it holds (`shard_specs`: the engine's parameter
+naming and fusion, a `plan.TargetSpecs`; `layout`: t_g and the rank map), checks — before
+anything is written — that its parameters and model config agree with the plan, and
+exposes each parameter's storage to the executor. Each engine's own target lives in its
+package (`rollout/vllm/target.py`) and goes through the engine's begin / finish API, so the
+engine records the weight version and refuses to generate on a partial update. A target is
+driven by one `WeightSync` (`weight_sync.py`) for its life.
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
-from rl_megatron.models.hf_config import HFModelInfo, parse_hf_config
-from rl_megatron.resharding import shards
-from rl_megatron.resharding.layouts import GenerationLayout, TrainingLayout
+from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.resharding.layouts import GenerationLayout
+from rl_megatron.resharding.plan import TargetSpecs
 from rl_megatron.resharding.shards import check_tensors
-from rl_megatron.resharding.sources import ParameterOwners, megatron_sources
 
 # Fields that must agree between the trainer's model and the engine's: a difference in
 # any of them means the engine computes another function, even where shapes match.
@@ -78,7 +66,9 @@ class ReshardTarget(abc.ABC):
     when the transfer fails after `begin`.
     """
 
-    kind: str  # "vllm" | "megatron": parameter names and fused layouts
+    # The engine's parameter layout (`plan.TargetSpecs`, a module-level function): plans
+    # are keyed by it, so two targets of one layout share plans.
+    shard_specs: TargetSpecs
     layout: GenerationLayout
 
     @abc.abstractmethod
@@ -128,7 +118,7 @@ class TensorStoreTarget(ReshardTarget):
 
     def __init__(
         self,
-        kind: str,
+        shard_specs: TargetSpecs,
         info: HFModelInfo,
         layout: GenerationLayout,
         rank: int,
@@ -136,13 +126,9 @@ class TensorStoreTarget(ReshardTarget):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> None:
-        self.kind, self.layout, self._padded_vocab = kind, layout, padded_vocab
+        self.shard_specs, self.layout, self._padded_vocab = shard_specs, layout, padded_vocab
         gen_tp = layout.coordinates(rank)["gen_tp"]
-        if kind == "vllm":
-            self.specs = shards.vllm_specs(info, layout.tp, gen_tp, padded_vocab)
-        else:
-            single = TrainingLayout(tp=layout.tp, pp=1, dp=1)
-            self.specs = shards.megatron_specs(info, single, gen_tp, padded_vocab)
+        self.specs = shard_specs(info, layout.tp, gen_tp, padded_vocab)
         # NaN marks rows nobody wrote, so a bit-exact comparison catches them.
         self.tensors = {
             s.name: torch.full(s.shape, float("nan"), dtype=dtype, device=device)
@@ -174,241 +160,3 @@ class TensorStoreTarget(ReshardTarget):
 
     def abort(self, why: str) -> None:
         self.version = None
-
-
-# --------------------------------------------------------------- megatron engine
-
-
-class MegatronEngineTarget(ReshardTarget):
-    """The Megatron rollout engine's `GPTModel` (PP 1) at its own TP size, written in place.
-
-    Its TP groups are parallel_state's when the engine model was built, i.e. blocks of
-    t_g consecutive ranks (`layout` says otherwise when the model was built with other
-    groups).
-    """
-
-    kind = "megatron"
-
-    def __init__(self, engine: Any, layout: GenerationLayout | None = None) -> None:
-        import torch.distributed as dist
-
-        self.engine = engine
-        tp = engine.model.config.tensor_model_parallel_size
-        self.layout = layout or GenerationLayout(tp=tp, world_size=dist.get_world_size())
-        if self.layout.tp != tp:
-            raise ValueError(f"megatron engine model has tp={tp}, layout says {self.layout.tp}")
-        self.params = megatron_sources([engine.model], engine.info)
-
-    def padded_vocab(self) -> int:
-        return self.params["embedding.word_embeddings.weight"].shape[0] * self.layout.tp
-
-    def check(self, shapes: Mapping[str, tuple[int, ...]], info: HFModelInfo) -> list[str]:
-        problems = config_mismatch(info, self.engine.info, "megatron engine")
-        return problems + check_tensors(shapes, self.params, "megatron engine")
-
-    def begin(self, version: int) -> None:
-        self.engine.begin_weight_update(version)
-
-    def writable(self, name: str) -> torch.Tensor:
-        return self.params[name].data
-
-    def finish(self) -> None:
-        # Nothing buffered in the engine: finishing only records the version.
-        self.engine.finish_weight_update()
-
-    def abort(self, why: str) -> None:
-        _mark_engine_failed(self.engine, why)
-
-
-def _mark_engine_failed(engine: Any, why: str) -> None:
-    # RolloutEngine has no public "abort update"; its failure state is what makes
-    # `generate` refuse a partial update (requested upstream, see the report).
-    engine._mark_failed(why)
-
-
-# ------------------------------------------------------------------- vLLM engine
-
-
-def _rpc_model(worker: Any) -> torch.nn.Module:
-    return worker.model_runner.model
-
-
-def _plain_tensor_reads() -> Any:
-    """A context in which vLLM's parameters read as plain tensors.
-
-    vLLM's parameter classes (`BasevLLMParameter`) define `__torch_function__` in Python,
-    so every shape or `.data` read of one runs Python: ~1.5 µs a read where a plain
-    tensor's is ~0.1 µs, twice per parameter per sync (~0.25 ms of a 99-tensor sync on a
-    CPU; on the H200 host, 128 such calls per sync,
-    benchmarks/runs/2026-12-02-h200-run13-sync-after-graphs.md). Their override only
-    forwards to torch's; with subclass overrides disabled the reads are torch's own, and
-    `.data` is a plain tensor of the same storage either way.
-    """
-    return torch._C.DisableTorchFunctionSubclass()
-
-
-class VllmEngineTarget(ReshardTarget):
-    """vLLM in the trainer's processes (`VllmEngine`); see the module docstring."""
-
-    kind = "vllm"
-
-    def __init__(self, engine: Any) -> None:
-        from vllm.platforms import current_platform
-
-        self.engine = engine
-        self.layout = GenerationLayout(tp=engine.args.tp, world_size=engine.layout.world_size)
-        # In-process (`external_launcher`): the RPC returns the model object itself.
-        self.model: torch.nn.Module = engine.llm.collective_rpc(_rpc_model)[0]
-        reload = engine.args.weight_reload
-        self.layerwise = current_platform.is_cpu() if reload == "auto" else reload == "layerwise"
-        self.buffers_params = self.layerwise
-        self._names: set[str] = set()
-        self._buffers: dict[str, torch.Tensor] = {}
-        self._pending: dict[torch.nn.Module, int] = {}  # bytes vLLM still holds per module
-        self._swapped: list[tuple[torch.Tensor, Any]] = []  # (meta parameter, its loader)
-        self._live = self._peak = 0
-        # vLLM's parameter table, checked at the start of every sync (`padded_vocab`, the
-        # first thing a sync's agreement asks a target) and read again only when vLLM
-        # replaced a parameter object (its layerwise reload does; writes in place do not):
-        # never written through a stale table, and no module-tree walk per sync.
-        self._table: dict[str, torch.nn.Parameter] = {}
-        self._owners: ParameterOwners | None = None
-        # The engine's model config and parallel settings never change for its life:
-        # checked once per trainer model info.
-        self._config_checked: tuple[HFModelInfo, list[str]] | None = None
-
-    # ---- shapes ----------------------------------------------------------------
-
-    def _refresh_table(self) -> None:
-        """Read vLLM's parameter table again if a parameter object changed since."""
-        if self._owners is None or not self._owners.still_owned():
-            self._table = dict(self.model.named_parameters())
-            self._owners = ParameterOwners(self.model)
-
-    def _shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        """vLLM parameter → (checkpoint-format shard shape, dtype)."""
-        params = self._table
-        if not self.layerwise:
-            return {name: (tuple(p.shape), p.dtype) for name, p in params.items()}
-        # Repacked weights lost their shape; vLLM recorded the checkpoint format.
-        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
-
-        out = {}
-        for name, param in params.items():
-            module_name, _, leaf = name.rpartition(".")
-            meta = get_layerwise_info(self.model.get_submodule(module_name)).restore_metadata
-            recorded = meta[0].get(leaf, param)  # a bias is never moved to meta
-            out[name] = (tuple(recorded.shape), recorded.dtype)
-        return out
-
-    def padded_vocab(self) -> int:
-        self._refresh_table()  # a new sync
-        name = "model.embed_tokens.weight"
-        if not self.layerwise:
-            with _plain_tensor_reads():
-                return self._table[name].shape[0] * self.layout.tp
-        return self._shapes()[name][0][0] * self.layout.tp
-
-    def check(self, shapes: Mapping[str, tuple[int, ...]], info: HFModelInfo) -> list[str]:
-        problems = self._config_problems(info)
-        if self.layerwise:
-            tensors: dict[str, Any] = {name: shape for name, (shape, _) in self._shapes().items()}
-            return problems + check_tensors(shapes, tensors, "vLLM")
-        with _plain_tensor_reads():
-            return problems + check_tensors(shapes, self._table, "vLLM")
-
-    def _config_problems(self, info: HFModelInfo) -> list[str]:
-        """The engine's config against the trainer's (both fixed: compared once per info)."""
-        if self._config_checked is None or self._config_checked[0] is not info:
-            hf = self.engine.llm.llm_engine.model_config.hf_config
-            problems = config_mismatch(info, parse_hf_config(hf.to_dict()), "vLLM")
-            parallel = self.engine.llm.llm_engine.vllm_config.parallel_config
-            if info.num_experts and getattr(parallel, "enable_expert_parallel", False):
-                # Its experts would be split over ranks, not each expert over TP
-                # (`vllm_specs`).
-                problems.append(
-                    "vLLM runs with enable_expert_parallel (rollout.engine_kwargs), which "
-                    "resharding does not describe; leave it off"
-                )
-            self._config_checked = (info, problems)
-        return list(self._config_checked[1])
-
-    # ---- update ----------------------------------------------------------------
-
-    def begin(self, version: int) -> None:
-        self._names, self._buffers, self._pending, self._swapped = set(), {}, {}, []
-        self._live = self._peak = 0
-        # On the CPU build this also puts every layer into vLLM's layerwise reload, which
-        # moves its parameters to the meta device (new objects): the table follows.
-        self.engine.begin_weight_update(version)
-        if self.layerwise:
-            self._refresh_table()
-
-    def writable(self, name: str) -> torch.Tensor:
-        self._names.add(name)
-        if not self.layerwise:
-            with _plain_tensor_reads():
-                return self._table[name].data
-        buf = self._buffers.get(name)
-        if buf is None:
-            meta = self._table[name]  # on the meta device during a layerwise reload
-            buf = torch.empty(meta.shape, dtype=meta.dtype)
-            self._buffers[name] = buf
-            self._live += buf.nbytes
-            self._peak = max(self._peak, self._live)
-        return buf
-
-    def param_done(self, name: str) -> None:
-        if self.layerwise:
-            self._load_sharded(name, self._buffers.pop(name))
-
-    def _load_sharded(self, name: str, shard: torch.Tensor) -> None:
-        """Hand vLLM's layerwise reload one finished, already sharded parameter.
-
-        The reload wraps each parameter's weight loader so that a layer is materialised,
-        loaded and post-processed (repacked) once all its tensors arrived. Its own loaders
-        would slice our shard as if it were the full HF tensor, so this parameter's loader
-        is re-wrapped around `default_weight_loader` (a shape-checked copy) for this
-        update; `finish` / `abort` put the previous loader back.
-        """
-        from vllm.model_executor.model_loader.reload.layerwise import (
-            get_layerwise_info,
-            make_online_process_loader,
-        )
-        from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-
-        module_name, _, leaf = name.rpartition(".")
-        module = self.model.get_submodule(module_name)
-        param = getattr(module, leaf)
-        # The meta parameter is vLLM's recorded metadata itself: put its loader back
-        # after the reload (`_restore_loaders`), or later HF-named updates would copy.
-        self._swapped.append((param, param.weight_loader))
-        param.weight_loader = default_weight_loader
-        param.weight_loader = make_online_process_loader(module, leaf)
-        self._pending[module] = self._pending.get(module, 0) + shard.nbytes
-        param.weight_loader(param, shard)
-        if not get_layerwise_info(module).can_load():  # processed: vLLM let go of the shards
-            self._live -= self._pending.pop(module)
-
-    def finish(self) -> None:
-        # The engine checks that every parameter was loaded; ours were written directly.
-        self.engine._loaded |= self._names
-        try:
-            # On the CPU build this processes the layers still waiting (vLLM's finalize).
-            self.engine.finish_weight_update()
-        finally:
-            self._restore_loaders()
-        self._live = 0
-
-    def abort(self, why: str) -> None:
-        self._buffers.clear()
-        self._restore_loaders()
-        _mark_engine_failed(self.engine, why)
-
-    def _restore_loaders(self) -> None:
-        for param, loader in self._swapped:
-            param.weight_loader = loader
-        self._swapped = []
-
-    def staging_peak_bytes(self) -> int:
-        return self._peak

@@ -7,14 +7,11 @@ on every rank, before any collective that could leave other ranks waiting.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from rl_megatron.checkpoint.hf_builders import (
     build_actor,
@@ -33,8 +30,10 @@ from rl_megatron.models.hf_config import (
     load_hf_config,
     moe_loss_overrides,
     parse_hf_config,
+    random_init_hf_config,
 )
 from rl_megatron.parallel import ParallelGroups, ParallelLayout
+from rl_megatron.rollout import engines
 from rl_megatron.rollout.engine import RolloutEngine
 from rl_megatron.trainer.roles import MegatronRole
 
@@ -103,37 +102,6 @@ def model_info(config: Config) -> HFModelInfo:
     if config.model.hf_path is not None:
         return load_hf_config(config.model.hf_path)
     return parse_hf_config(random_init_hf_config(config))
-
-
-def random_init_hf_config(config: Config) -> dict[str, Any]:
-    """The HF `config.json` of a randomly initialised model (`model.hf_path` unset)."""
-    m = config.model
-    if m.num_experts:  # a Qwen3-MoE shape (QK-norm, every layer sparse)
-        arch = {
-            "architectures": ["Qwen3MoeForCausalLM"],
-            "model_type": "qwen3_moe",
-            "head_dim": m.hidden_size // m.num_attention_heads,
-            "num_experts": m.num_experts,
-            "num_experts_per_tok": m.moe_router_topk,
-            "moe_intermediate_size": m.moe_ffn_hidden_size,
-            "norm_topk_prob": True,
-        }
-    else:
-        arch = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
-    return {
-        **arch,
-        "vocab_size": m.vocab_size,
-        "hidden_size": m.hidden_size,
-        "num_hidden_layers": m.num_layers,
-        "num_attention_heads": m.num_attention_heads,
-        "num_key_value_heads": m.num_query_groups,
-        "intermediate_size": m.ffn_hidden_size,
-        "max_position_embeddings": m.max_position_embeddings,
-        "rope_theta": m.rope_theta,
-        "rms_norm_eps": m.norm_epsilon,
-        "tie_word_embeddings": m.tie_word_embeddings,
-        "torch_dtype": DTYPE_NAMES[m.dtype],
-    }
 
 
 @dataclass
@@ -277,67 +245,6 @@ def _mini_batches(config: Config, mini_batch_size: int) -> int:
 def build_engine(
     config: Config, info: HFModelInfo, actor: MegatronRole, tokenizer: Any, run: DistributedRun
 ) -> RolloutEngine:
-    """The rollout engine of `rollout.engine`, on every rank (collective), ready to
-    `sync_from` the actor: vLLM with its weight sync, the Megatron engine on the actor's
-    own modules."""
-    r = config.rollout
-    eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
-    pad = tokenizer.pad_token_id or 0
-    if r.engine == "megatron":
-        from rl_megatron.rollout.megatron_engine import MegatronEngine
-
-        # Every TP rank of a replica samples with the same seed; replicas differ.
-        return MegatronEngine(
-            actor.model,
-            info,
-            eos_token_ids=eos,
-            max_model_len=r.max_prompt_length + r.max_response_length,
-            seed=config.trainer.seed + 7919 * run.coordinates["dp"],
-            max_batch_size=max(1, config.data.train_batch_size // run.layout.dp * r.n),
-            pad_token_id=pad,
-            use_cuda_graphs=not r.enforce_eager,
-            record_routing=config.actor.router_replay,
-        )
-    from rl_megatron.rollout.vllm_engine import VllmEngine, VllmEngineArgs
-
-    model_dir, load_format = config.model.hf_path, "auto"
-    if model_dir is None:
-        # A random init: vLLM builds the architecture from a config.json with random
-        # weights, and the first sync (step 0) puts the actor's weights in.
-        model_dir, load_format = str(config.run_dir / "rollout_model"), "dummy"
-        if run.env.local_rank == 0:
-            Path(model_dir).mkdir(parents=True, exist_ok=True)
-            text = json.dumps(random_init_hf_config(config), indent=2)
-            (Path(model_dir) / "config.json").write_text(text + "\n")
-        dist.barrier()
-
-    groups = [run.layout.replica_ranks(k) for k in range(run.layout.dp)]
-    args = VllmEngineArgs(
-        model=model_dir,
-        load_format=load_format,
-        tp=r.tp,
-        # The trainer's dtype, not vLLM's "auto" (which runs fp32 checkpoints in bf16 on
-        # CPU): the rollout policy must be the policy being trained.
-        dtype=DTYPE_NAMES[config.model.dtype],
-        max_model_len=r.max_prompt_length + r.max_response_length,
-        gpu_memory_utilization=r.gpu_memory_utilization,
-        seed=config.trainer.seed,
-        enable_sleep_mode=r.enable_sleep_mode if torch.cuda.is_available() else False,
-        enforce_eager=r.enforce_eager if torch.cuda.is_available() else None,
-        calculate_log_probs=r.calculate_log_probs,
-        return_routed_experts=config.actor.router_replay,
-        pad_token_id=pad,
-        extra=dict(r.engine_kwargs),
-    )
-    from rl_megatron.resharding.targets import VllmEngineTarget
-    from rl_megatron.resharding.weight_sync import WeightSync
-
-    engine = VllmEngine(args, prompt_groups=groups)
-    # One weight sync for the engine's life: it keeps its plan, program and views.
-    engine.weight_sync = WeightSync(
-        VllmEngineTarget(engine),
-        info=info,
-        training=run.layout,
-        bucket_mb=r.weight_sync_bucket_mb,
-    )
-    return engine
+    """The rollout engine the config names, on every rank (collective), ready to
+    `sync_from` the actor (`rollout/engines.py`; each engine builds and pairs itself)."""
+    return engines.build_engine(config, info, actor.model, tokenizer, run.groups)

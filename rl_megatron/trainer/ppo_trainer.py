@@ -381,7 +381,7 @@ class PPOTrainer:
         back (a level-1 or 2 sleep released them), so that the next sync has nothing to wake
         (`rollout.wake_weights_during_update`). Mapping them is host work for the driver,
         ~4-9 ms/GB on an H200, against 0.7-1.2 ms/GB for the sync itself; the step's Adam
-        hid 4-5 of the 11.5 ms at 0.85B (benchmarks/RESULTS.md, sixteenth run). Only when
+        hid 4-5 of the 11.5 ms at 0.85B (benchmarks/runs/2026-12-02-h200-run16-wake-during-update-8b.md). Only when
         they fit beside what the roles hold now (`RolloutEngine.wake_if_room`); otherwise
         the sync wakes them, giving torch's cached memory back first. The update's memory
         peaks are taken before: the wake changes what sleeps, not what the update used."""

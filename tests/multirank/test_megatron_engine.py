@@ -55,7 +55,7 @@ def _bf16_logprob_parity(ref: dict) -> None:
 
     from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.rollout.megatron_engine import MegatronEngine
+    from rl_megatron.rollout.megatron.engine import MegatronEngine
     from rl_megatron.rollout.sampling import SamplingParams
 
     model_parallel_cuda_manual_seed(0)
@@ -94,7 +94,7 @@ def _cases(tp: int, ref: dict) -> None:
 
     from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.rollout.megatron_engine import MegatronEngine
+    from rl_megatron.rollout.megatron.engine import MegatronEngine
     from rl_megatron.rollout.sampling import SamplingParams
 
     model_parallel_cuda_manual_seed(0)

@@ -58,7 +58,7 @@ def _first_stop(rows: list[list[int]], step: int) -> int:
 def _body(rank: int, world_size: int, root) -> None:
     from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.rollout.megatron_engine import MegatronEngine
+    from rl_megatron.rollout.megatron.engine import MegatronEngine
     from rl_megatron.rollout.sampling import SamplingParams
 
     info = load_hf_config(root / "qwen3_moe")

@@ -47,8 +47,6 @@ def _body(rank: int, world_size: int, out: str) -> None:
 
     from rl_megatron.checkpoint.hf_loader import unwrap
     from rl_megatron.models.builders import build_gpt_chunks
-    from rl_megatron.resharding import shards
-    from rl_megatron.resharding.full_gather import SpecNameLoader, full_gather_sync
     from rl_megatron.resharding.layouts import (
         MEGATRON_RANK_ORDER,
         GenerationLayout,
@@ -57,6 +55,8 @@ def _body(rank: int, world_size: int, out: str) -> None:
     )
     from rl_megatron.resharding.targets import TensorStoreTarget
     from rl_megatron.resharding.weight_sync import WeightSync
+    from rl_megatron.rollout.vllm import specs as vllm_layout
+    from tests.full_gather import SpecNameLoader, full_gather_sync
     from tests.reshard_refs import assert_bit_exact, model_info
 
     info = model_info(MODEL)
@@ -69,8 +69,8 @@ def _body(rank: int, world_size: int, out: str) -> None:
         return all_reduce(*args, **kwargs)
 
     def store_for(gen, padded=None, cls=TensorStoreTarget, at=rank):
-        padded = padded or shards.vllm_padded_vocab(info.vocab_size, gen.tp)
-        return cls("vllm", info, gen, at, padded, device=test_device())
+        padded = padded or vllm_layout.vllm_padded_vocab(info.vocab_size, gen.tp)
+        return cls(vllm_layout.vllm_specs, info, gen, at, padded, device=test_device())
 
     def sync_of(target, training, group=None) -> WeightSync:
         return WeightSync(target, info=info, training=training, bucket_mb=BUCKET_MB, group=group)

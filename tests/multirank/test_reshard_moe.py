@@ -39,8 +39,6 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
 
     from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.resharding import shards
-    from rl_megatron.resharding.full_gather import SpecNameLoader, full_gather_sync
     from rl_megatron.resharding.layouts import (
         MEGATRON_RANK_ORDER,
         GenerationLayout,
@@ -49,6 +47,8 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
     from rl_megatron.resharding.plan import plan_block
     from rl_megatron.resharding.targets import TensorStoreTarget
     from rl_megatron.resharding.weight_sync import WeightSync
+    from rl_megatron.rollout.vllm import specs as vllm_layout
+    from tests.full_gather import SpecNameLoader, full_gather_sync
     from tests.reshard_refs import moe_vllm_reference
     from tests.unit.test_reshard_plan import assert_bit_exact
 
@@ -67,15 +67,15 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
             actor = build_actor(path, ParallelLayout.from_megatron(), dtype=torch.float32)
             for t_g in (t for t in (1, 2, 4) if plan_block(training) % t == 0):
                 gen = GenerationLayout(t_g, world_size)
-                padded = shards.vllm_padded_vocab(info.vocab_size, t_g)
+                padded = vllm_layout.vllm_padded_vocab(info.vocab_size, t_g)
                 gen_tp = gen.coordinates(rank)["gen_tp"]
                 want = moe_vllm_reference(state, info, t_g, gen_tp, padded)
                 where = f"{m} tp{tp} pp{pp} ep{ep} etp{etp} t_g={t_g}"
-                store = TensorStoreTarget("vllm", info, gen, rank, padded)
+                store = TensorStoreTarget(vllm_layout.vllm_specs, info, gen, rank, padded)
                 sync = WeightSync(store, info=info, training=training, bucket_mb=BUCKET_MB)
                 stats = sync.sync(actor, version=1)
                 assert_bit_exact(store.tensors, want, f"{where} reshard")
-                baseline = TensorStoreTarget("vllm", info, gen, rank, padded)
+                baseline = TensorStoreTarget(vllm_layout.vllm_specs, info, gen, rank, padded)
                 theirs = full_gather_sync(
                     actor, SpecNameLoader(baseline), info=info, training=training, version=1,
                     bucket_mb=BUCKET_MB, tp_group=ps.get_tensor_model_parallel_group(),

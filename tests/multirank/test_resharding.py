@@ -105,14 +105,15 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
     from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.builders import build_gpt_chunks
     from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.resharding import shards
     from rl_megatron.resharding.layouts import MEGATRON_RANK_ORDER, TrainingLayout
     from rl_megatron.resharding.layouts import generation_layout_for as gen_for
     from rl_megatron.resharding.plan import build_plan
-    from rl_megatron.resharding.targets import MegatronEngineTarget, TensorStoreTarget
+    from rl_megatron.resharding.targets import TensorStoreTarget
     from rl_megatron.resharding.weight_sync import WeightSync
-    from rl_megatron.rollout.megatron_engine import MegatronEngine
+    from rl_megatron.rollout.megatron.engine import MegatronEngine
     from rl_megatron.rollout.sampling import SamplingParams
+    from rl_megatron.rollout.vllm import specs as vllm_layout
+    from tests.megatron_target import MegatronEngineTarget
     from tests.reshard_refs import megatron_reference, vllm_reference
 
     infos = {m: load_hf_config(spec["ckpts"][m]) for m in MODELS}
@@ -156,13 +157,15 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
         for t_g, m in itertools.product(_pairs(t, p), MODELS):
             info = infos[m]
             gen = gen_for(training, t_g)
-            padded = shards.vllm_padded_vocab(info.vocab_size, t_g)
-            store = TensorStoreTarget("vllm", info, gen, rank, padded, device=test_device())
+            padded = vllm_layout.vllm_padded_vocab(info.vocab_size, t_g)
+            store = TensorStoreTarget(
+                vllm_layout.vllm_specs, info, gen, rank, padded, device=test_device()
+            )
             stats = sync(actors[training][m], store, info, training)
             want = vllm_reference(states[m], info, t_g, gen.coordinates(rank)["gen_tp"], padded)
             bad = _mismatches(store.tensors, want)
             assert not bad, f"{m} {(t, p, d, vpp)} t_g={t_g} vllm layout: {bad[:4]}"
-            plan = build_plan(_plan_key(info, training, gen, "vllm", padded))
+            plan = build_plan(_plan_key(info, training, gen, vllm_layout.vllm_specs, padded))
             record(m, training, t_g, "vllm_store", stats, plan)
         if (t, p, d) == MEMORY_LAYOUT:
             cases.append(_profiled_sync(rank, actors[training]["llama_gqa"], infos, training))
@@ -217,21 +220,23 @@ def _profiled_sync(rank, actor, infos, training) -> dict:
     bit."""
     from megatron.core import parallel_state as ps
 
-    from rl_megatron.resharding import shards
-    from rl_megatron.resharding.full_gather import SpecNameLoader, full_gather_sync
     from rl_megatron.resharding.layouts import generation_layout_for
     from rl_megatron.resharding.targets import TensorStoreTarget
     from rl_megatron.resharding.weight_sync import WeightSync
+    from rl_megatron.rollout.vllm import specs as vllm_layout
+    from tests.full_gather import SpecNameLoader, full_gather_sync
 
     info = infos["llama_gqa"]
     gen = generation_layout_for(training, 1)
-    padded = shards.vllm_padded_vocab(info.vocab_size, 1)
-    store = TensorStoreTarget("vllm", info, gen, rank, padded, device=test_device())
+    padded = vllm_layout.vllm_padded_vocab(info.vocab_size, 1)
+    store = TensorStoreTarget(vllm_layout.vllm_specs, info, gen, rank, padded, device=test_device())
     weight_sync = WeightSync(
         store, info=info, training=training, bucket_mb=MEMORY_BUCKET_MB, measure_peak=True
     )
     stats, peak = _profiled_peak(lambda: weight_sync.sync(actor, version=1))
-    baseline = TensorStoreTarget("vllm", info, gen, rank, padded, device=test_device())
+    baseline = TensorStoreTarget(
+        vllm_layout.vllm_specs, info, gen, rank, padded, device=test_device()
+    )
     loader = SpecNameLoader(baseline)
     baseline_stats, baseline_peak = _profiled_peak(
         lambda: full_gather_sync(
@@ -260,9 +265,9 @@ def _refusals(actors, infos, engine) -> dict:
     """A Qwen2 engine offered the Llama actor's weights: refused on every rank before any
     write; and `generate` refuses in the middle of an update."""
     from rl_megatron.resharding.layouts import TrainingLayout
-    from rl_megatron.resharding.targets import MegatronEngineTarget
     from rl_megatron.resharding.weight_sync import WeightSync
     from rl_megatron.rollout.sampling import SamplingParams
+    from tests.megatron_target import MegatronEngineTarget
 
     out: dict = {"kind": "refusals", "version_before": engine.weight_version}
     training = TrainingLayout(*MEMORY_LAYOUT)  # TP2·PP2 on 4 ranks, PP2 on 2 (GPUs)

@@ -198,7 +198,7 @@ def test_replay_makes_top_k_sets_agree(tmp_path):
 def _engine_body(rank: int, world_size: int, root) -> None:
     from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.rollout.megatron_engine import MegatronEngine
+    from rl_megatron.rollout.megatron.engine import MegatronEngine
     from rl_megatron.rollout.sampling import SamplingParams
     from tests.multirank.test_megatron_engine_ep import _first_stop
 

@@ -9,6 +9,7 @@ import pytest
 
 from rl_megatron.config import ConfigError, load_config, save_resolved
 from rl_megatron.config_checks import validate
+from rl_megatron.rollout.engines import check_engine_config
 
 TINY = Path(__file__).resolve().parents[2] / "yaml_configs" / "tiny_cpu.yaml"
 
@@ -27,6 +28,7 @@ def _error(path, overrides=(), world_size=1) -> str:
     with pytest.raises(ConfigError) as info:
         config = load_config(path, ONE_RANK + list(overrides))
         validate(config, world_size)
+        check_engine_config(config)  # the chosen engine's own checks (launch/ppo.py)
     message = str(info.value)
     assert "\n" not in message, message
     return message
@@ -231,11 +233,19 @@ def test_bench_configs_validate(name):
 
 
 def test_engine_kwargs_pass_through_but_cannot_override_the_trainer():
-    config = load_config(TINY, ["rollout.engine_kwargs={disable_custom_all_reduce: true}"])
+    vllm = ["rollout.engine=vllm"]
+    config = load_config(TINY, [*vllm, "rollout.engine_kwargs={disable_custom_all_reduce: true}"])
     assert config.rollout.engine_kwargs == {"disable_custom_all_reduce": True}
     validate(config, world_size=4)
-    message = _error(TINY, ["rollout.engine_kwargs={seed: 3}"], world_size=4)
+    check_engine_config(config)
+    message = _error(TINY, [*vllm, "rollout.engine_kwargs={seed: 3}"])
     assert message.startswith("rollout.engine_kwargs.seed: is set by the trainer")
+    # The Megatron engine takes no vLLM arguments: refused, not ignored.
+    message = _error(TINY, ["rollout.engine_kwargs={disable_custom_all_reduce: true}"])
+    assert message == (
+        "rollout.engine_kwargs: are vLLM's arguments; the megatron engine takes none (got "
+        "['disable_custom_all_reduce'])"
+    )
     message = _error(TINY, ["rollout.engine_kwargs=[1]"], world_size=4)
     assert message == "rollout.engine_kwargs: expected a mapping with string keys, got list [1]"
 
@@ -549,9 +559,11 @@ def test_moe_config_errors_name_the_key(overrides, world, message):
 def test_vllm_takes_an_moe_actor_at_any_ep_but_not_its_expert_parallel_mode():
     config = load_config(TINY_MOE, ["rollout.engine=vllm", "parallel.ep=2"])
     assert validate(config, world_size=2).ep == 2  # resharding gathers the experts
+    check_engine_config(config)
     config.rollout.engine_kwargs = {"enable_expert_parallel": True}
+    validate(config, world_size=2)  # the engine's own business:
     with pytest.raises(ConfigError, match="^rollout.engine_kwargs.enable_expert_parallel: "):
-        validate(config, world_size=2)
+        check_engine_config(config)
 
 
 def test_expert_degrees_need_an_moe_model():

@@ -33,7 +33,8 @@ def _body(rank: int, world_size: int, ckpt: str) -> None:
 
     from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.rollout import decode_session, megatron_engine
+    from rl_megatron.rollout import decode_session
+    from rl_megatron.rollout.megatron import engine as megatron_engine
     from rl_megatron.rollout.sampling import SamplingParams
 
     parallel_state.initialize_model_parallel(1, 1, order=MEGATRON_RANK_ORDER)

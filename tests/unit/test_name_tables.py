@@ -99,9 +99,10 @@ def test_the_qk_norm_flag_must_match_the_rows():
 
 def test_vllm_reads_the_same_rows_a_bias_right_after_its_weight():
     from rl_megatron.resharding import shards
+    from rl_megatron.rollout.vllm import specs as vllm_layout
 
     info = parse_hf_config(dict(_CFG, model_type="qwen2", tie_word_embeddings=True))
-    names = [r.name.removeprefix(H) for r in shards.vllm_rules(info)]
+    names = [r.name.removeprefix(H) for r in vllm_layout.vllm_rules(info)]
     assert names == [
         "model.embed_tokens.weight",
         "input_layernorm.weight",

@@ -144,14 +144,51 @@ def engine_kind_mentions(path: Path) -> list[str]:
     found += [
         f"line {i}: {line.strip()}"
         for i, line in enumerate(source.splitlines(), 1)
-        if re.search(r"rollout\.engine\b", line)
+        if re.search(r"rollout\.engine\b(?! import)", line)  # the interface module is fine
     ]
     return found
 
 
-def test_ppo_trainer_names_no_engine_kind():
-    found = engine_kind_mentions(PPO_TRAINER)
-    assert not found, "trainer/ppo_trainer.py names an engine kind:\n" + "\n".join(found)
+def test_the_trainer_names_no_engine_kind():
+    """The loop and everything it is built from (trainer/build.py included) reach an engine
+    through `rollout/engines.py` and the `RolloutEngine` interface only."""
+    files = sorted((PACKAGE / "trainer").glob("*.py"))
+    assert PPO_TRAINER in files and PACKAGE / "trainer" / "build.py" in files
+    found = [f"{path.name}: {line}" for path in files for line in engine_kind_mentions(path)]
+    assert not found, "rl_megatron/trainer/ names an engine kind:\n" + "\n".join(found)
+
+
+def rollout_imports(path: Path) -> list[str]:
+    """Imports of `rl_megatron.rollout` (any module of it, lazy ones included)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        modules = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            modules = [a.name for a in node.names]
+        if any(m == "rl_megatron.rollout" or m.startswith("rl_megatron.rollout.") for m in modules):
+            found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_resharding_imports_no_engine():
+    """Plans, the executor and the copy program know no engine: each engine's target and
+    parameter layout live in its own package (`rollout/vllm/target.py`, `specs.py`)."""
+    found = [line for path in sorted(RESHARDING.glob("*.py")) for line in rollout_imports(path)]
+    assert not found, "rl_megatron/resharding/ imports from rollout/:\n" + "\n".join(found)
+
+
+def test_the_import_check_sees_lazy_and_plain_imports(tmp_path):
+    source = tmp_path / "plan.py"
+    source.write_text(
+        "import rl_megatron.rollout.vllm.specs\n"
+        "def f():\n"
+        "    from rl_megatron.rollout.vllm import target\n"
+        "    from rl_megatron.resharding import shards\n"
+    )
+    found = rollout_imports(source)
+    assert [line.split(":")[1] for line in found] == ["1", "3"], found
 
 
 def test_the_check_sees_an_engine_branch(tmp_path):

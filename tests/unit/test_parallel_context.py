@@ -18,10 +18,6 @@ FORBIDDEN = ("megatron.core.parallel_state", "megatron.core.mpu")
 ALLOWED = {
     "rl_megatron/parallel.py",
     "rl_megatron/distributed.py",
-    # Moved and cleaned by the engine-package work (rollout/megatron/, rollout/vllm/);
-    # drop these two once it is merged.
-    "rl_megatron/rollout/megatron_engine.py",
-    "rl_megatron/rollout/vllm_engine.py",
 }
 
 

@@ -24,13 +24,14 @@ import torch.distributed as dist
 
 from rl_megatron.models.conversions import padded_vocab_size
 from rl_megatron.models.hf_config import parse_hf_config
-from rl_megatron.resharding import copy_program, shards, tensor_facts
+from rl_megatron.resharding import copy_program, tensor_facts
 from rl_megatron.resharding.copy_program import Bound, graph_of, issue, large_pairs_apart
 from rl_megatron.resharding.layouts import TrainingLayout, generation_layout_for
 from rl_megatron.resharding.shards import ShardSpec, check_tensors, spec_shapes
 from rl_megatron.resharding.targets import TensorStoreTarget
 from rl_megatron.resharding.tensor_facts import ShapesInOrder, TensorFacts
 from rl_megatron.resharding.weight_sync import WeightSync
+from rl_megatron.rollout.vllm import specs as vllm_layout
 from tests.reshard_refs import (
     MODELS,
     MOE_MODELS,
@@ -134,7 +135,7 @@ class Case:
         self.training = TrainingLayout(1, 1, 1)
         self.gen = generation_layout_for(self.training, 1)
         self.train_vocab = padded_vocab_size(info.vocab_size, 128, 1)
-        self.gen_vocab = shards.vllm_padded_vocab(info.vocab_size, 1)
+        self.gen_vocab = vllm_layout.vllm_padded_vocab(info.vocab_size, 1)
         self.chunk = actor_holding(self.training_shards(seed=0))
         self.store = self.new_store()
         self.graphs = GraphStandIn() if graphs else None
@@ -150,7 +151,7 @@ class Case:
         return reference(state, self.info, 1, 0, self.gen_vocab)
 
     def new_store(self, cls=TensorStoreTarget) -> TensorStoreTarget:
-        return cls("vllm", self.info, self.gen, 0, self.gen_vocab)
+        return cls(vllm_layout.vllm_specs, self.info, self.gen, 0, self.gen_vocab)
 
     def sync_into(self, store: TensorStoreTarget) -> WeightSync:
         weight_sync = WeightSync(store, info=self.info, training=self.training, bucket_mb=BUCKET_MB)
@@ -403,7 +404,9 @@ def test_a_sync_on_cuda_replays_graphs_and_sees_new_values(model):
     tensor left alone."""
     case = Case(model)
     case.chunk.cuda()  # the same parameter objects, their data on the GPU
-    store = TensorStoreTarget("vllm", case.info, case.gen, 0, case.gen_vocab, device="cuda")
+    store = TensorStoreTarget(
+        vllm_layout.vllm_specs, case.info, case.gen, 0, case.gen_vocab, device="cuda"
+    )
     weight_sync = case.sync_into(store)
 
     def synced(seed: int) -> dict[str, torch.Tensor]:
@@ -692,7 +695,7 @@ class StandInVllmEngine:
 def test_vllm_target_keeps_its_parameter_table_until_vllm_replaces_a_parameter(model):
     """The target reads vLLM's parameter table once, not at every sync; a parameter object
     that vLLM replaced is written, not the one the kept table still holds."""
-    from rl_megatron.resharding.targets import VllmEngineTarget
+    from rl_megatron.rollout.vllm.target import VllmEngineTarget
 
     case = Case(model)
     hf = MOE_MODELS[model] if model in MOE_MODELS else MODELS[model]
@@ -736,7 +739,7 @@ def test_vllm_target_reads_its_parameters_without_their_python_override():
     """A repeated sync into vLLM's parameters reads their shapes and storage as plain
     tensors: their Python `__torch_function__` runs Python on every read (128 calls of
     the 0.85B sync's ~1.5 ms of host time on the H200 host), and it still writes them."""
-    from rl_megatron.resharding.targets import VllmEngineTarget
+    from rl_megatron.rollout.vllm.target import VllmEngineTarget
 
     case = Case("llama_gqa")
     model = module_holding({n: torch.zeros_like(t) for n, t in case.want(0).items()})

@@ -22,6 +22,7 @@ from rl_megatron.models.hf_config import parse_hf_config
 from rl_megatron.resharding import shards
 from rl_megatron.resharding.layouts import GenerationLayout, TrainingLayout
 from rl_megatron.resharding.plan import Fill, PlanKey, build_plan, plan_block
+from rl_megatron.rollout.vllm import specs as vllm_layout
 from tests.reshard_refs import (
     MOE_MODELS,
     assert_bit_exact,
@@ -39,9 +40,9 @@ def _key(info, training, t_g, bucket_bytes=1 << 12):
         info,
         training,
         GenerationLayout(t_g, training.world_size),
-        "vllm",
+        vllm_layout.vllm_specs,
         padded_vocab_size(info.vocab_size, 128, training.tp),
-        shards.vllm_padded_vocab(info.vocab_size, t_g),
+        vllm_layout.vllm_padded_vocab(info.vocab_size, t_g),
         bucket_bytes,
         4,
     )
@@ -153,7 +154,7 @@ def test_stacked_spec_rows_and_views():
     """A stacked spec numbers rows slot-major; a view never crosses a slot."""
     info = parse_hf_config(MOE_MODELS["mixtral"])
     w13, w2 = [
-        s for s in shards.vllm_specs(info, 2, 1, 512) if s.name.startswith("model.layers.0.")
+        s for s in vllm_layout.vllm_specs(info, 2, 1, 512) if s.name.startswith("model.layers.0.")
     ][-2:]
     assert w13.name.endswith("block_sparse_moe.experts.routed_experts.w13_weight")
     assert (w13.shape, w13.stack, w13.dim, w13.rows) == ((4, 64, 64), 4, 0, 256)

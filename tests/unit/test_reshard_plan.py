@@ -28,6 +28,7 @@ from rl_megatron.resharding.layouts import (
     hybridflow_generation_layout,
 )
 from rl_megatron.resharding.plan import Fill, PlanKey, build_plan
+from rl_megatron.rollout.vllm import specs as vllm_layout
 from tests.reshard_refs import (
     LAYOUTS,
     MODELS,
@@ -40,11 +41,14 @@ from tests.reshard_refs import (
     vllm_reference,
 )
 
+# The parameter layouts a plan can target, by the name the cases use.
+TARGET_SPECS = {"vllm": vllm_layout.vllm_specs, "megatron": shards.megatron_generation_specs}
+
 
 def _key(info, training, generation, target, bucket_bytes=1 << 12, elem=4):
     t_g = generation.tp
     gen_vocab = (
-        shards.vllm_padded_vocab(info.vocab_size, t_g)
+        vllm_layout.vllm_padded_vocab(info.vocab_size, t_g)
         if target == "vllm"
         else padded_vocab_size(info.vocab_size, 128, t_g)
     )
@@ -52,7 +56,7 @@ def _key(info, training, generation, target, bucket_bytes=1 << 12, elem=4):
         info,
         training,
         generation,
-        target,
+        TARGET_SPECS[target],
         padded_vocab_size(info.vocab_size, 128, training.tp),
         gen_vocab,
         bucket_bytes,
@@ -306,11 +310,10 @@ def test_plans_are_pure_functions_of_their_key():
 def test_invalid_pairs_are_refused():
     info = model_info("llama_gqa")
     training = TrainingLayout(2, 1, 2)
-    bad = PlanKey(info, training, GenerationLayout(4, 4), "vllm", 512, 512, 1 << 20, 4)
+    specs = vllm_layout.vllm_specs
+    bad = PlanKey(info, training, GenerationLayout(4, 4), specs, 512, 512, 1 << 20, 4)
     with pytest.raises(ValueError, match="does not divide"):
         build_plan(bad)
-    with pytest.raises(ValueError, match="target must be"):
-        build_plan(PlanKey(info, training, GenerationLayout(2, 4), "sglang", 512, 512, 1024, 4))
 
 
 def test_generation_layouts():

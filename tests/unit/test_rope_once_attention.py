@@ -24,7 +24,7 @@ MAX_NEW = 16
 
 
 def _generate(chunks, info, sampling):
-    from rl_megatron.rollout.megatron_engine import MegatronEngine
+    from rl_megatron.rollout.megatron.engine import MegatronEngine
 
     engine = MegatronEngine(chunks, info, eos_token_ids=[2], max_model_len=64, seed=0)
     batch = engine.generate(PROMPTS, sampling)

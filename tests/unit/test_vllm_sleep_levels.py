@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rl_megatron.rollout import vllm_engine
 from rl_megatron.rollout.engine import RolloutEngine
-from rl_megatron.rollout.vllm_engine import VllmEngine
+from rl_megatron.rollout.vllm import engine as vllm_engine
+from rl_megatron.rollout.vllm.engine import VllmEngine
 
 
 @dataclass

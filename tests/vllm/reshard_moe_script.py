@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 
 from rl_megatron.parallel import ParallelLayout
 from rl_megatron.rollout.sampling import SamplingParams
-from rl_megatron.rollout.vllm_engine import VllmEngine, VllmEngineArgs
+from rl_megatron.rollout.vllm.engine import VllmEngine, VllmEngineArgs
 from tests.vllm.reshard_script import dump
 
 
@@ -42,7 +42,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             seed=0,
         )
     )
-    from rl_megatron.resharding.targets import VllmEngineTarget, _rpc_model
+    from rl_megatron.rollout.vllm.target import VllmEngineTarget, _rpc_model
 
     model = engine.llm.collective_rpc(_rpc_model)[0]
 
@@ -72,9 +72,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from rl_megatron import cpu_compat
     from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.resharding.full_gather import full_gather_sync
     from rl_megatron.resharding.layouts import MEGATRON_RANK_ORDER, TrainingLayout
     from rl_megatron.resharding.weight_sync import WeightSync
+    from tests.full_gather import full_gather_sync
 
     cpu_compat.enable_if_no_gpu()
     info = load_hf_config(spec["ckpt_a"])

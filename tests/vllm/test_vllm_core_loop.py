@@ -1,4 +1,4 @@
-"""`CoreLoop` (rollout/vllm_core_loop.py) on a scripted in-process engine core.
+"""`CoreLoop` (rollout/vllm/core_loop.py) on a scripted in-process engine core.
 
 No model: the engine core below hands back scripted `EngineCoreOutputs` step by step, so
 the loop's own bookkeeping is checked value by value (the fan-out of n samples, the
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import vllm
 
-from rl_megatron.rollout.vllm_core_loop import CoreLoop, in_process_client
+from rl_megatron.rollout.vllm.core_loop import CoreLoop, in_process_client
 
 # No skip when vLLM is missing (as test_vllm_engine.py): `make test` installs the CPU build.
 pytestmark = pytest.mark.vllm

@@ -1,4 +1,4 @@
-"""Conversions to and from vLLM's objects (rollout/vllm_io.py), on the real vLLM classes.
+"""Conversions to and from vLLM's objects (rollout/vllm/io.py), on the real vLLM classes.
 
 In-process and quick (no engine): `vllm.SamplingParams` validates what we build, and
 `CoreSample` is what the trainer's `CoreLoop` hands back.
@@ -11,8 +11,8 @@ import vllm
 
 from rl_megatron.rollout.batch import FinishReason
 from rl_megatron.rollout.sampling import SamplingParams
-from rl_megatron.rollout.vllm_core_loop import CoreSample
-from rl_megatron.rollout.vllm_io import convert_sample, to_vllm_sampling_params
+from rl_megatron.rollout.vllm.core_loop import CoreSample
+from rl_megatron.rollout.vllm.io import convert_sample, to_vllm_sampling_params
 
 # No skip when vLLM is missing (as test_vllm_engine.py): `make test` installs the CPU build.
 pytestmark = pytest.mark.vllm

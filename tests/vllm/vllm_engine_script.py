@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelLayout
 from rl_megatron.rollout.batch import RolloutBatch
 from rl_megatron.rollout.sampling import SamplingParams
-from rl_megatron.rollout.vllm_engine import (
+from rl_megatron.rollout.vllm.engine import (
     VllmEngine,
     VllmEngineArgs,
     _rpc_begin_reload,
@@ -75,7 +75,7 @@ def shm_names(engine: VllmEngine) -> dict[str, Any]:
     when the group does without) and what /dev/shm holds under the ident right now."""
     from vllm.distributed.parallel_state import get_tp_group
 
-    from rl_megatron.rollout.vllm_cpu_shm import run_segments
+    from rl_megatron.rollout.vllm.cpu_shm import run_segments
 
     communicator = get_tp_group().device_communicator
     group_name = getattr(getattr(communicator, "dist_module", None), "group_name", None)
@@ -95,7 +95,7 @@ def llm_generate_share(
 ) -> dict[str, Any]:
     """This replica's share of `prompts` through vLLM's own `LLM.generate`, with the
     per-prompt seeded params the engine builds: what its `CoreLoop` must reproduce."""
-    from rl_megatron.rollout.vllm_io import to_vllm_sampling_params
+    from rl_megatron.rollout.vllm.io import to_vllm_sampling_params
 
     share = list(engine.layout.share(len(prompts)))
     stop_ids = sampling.resolved_stop_token_ids(engine.eos_token_ids)
@@ -248,7 +248,7 @@ def megatron_side(
     from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
     from rl_megatron.rollout.logprob_parity import log_prob_mismatch, recompute_log_probs
-    from rl_megatron.rollout.megatron_engine import MegatronEngine
+    from rl_megatron.rollout.megatron.engine import MegatronEngine
 
     cpu_compat.enable_if_no_gpu()  # vLLM is done with these processes by now
     parallel_state.initialize_model_parallel(spec["tp"], 1, order=MEGATRON_RANK_ORDER)

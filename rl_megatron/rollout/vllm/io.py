@@ -2,7 +2,7 @@
 
 vLLM is imported inside the functions only, so this module imports where vLLM does not
 (the CPU unit tests). Callers hold a built `VllmEngine`, whose construction has already
-checked the import and its error message (`vllm_engine.import_vllm`).
+checked the import and its error message (`engine.import_vllm`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from rl_megatron.rollout.batch import FinishReason
 from rl_megatron.rollout.sampling import SamplingParams
-from rl_megatron.rollout.vllm_core_loop import CoreSample
+from rl_megatron.rollout.vllm.core_loop import CoreSample
 
 
 def to_vllm_sampling_params(

@@ -50,7 +50,7 @@ HF-named tensors are accepted too (for tests and for a separate rollout copy); t
 buffered until `finish_weight_update` and then copied in through the family name table
 (`checkpoint/hf_mapping.py`), so a bucketed update holds the full set once.
 
-Sampling matches `vllm_engine` with `logprobs_mode="processed_logprobs"`: temperature,
+Sampling matches the vLLM engine with `logprobs_mode="processed_logprobs"`: temperature,
 then top-k, then top-p; the log-prob returned is that of the sampled token under the
 filtered, renormalised distribution (under plain `log_softmax(logits)` when greedy).
 With a seed, row (i, j) draws one counter-based uniform per step from its own seed
@@ -73,6 +73,7 @@ from rl_megatron.checkpoint.hf_loader import iter_rule_params, unwrap
 from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.models.router_replay import moe_routers, record_routing
 from rl_megatron.models.sdpa_attention import causal_padding_mask
+from rl_megatron.parallel import ParallelGroups
 from rl_megatron.rollout.batch import FinishReason, RolloutBatch
 from rl_megatron.rollout.decode_session import PROMPT_WIDTH_STEP, DecodeSessions
 from rl_megatron.rollout.engine import NamedTensors, OutputLayout, RolloutEngine, iter_named_tensors
@@ -110,14 +111,15 @@ class MegatronEngine(RolloutEngine):
         info: the HF config facts (vocabulary size, context length, name table).
         eos_token_ids: the model's EOS ids (default stop tokens).
         max_model_len: context length; None: `info.max_position_embeddings`.
-        tp_group: the tensor-parallel group (None: parallel_state's); used once, to check
-            that its ranks share the seed (the model itself gathers the logits).
+        tp_group: the tensor-parallel group (None: the run's, `ParallelGroups.from_megatron`);
+            used once, to check that its ranks share the seed (the model itself gathers the
+            logits).
         seed: sampling seed; must be equal on the TP ranks of a replica (give DP replicas
             different seeds).
         max_batch_size: rows decoded together (sizes the KV cache: rows × context).
         use_cuda_graphs: on a GPU, replay one CUDA graph per decode position (see above).
         expert_group: an MoE model's expert group, whose ranks exchange tokens in every
-            forward (None: parallel_state's expert-tensor-and-model-parallel group).
+            forward (None: the run's `ParallelGroups.expert_model`).
         record_routing: return every row's MoE routing (`RolloutBatch.routed_experts`, for
             routing replay); decodes without CUDA graphs.
         """
@@ -138,9 +140,8 @@ class MegatronEngine(RolloutEngine):
         self.max_batch_size = max_batch_size
         self.seed = seed
         if tp_group is None:
-            from megatron.core import parallel_state
-
-            tp_group = parallel_state.get_tensor_model_parallel_group()
+            tp_group = ParallelGroups.from_megatron().tp
+        self._tp_group = tp_group
         self._check_same_seed(tp_group)
         self._lockstep = self._lockstep_group(tp_group, expert_group)
         self.needs_every_replica = self._lockstep is not None
@@ -190,9 +191,7 @@ class MegatronEngine(RolloutEngine):
         if not self.model.config.num_moe_experts:
             return None
         if expert_group is None:
-            from megatron.core import parallel_state
-
-            expert_group = parallel_state.get_expert_tensor_and_model_parallel_group()
+            expert_group = ParallelGroups.from_megatron().expert_model
         experts = set(dist.get_process_group_ranks(expert_group))
         tp = set(dist.get_process_group_ranks(tp_group))
         if experts <= tp:
@@ -251,10 +250,8 @@ class MegatronEngine(RolloutEngine):
     def _finish_update(self) -> None:
         if not self._buffer:
             return  # shared modules: the trainer already updated them in place
-        from megatron.core import parallel_state
-
-        tp = parallel_state.get_tensor_model_parallel_world_size()
-        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        tp = dist.get_world_size(self._tp_group)
+        tp_rank = dist.get_rank(self._tp_group)
         buffer, self._buffer = self._buffer, {}
 
         def read(name: str, dim: int | None, start: int, end: int) -> torch.Tensor:

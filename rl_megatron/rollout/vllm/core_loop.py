@@ -9,7 +9,7 @@ request and step). A standalone `vllm.LLM` does that walk in its front-end proce
 its engine core, in a process of its own, runs the next step. At small batches the decode
 is host-bound (on an H200, 64 rows of a 0.85B model keep the SMs ~36 % busy), so the walk
 sits on the in-process engine's critical path and not on the standalone's: ~4 % of the
-host's work per step there (benchmarks/RESULTS.md, eighteenth run).
+host's work per step there (benchmarks/runs/2026-12-02-h200-run18-vllm-engine-core.md).
 
 The trainer needs none of it: token ids in, token ids (and the sampled tokens' log-probs)
 out. `CoreLoop` builds the engine-core requests as `LLMEngine.add_request` does (vLLM's

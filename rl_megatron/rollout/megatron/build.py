@@ -1,0 +1,40 @@
+"""The Megatron engine of a run: generation with the actor's own modules, at its layout.
+
+`build` is what `rollout/engines.py` calls for `rollout.engine: megatron`. Nothing is
+copied and nothing synced: the engine decodes with the trainer's `GPTModel` chunk, so a
+sync only stamps the weight version.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+
+from rl_megatron.config import Config
+from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.parallel import ParallelGroups
+from rl_megatron.rollout.megatron.engine import MegatronEngine
+
+
+def build(
+    config: Config, info: HFModelInfo, actor_chunks: list, tokenizer: Any, groups: ParallelGroups
+) -> MegatronEngine:
+    """The engine on every rank (collective), decoding with `actor_chunks`."""
+    r, layout = config.rollout, groups.layout
+    eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    dp_rank = layout.coordinates(dist.get_rank())["dp"]
+    return MegatronEngine(
+        actor_chunks,
+        info,
+        eos_token_ids=eos,
+        max_model_len=r.max_prompt_length + r.max_response_length,
+        tp_group=groups.tp,
+        # Every TP rank of a replica samples with the same seed; replicas differ.
+        seed=config.trainer.seed + 7919 * dp_rank,
+        max_batch_size=max(1, config.data.train_batch_size // layout.dp * r.n),
+        pad_token_id=tokenizer.pad_token_id or 0,
+        use_cuda_graphs=not r.enforce_eager,
+        expert_group=groups.expert_model,
+        record_routing=config.actor.router_replay,
+    )

@@ -1,0 +1,65 @@
+"""The vLLM engine of a run, built from the config and paired with the trainer's actor.
+
+`build` is what `rollout/engines.py` calls for `rollout.engine: vllm`: it turns the
+`rollout.*` keys into `VllmEngineArgs`, writes the config.json a randomly initialised model
+needs (vLLM builds it with dummy weights; the first sync puts the actor's in), starts the
+engine on every rank and makes its weight sync (`VllmEngine.pair_with`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rl_megatron.config import DTYPE_NAMES, Config
+from rl_megatron.distributed import launch_env
+from rl_megatron.models.hf_config import HFModelInfo, random_init_hf_config
+from rl_megatron.parallel import ParallelGroups
+from rl_megatron.rollout.vllm.engine import VllmEngine, VllmEngineArgs
+
+
+def build(
+    config: Config, info: HFModelInfo, actor_chunks: list, tokenizer: Any, groups: ParallelGroups
+) -> VllmEngine:
+    """vLLM in this process (collective), ready to `sync_from` the actor.
+
+    actor_chunks: the actor's modules (unused: vLLM holds a copy of its own).
+    groups: the run's process groups; their layout is the trainer's.
+    """
+    del actor_chunks  # vLLM keeps its own weights; the sync copies the actor's in
+    r, layout = config.rollout, groups.layout
+    model_dir, load_format = config.model.hf_path, "auto"
+    if model_dir is None:
+        # A random init: vLLM builds the architecture from a config.json with random
+        # weights, and the first sync (step 0) puts the actor's weights in.
+        model_dir, load_format = str(config.run_dir / "rollout_model"), "dummy"
+        if launch_env().local_rank == 0:  # one writer per node
+            Path(model_dir).mkdir(parents=True, exist_ok=True)
+            text = json.dumps(random_init_hf_config(config), indent=2)
+            (Path(model_dir) / "config.json").write_text(text + "\n")
+        dist.barrier()
+    args = VllmEngineArgs(
+        model=model_dir,
+        load_format=load_format,
+        tp=r.tp,
+        # The trainer's dtype, not vLLM's "auto" (which runs fp32 checkpoints in bf16 on
+        # CPU): the rollout policy must be the policy being trained.
+        dtype=DTYPE_NAMES[config.model.dtype],
+        max_model_len=r.max_prompt_length + r.max_response_length,
+        gpu_memory_utilization=r.gpu_memory_utilization,
+        seed=config.trainer.seed,
+        enable_sleep_mode=r.enable_sleep_mode if torch.cuda.is_available() else False,
+        enforce_eager=r.enforce_eager if torch.cuda.is_available() else None,
+        calculate_log_probs=r.calculate_log_probs,
+        return_routed_experts=config.actor.router_replay,
+        pad_token_id=tokenizer.pad_token_id or 0,
+        extra=dict(r.engine_kwargs),
+    )
+    # Each training data-parallel replica passes its own prompts.
+    engine = VllmEngine(args, prompt_groups=[layout.replica_ranks(k) for k in range(layout.dp)])
+    engine.pair_with(info, layout, bucket_mb=r.weight_sync_bucket_mb)
+    return engine
