@@ -28,7 +28,9 @@ State the base class keeps, so that every engine refuses the same mistakes:
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Literal
 
 import torch
@@ -42,6 +44,14 @@ if TYPE_CHECKING:
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 OutputLayout = Literal["full", "replica"]
 WAKE_TAGS: tuple[str, ...] = ("weights", "kv_cache")
+
+
+# Times a named piece of an engine's work: `with part("wake_weights"): ...`.
+PartTimer = Callable[[str], AbstractContextManager]
+
+
+def untimed(name: str) -> AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 def iter_named_tensors(weights: NamedTensors) -> Iterable[tuple[str, torch.Tensor]]:
@@ -59,6 +69,10 @@ class RolloutEngine(abc.ABC):
     # True when `generate` is collective across training DP replicas (the Megatron engine
     # with expert parallelism): a replica without prompts must still call it, with none.
     needs_every_replica: bool = False
+
+    # What a sleeping engine keeps while the roles train (`sleep`'s levels); its build sets
+    # it from `rollout.sleep_level`.
+    sleep_level: int = 1
 
     def __init__(self, weight_version: int | None = 0) -> None:
         self._weight_version = weight_version
@@ -270,6 +284,42 @@ class RolloutEngine(abc.ABC):
             return False
         self.wake(todo)
         return True
+
+    # ---- the trainer's phases -----------------------------------------------------
+    # The loop says where it is; the engine decides what to wake, free or keep. `part(name)`
+    # times a piece of the work (the loop's `PhaseTimer.part` for its phase): waking a tag
+    # is two pieces, `make_room_for_<tag>` (torch's cached memory given back where the
+    # device is short) and `wake_<tag>`, so that memory figures see each on its own.
+
+    def prepare_for_sync(self, part: PartTimer = untimed) -> None:
+        """Before `sync_from`: the weights awake (nothing to do where they stayed)."""
+        self._wake_timed("weights", part)
+
+    def prepare_for_generation(self, part: PartTimer = untimed) -> None:
+        """Before `generate`: whatever sleeps back, the weights first (after a sleep that
+        kept them on the host, between rounds of one step), then the KV cache. Call it
+        once the trainer's own modules are put away: peak memory then never holds two
+        models plus a KV cache."""
+        if "weights" not in self._awake:
+            self._wake_timed("weights", part)
+        self._wake_timed("kv_cache", part)
+
+    def release_for_training(self, keep_weights: bool = False) -> None:
+        """The roles train next: sleep at `sleep_level` (`rollout.sleep_level`). With
+        `keep_weights` (another round generates with these weights, no sync between) at
+        most level 1, which keeps a copy."""
+        self.sleep(level=min(self.sleep_level, 1) if keep_weights else self.sleep_level)
+
+    def prefetch_weights(self) -> bool:
+        """While the device still runs the trainer's last optimizer step: the weights
+        awake if they fit beside what it holds now (`wake_if_room`); True when they are."""
+        return self.wake_if_room(["weights"])
+
+    def _wake_timed(self, tag: str, part: PartTimer) -> None:
+        with part(f"make_room_for_{tag}"):
+            self.make_room([tag])
+        with part(f"wake_{tag}"):
+            self.wake([tag])
 
     # ---- engine hooks -------------------------------------------------------------
 

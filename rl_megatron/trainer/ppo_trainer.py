@@ -16,6 +16,7 @@ is a statistic of the batch (whitening, loss normalisation, metrics) is reduced 
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import time
 
@@ -316,17 +317,14 @@ class PPOTrainer:
 
     def _rollout_round(self, round_index: int) -> Round:
         """The next prompts' n responses each, scored; the engine sleeps afterwards."""
-        if round_index:
-            self.engine.wake()
+        if round_index:  # the last round's engine slept, keeping its weights
+            self.engine.prepare_for_generation()
         indices = self.sampler.next_batch()
         prompts = [self.data.train.input_ids[i] for i in indices]
         with self.phases.time("generate"):
             rollout = self._generate(prompts, self._sampling(self.step, round_index=round_index))
         # Another round generates with these weights (no sync before it): keep them.
-        level = self.config.rollout.sleep_level
-        if self.config.algorithm.dynamic_sampling.enable:
-            level = min(level, 1)
-        self.engine.sleep(level=level)
+        self.engine.release_for_training(keep_weights=self.config.algorithm.dynamic_sampling.enable)
         self._record_device_used("engine_asleep")
         with self.phases.time("reward"):
             samples = [indices[int(g)] for g in rollout.group_index]
@@ -355,7 +353,7 @@ class PPOTrainer:
         the update woke them, `_wake_engine_weights_early`), the sync (its host-side
         pieces in `reshard/*_s`: preparing the plan, the engine's begin, issuing the
         copies, the engine's finish with its prefix-cache reset)."""
-        self._wake_engine(phase, "weights")
+        self.engine.prepare_for_sync(functools.partial(self.phases.part, phase))
         if version == 0 and self.engine.weight_version == 0 and not self.resumed:
             # The engine holds the weights the actor starts from (it loaded model.hf_path,
             # or generates with the actor's modules): nothing to move.
@@ -387,26 +385,18 @@ class PPOTrainer:
         peaks are taken before: the wake changes what sleeps, not what the update used."""
         self.phases.close_peaks("update_actor")
         with self.phases.overlapped("update_actor", "wake_engine_weights"):
-            woke = self.engine.wake_if_room(["weights"])
+            woke = self.engine.prefetch_weights()
         self.phases.record("reshard/weights_woken_during_update", float(woke))
 
     def _wake_kv_cache(self, phase: str) -> None:
         """The engine's KV cache back (in `phase`), after its weights are in and the actor's
-        put away (`RolloutEngine.wake`): peak memory never holds two models plus a KV cache."""
-        self._wake_engine(phase, "kv_cache")
+        put away (`RolloutEngine.prepare_for_generation`): peak memory never holds two
+        models plus a KV cache. Its pieces are timed apart (`timing_parts_s/<phase>/
+        make_room_for_kv_cache`, `wake_kv_cache`), so that the phase's `_on_device` peaks
+        see the release of torch's cache and the engine's memory mapped in intervals of
+        their own (`PhaseTimer`)."""
+        self.engine.prepare_for_generation(functools.partial(self.phases.part, phase))
         self._record_device_used("engine_awake")
-
-    def _wake_engine(self, phase: str, tag: str) -> None:
-        """Wake the engine's `tag` in parts of `phase`: first the room for it (torch's cached
-        memory given back, where the device is short: `timing_parts_s/<phase>/make_room_for_
-        <tag>`), then the wake (`wake_<tag>`). Apart, so that the phase's `_on_device`
-        peaks see the cache's release and the engine's memory mapped in intervals of their
-        own (`PhaseTimer`); in one, the peak from before the release would lose only what
-        sleeps after the wake (nothing, for the KV cache: 195 GiB on a 140 GiB H200)."""
-        with self.phases.part(phase, f"make_room_for_{tag}"):
-            self.engine.make_room([tag])
-        with self.phases.part(phase, f"wake_{tag}"):
-            self.engine.wake([tag])
 
     def _record_device_used(self, state: str) -> None:
         """Device memory in use (the driver's figure) with the engine in `state`
@@ -570,7 +560,7 @@ class PPOTrainer:
                     [scores.sum().item(), rollout.response_lengths.sum().item(), len(rows)],
                     dtype=torch.float64,
                 )
-        self.engine.sleep(level=self.config.rollout.sleep_level)
+        self.engine.release_for_training()
         totals = totals.to(self.device)
         dist.all_reduce(totals, group=self.dp_group)
         count = max(totals[2].item(), 1.0)

@@ -8,6 +8,8 @@ through a minimal in-memory engine that records what it was asked to do.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -378,3 +380,68 @@ def test_engine_sleep_level_0_keeps_the_weights():
     eng.wake()
     assert eng.generate([[5]], SamplingParams()).weight_version == 2
     assert eng.calls == ["begin", "finish", "sleep0", "begin", "finish", "wake:kv_cache"]
+
+
+# ---- the trainer's phases, as the engine turns them into sleep / wake --------------------
+
+
+class RoomRecordingEngine(RecordingEngine):
+    def _make_room(self, tags) -> None:
+        self.calls.append("room:" + ",".join(tags))
+
+
+def _parts():
+    """A part timer recording the names it times, in order."""
+    names: list[str] = []
+
+    def part(name: str):
+        names.append(name)
+        return contextlib.nullcontext()
+
+    return part, names
+
+
+@pytest.mark.parametrize("level", [0, 1, 2])
+def test_a_step_wakes_the_weights_for_the_sync_then_the_kv_cache(level):
+    eng = RoomRecordingEngine()
+    eng.sleep_level = level
+    eng.release_for_training()
+    assert eng.calls == [f"sleep{level}"]
+    part, names = _parts()
+    eng.calls.clear()
+    eng.prepare_for_sync(part)
+    asleep = level >= 1  # level 0 kept the weights on the device: nothing to wake
+    assert eng.calls == (["room:weights", "wake:weights"] if asleep else [])
+    assert names == ["make_room_for_weights", "wake_weights"]  # timed either way
+    eng.calls.clear()
+    names.clear()
+    eng.prepare_for_generation(part)
+    assert eng.calls == ["room:kv_cache", "wake:kv_cache"]
+    assert names == ["make_room_for_kv_cache", "wake_kv_cache"]
+    assert eng.awake_tags == {"weights", "kv_cache"}
+
+
+def test_between_rounds_the_engine_keeps_its_weights_and_wakes_both():
+    """Dynamic sampling: the next round generates with the same weights, no sync: a
+    level-2 engine sleeps at 1 (a copy kept), then wakes the weights before the KV cache."""
+    eng = RoomRecordingEngine()
+    eng.sleep_level = 2
+    eng.release_for_training(keep_weights=True)
+    assert eng.calls == ["sleep1"] and eng.weight_version == 0
+    eng.calls.clear()
+    eng.prepare_for_generation()
+    assert eng.calls == ["room:weights", "wake:weights", "room:kv_cache", "wake:kv_cache"]
+    eng.sleep_level = 0
+    eng.release_for_training(keep_weights=True)
+    assert eng.calls[-1] == "sleep0"  # below 1 stays where it is
+
+
+def test_prefetch_wakes_the_weights_only_when_they_fit():
+    eng = RoomRecordingEngine()
+    eng.sleep_level = 2
+    eng.release_for_training()
+    eng._has_room = lambda tags: False
+    assert eng.prefetch_weights() is False and "weights" not in eng.awake_tags
+    eng._has_room = lambda tags: True
+    assert eng.prefetch_weights() is True and "weights" in eng.awake_tags
+    assert eng.calls[-1] == "wake:weights" and "room:weights" not in eng.calls

@@ -24,7 +24,7 @@ def build(
     r, layout = config.rollout, groups.layout
     eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
     dp_rank = layout.coordinates(dist.get_rank())["dp"]
-    return MegatronEngine(
+    engine = MegatronEngine(
         actor_chunks,
         info,
         eos_token_ids=eos,
@@ -38,3 +38,5 @@ def build(
         expert_group=groups.expert_model,
         record_routing=config.actor.router_replay,
     )
+    engine.sleep_level = r.sleep_level  # frees nothing here; the version bookkeeping is the same
+    return engine
