@@ -4,7 +4,8 @@ Training layout: the run's `ParallelLayout` (ranks ordered tp fastest, then cp, 
 then dp, so each training data-parallel replica is one block of tp·cp·pp consecutive ranks).
 
 Generation layout: tp_g-sized tensor-parallel groups of consecutive ranks (how vLLM's
-in-process engine forms them), PP = 1. A training replica of tp·pp ranks holds
+in-process engine forms them), PP = 1. A training replica (tp·cp·pp ranks, with cp = 1
+wherever generation runs: `generation_layout_for` refuses context parallelism) holds
 `micro_dp = tp·pp / tp_g` generation replicas (HybridFlow's micro-DP groups, arXiv
 2409.19256 §5), each of which must end up holding every layer.
 """

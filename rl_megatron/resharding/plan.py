@@ -17,7 +17,8 @@ ranges of HF tensors) and turns that into
 and packs the remote moves into rounds such that in every round each rank's send plus
 receive staging is at most `bucket_bytes` (a move larger than that is split by rows).
 
-All training replicas are identical blocks of t·p consecutive ranks and every generation
+All training replicas are identical blocks of t·p consecutive ranks (cp = 1: generation
+from a context-parallel layout is refused, `layouts.generation_layout_for`) and every generation
 TP group lies inside one of them (t_g divides t·p), so the plan is made for one replica in
 local rank numbers (0 … t·p−1) and every replica runs it with its own rank offset: traffic
 never leaves a training replica, and the plan's size does not grow with d. With experts the
