@@ -141,6 +141,13 @@ what = dict(pair.split(":") for pair in sys.argv[1:]).get(rank, "ok")
 if what == "refuse":
     print(f"error: refused on rank {rank}", file=sys.stderr)
     sys.exit(2)
+if what == "refuse_together":  # both lines printed before either rank exits
+    here = os.path.dirname(os.path.abspath(__file__))
+    print(f"error: refused on rank {rank}", file=sys.stderr, flush=True)
+    open(os.path.join(here, f"refused.{rank}"), "w").close()
+    while sum(name.startswith("refused.") for name in os.listdir(here)) < 2:
+        time.sleep(0.05)
+    sys.exit(2)
 if what == "raise":
     raise RuntimeError(f"internal bug on rank {rank}")
 if what == "kill":
@@ -174,7 +181,10 @@ def test_launcher_keeps_a_config_errors_one_line_and_exit_code(tmp_path):
     [
         # A refusal on one rank: the agent stops the other (SIGTERM), which is no failure.
         (["0:refuse", "1:wait"], 2, ["error: refused on rank 0"]),
-        (["0:refuse", "1:refuse"], 2, ["error: refused on rank 0", "error: refused on rank 1"]),
+        # Both refuse: both lines (each printed before either exits: the agent stops the
+        # other ranks at the first exit, which under load could come before the second print).
+        (["0:refuse_together", "1:refuse_together"], 2,
+         ["error: refused on rank 0", "error: refused on rank 1"]),
         (["0:ok", "1:ok"], 0, []),
         (["1:kill", "0:wait"], 1, [
             "error: rank 1 killed by SIGKILL; the other ranks were stopped (each rank's own "
