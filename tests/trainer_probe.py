@@ -226,6 +226,7 @@ def build_probe_trainer(config, run, total_steps: int):
         random_init_hf_config(config),
         run.groups,
     )
+    engine.sleep_level = config.rollout.sleep_level  # as an engine's own build sets it
     return PPOTrainer(config, run, data, info, roles, engine, total_steps, log)
 
 
