@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
             sync()
             kv_wake_s.append(time.perf_counter() - start)
             used_gb["engine_awake"].append(device_used_gb())
-            engine.sleep(level=config.rollout.sleep_level)
+            engine.release_for_training()  # at rollout.sleep_level, as the trainer
             used_gb["engine_asleep"].append(device_used_gb())
             if args.wake_during_update:
                 update_tail(wake=True)
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         with actor.on_device():
             trainer_sync()  # the actor's weights in (vLLM started from dummy ones)
             greedy_before = greedy_tokens()
-            engine.sleep(level=config.rollout.sleep_level)
+            engine.release_for_training()  # at rollout.sleep_level, as the trainer
             if args.wake_during_update:
                 update_tail(wake=True)
             synced = [False]
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                 # vLLM sleeps only from awake).
                 def engine_asleep() -> None:
                     engine.wake()
-                    engine.sleep(level=config.rollout.sleep_level)
+                    engine.release_for_training()  # at rollout.sleep_level, as the trainer
 
                 tail = interleave(
                     lambda: update_tail(wake=True),
