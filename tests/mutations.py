@@ -344,16 +344,16 @@ MUTATIONS = [
     # Issue 21: how deeply the engine sleeps, and the rollout batch's padding.
     (
         "engine sleep: rounds ignore rollout.sleep_level",
-        TRAINER,
-        "level = self.config.rollout.sleep_level",
-        "level = 1",
+        "rl_megatron/rollout/engine.py",
+        "if keep_weights else self.sleep_level)",
+        "if keep_weights else 1)",
         "tests/multirank/test_engine_sleep.py::test_sleep_level[default]",
     ),
     (
         "engine sleep: dynamic sampling drops the weights between rounds",
-        TRAINER,
-        "level = min(level, 1)",
-        "level = 2",
+        "rl_megatron/rollout/engine.py",
+        "self.sleep(level=min(self.sleep_level, 1) if keep_weights",
+        "self.sleep(level=2 if keep_weights",
         "tests/multirank/test_engine_sleep.py::test_sleep_level[dynamic_sampling]",
     ),
     (
@@ -468,12 +468,11 @@ MUTATIONS = [
     ),
     (
         "memory: the engine's wake and the room made for it in one part",
-        TRAINER,
-        '        with self.phases.part(phase, f"make_room_for_{tag}"):\n'
-        "            self.engine.make_room([tag])\n"
-        '        with self.phases.part(phase, f"wake_{tag}"):\n',
-        '        with self.phases.part(phase, f"wake_{tag}"):\n'
-        "            self.engine.make_room([tag])\n",
+        "rl_megatron/rollout/engine.py",
+        '        with part(f"make_room_for_{tag}"):\n'
+        "            self.make_room([tag])\n"
+        '        with part(f"wake_{tag}"):\n',
+        '        with part(f"wake_{tag}"):\n            self.make_room([tag])\n',
         "tests/multirank/test_engine_sleep.py",
     ),
     (
