@@ -45,6 +45,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     from rl_megatron.models.hf_config import HFConfigError
     from rl_megatron.rewards.registry import RewardError
     from rl_megatron.trainer.optimizer_step import NonFiniteUpdateError
+    from rl_megatron.trainer.rollout_records import RecordWriteError
     from rl_megatron.utils.disk_space import DiskFullError
 
     # NonFiniteUpdateError is no bad input, but it is one line too: every rank stops at
@@ -57,6 +58,7 @@ def user_errors() -> tuple[type[Exception], ...]:
         CheckpointError,
         NonFiniteUpdateError,
         DiskFullError,  # a full disk: the run's own writes agree on it across ranks
+        RecordWriteError,  # trainer.dump_rollouts' file could not be written (shared too)
     )
 
 

@@ -59,11 +59,6 @@ def validate(config: Config, world_size: int) -> ParallelLayout:
     _check_optimizer_cpu_offload(config)
     _check_run(config.trainer, config.checkpoint, config.logging)
     _check_environment(config)
-    _require(
-        not config.trainer.dump_rollouts,
-        "trainer.dump_rollouts",
-        "rollout records are not written yet; leave it false",
-    )
     return layout
 
 

@@ -43,6 +43,7 @@ from rl_megatron.trainer.hf_snapshots import HFSnapshots
 from rl_megatron.trainer.optimizer_step import NonFiniteUpdateError
 from rl_megatron.trainer.reporting import batch_stats, console_line, throughput
 from rl_megatron.trainer.roles import MegatronRole
+from rl_megatron.trainer.rollout_records import RolloutRecords
 from rl_megatron.trainer.scoring import RewardScorer
 from rl_megatron.utils.metrics import MetricsTracker, wandb_settings
 from rl_megatron.utils.timers import PhaseTimer, device_used_gb
@@ -102,6 +103,14 @@ class PPOTrainer:
         )
         # The phases' `_on_device` peaks: torch counts the engine's memory asleep as allocated.
         self.phases = PhaseTimer(off_device_bytes=engine.unmapped_bytes)
+        # trainer.dump_rollouts: each step's trajectories as JSONL, for the user to read.
+        self.rollout_records = (
+            RolloutRecords(
+                config.run_dir, data.tokenizer, self.dp_rank, self.dp_group, run.env.rank
+            )
+            if config.trainer.dump_rollouts
+            else None
+        )
         self.step = 0  # optimizer steps of the actor taken so far = the next step's index
         self.resumed = False
 
@@ -148,6 +157,8 @@ class PPOTrainer:
         #    With dynamic sampling, more prompts until every group's rewards differ.
         collected, sync = self._rollout()
         rollout, scores = collected.rollout, collected.scores
+        if self.rollout_records is not None:  # numbered as metrics.jsonl numbers the step
+            self.rollout_records.write(self.step + 1, rollout, scores)
         batch = self._to_device(ex.training_batch(rollout))
         mask = batch["response_mask"]
 

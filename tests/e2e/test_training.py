@@ -140,6 +140,50 @@ def test_kl_terms_reference_and_offload(tmp_path):
     assert "timing_s/reference" in rows[0]
 
 
+@pytest.mark.slow
+def test_dump_rollouts_writes_one_record_per_trajectory(tmp_path):
+    """`trainer.dump_rollouts`: one JSONL file per step with every replica's trajectories
+    (2 ranks, DP=2: the records are gathered), tokens and mask as trained, the step's rewards."""
+    result = _train(
+        tmp_path,
+        "parallel.tp=1",
+        "rollout.tp=1",
+        "trainer.total_steps=2",
+        "trainer.val_interval=0",
+        "checkpoint.save_interval=0",
+        "trainer.dump_rollouts=true",
+        ranks=2,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_dir = tmp_path / "tiny_cpu"
+    rows = _metrics(run_dir)
+    folder = run_dir / "rollouts"
+    assert sorted(p.name for p in folder.iterdir()) == [
+        "step_00000001.jsonl",
+        "step_00000002.jsonl",
+    ]
+    config = load_config(ROOT / TINY)
+    for row in rows:
+        lines = (folder / f"step_{row['step']:08d}.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        assert len(records) == config.data.train_batch_size * config.rollout.n
+        assert [r["dp_rank"] for r in records] == sorted(r["dp_rank"] for r in records)
+        assert {r["dp_rank"] for r in records} == {0, 1}  # both replicas, in replica order
+        for r in records:
+            assert r["step"] == row["step"] and r["num_turns"] == 1 and r["observations"] == []
+            assert r["token_ids"] == r["prompt_ids"] + r["response_ids"]
+            assert len(r["loss_mask"]) == len(r["token_ids"])
+            assert sum(r["loss_mask"]) == len(r["response_ids"]) > 0
+            assert r["loss_mask"][: len(r["prompt_ids"])] == [0] * len(r["prompt_ids"])
+            assert len(r["rollout_log_probs"]) == len(r["response_ids"])
+            assert r["finish_reason"] in {"stop", "length"}
+            assert len(r["turns"]) == 1 and isinstance(r["turns"][0]["text"], str)
+        # Equal rows per replica: the mean over replicas of their means is the mean.
+        mean = sum(r["reward"] for r in records) / len(records)
+        assert mean == pytest.approx(row["reward/mean"], abs=1e-6)
+    assert not list(folder.glob("*.tmp"))
+
+
 def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not path.exists():

@@ -285,10 +285,10 @@ TINY = Path(__file__).resolve().parents[2] / "yaml_configs" / "tiny_cpu.yaml"
 ONE_RANK = ["parallel.tp=1", "rollout.tp=1"]
 
 
-def test_dump_rollouts_is_refused_until_records_are_written():
+def test_dump_rollouts_is_accepted_for_single_turn_runs():
     config = load_config(TINY, ONE_RANK + ["trainer.dump_rollouts=true"])
-    with pytest.raises(ConfigError, match=r"^trainer.dump_rollouts: rollout records are not"):
-        validate(config, world_size=1)
+    assert config.trainer.dump_rollouts is True
+    validate(config, world_size=1)  # records are written (trainer/rollout_records.py)
 
 
 def test_multi_turn_config_defaults_and_budget():

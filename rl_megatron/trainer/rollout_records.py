@@ -1,0 +1,138 @@
+"""Rollout records (`trainer.dump_rollouts`): each step's trajectories as JSONL, for the user.
+
+    records = RolloutRecords(run_dir, tokenizer, dp_rank, dp_group, rank)
+    records.write(step, rollout, scores)   # collective: every rank of the world calls it
+
+`<run_dir>/rollouts/step_<8-digit step>.jsonl` holds one record per trajectory of the step's
+batch, every data-parallel replica's rows in replica order (the ranks of a replica hold the
+same rows, so one replica's rows come from the rank of it in global rank 0's DP group):
+
+    step, dp_rank, group          the step as metrics.jsonl numbers it, the replica, the GRPO group
+    prompt_ids, response_ids      the prompt's real tokens, the sampled tokens (stop token included)
+    token_ids, loss_mask          prompt + response, exactly the tokens trained on, and the mask
+                                  the loss uses over them (0 on the prompt)
+    rollout_log_probs             the engine's log-prob of each response token; null when it
+                                  computed none
+    turns, observations, num_turns  `[{"text": response}]`, `[]`, 1 (a single-turn run's shape
+                                  of a multi-turn trajectory)
+    finish_reason, reward         "stop" / "length" / …, the score the step trains with
+
+Global rank 0 writes a temporary file beside the record and renames it over, so a killed run
+never leaves a half file under a record's name; a failed write (a full disk, permissions)
+stops every rank with one line naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rl_megatron.rollout.batch import FinishReason, RolloutBatch
+from rl_megatron.utils.disk_space import DiskFullError, is_disk_full, no_space_line
+
+__all__ = ["RecordWriteError", "RolloutRecords", "records_of", "write_atomically"]
+
+
+class RecordWriteError(Exception):
+    """A rollout record could not be written (not for lack of space): one line, exit code 2."""
+
+
+def records_of(
+    rollout: RolloutBatch, scores: torch.Tensor, tokenizer: Any, step: int, dp_rank: int
+) -> list[dict]:
+    """One record per row of `rollout` (this rank's rows), in row order."""
+    # Python lists first: one host copy per tensor, not one per row and field.
+    prompts, responses = rollout.prompts.tolist(), rollout.responses.tolist()
+    masks = rollout.response_mask.long().tolist()
+    lps = rollout.rollout_log_probs
+    log_probs = None if lps is None else lps.float().tolist()
+    groups, reasons = rollout.group_index.tolist(), rollout.finish_reason.tolist()
+    rewards = scores.float().tolist()
+    out = []
+    for i, (plen, rlen) in enumerate(
+        zip(rollout.prompt_lengths.tolist(), rollout.response_lengths.tolist())
+    ):
+        prompt = prompts[i][len(prompts[i]) - plen :]  # left-padded
+        response = responses[i][:rlen]  # right-padded
+        out.append(
+            {
+                "step": step,
+                "dp_rank": dp_rank,
+                "group": groups[i],
+                "prompt_ids": prompt,
+                "response_ids": response,
+                "token_ids": prompt + response,
+                "loss_mask": [0] * plen + masks[i][:rlen],
+                "rollout_log_probs": None if log_probs is None else log_probs[i][:rlen],
+                "turns": [{"text": tokenizer.decode(response, skip_special_tokens=False)}],
+                "observations": [],
+                "num_turns": 1,
+                "finish_reason": FinishReason(reasons[i]).name.lower(),
+                "reward": rewards[i],
+            }
+        )
+    return out
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """`text` into `path` through a temporary file in the same folder (rename is atomic on
+    one filesystem). Raises DiskFullError / RecordWriteError, one line naming `path`, and
+    leaves neither file behind."""
+    tmp = path.with_name(path.name + ".tmp")  # not `step_*.jsonl`: never read as a record
+    data = text.encode()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if is_disk_full(exc):
+            raise DiskFullError(no_space_line(path, len(data))) from None
+        raise RecordWriteError(
+            f"trainer.dump_rollouts: cannot write {path}: {exc.strerror or exc}"
+        ) from None
+
+
+class RolloutRecords:
+    """Writes each step's records to `<run_dir>/rollouts/` (global rank 0)."""
+
+    def __init__(
+        self, run_dir: Path, tokenizer: Any, dp_rank: int, dp_group: dist.ProcessGroup, rank: int
+    ) -> None:
+        self.folder = Path(run_dir) / "rollouts"
+        self.tokenizer, self.dp_rank, self.dp_group, self.rank = tokenizer, dp_rank, dp_group, rank
+
+    def write(self, step: int, rollout: RolloutBatch, scores: torch.Tensor) -> Path:
+        """The step's records from every replica into one file; collective over the world
+        (every rank learns whether rank 0's write failed, so none waits in a later one)."""
+        path = self.folder / f"step_{step:08d}.jsonl"
+        rows = records_of(rollout, scores, self.tokenizer, step, self.dp_rank)
+        replicas = [rows]
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        # Only global rank 0's DP group gathers: its ranks hold one copy of every replica's rows.
+        if distributed and 0 in dist.get_process_group_ranks(self.dp_group):
+            replicas = [None] * dist.get_world_size(self.dp_group) if self.rank == 0 else None
+            dist.gather_object(rows, replicas, dst=0, group=self.dp_group)
+        problem = None
+        if self.rank == 0:
+            text = "".join(json.dumps(r) + "\n" for rs in replicas for r in rs)
+            try:
+                write_atomically(path, text)
+            except (DiskFullError, RecordWriteError) as exc:
+                problem = (type(exc).__name__, str(exc))
+        if distributed:
+            box = [problem]
+            dist.broadcast_object_list(box, src=0)
+            problem = box[0]
+        if problem is not None:
+            kind, line = problem
+            raise (DiskFullError if kind == "DiskFullError" else RecordWriteError)(line)
+        return path
