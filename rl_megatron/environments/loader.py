@@ -11,7 +11,9 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from rl_megatron.utils.user_imports import UserFileError, first_line, import_user_module
+from rl_megatron.utils.user_imports import (
+    import_named_module,
+)
 
 __all__ = ["BUILTIN", "EnvironmentLoadError", "load_environment"]
 
@@ -41,15 +43,9 @@ def load_environment(name: str) -> type[Any]:
             f"{_KEY}: {name!r} must look like 'path/to/file.py:Name' or 'package.module:Name', "
             f"or be one of {', '.join(BUILTIN)}"
         )
-    try:
-        module = import_user_module(module_name, prefix="rl_megatron_user_env_")
-    except UserFileError as exc:
-        raise EnvironmentLoadError(f"{_KEY}: {exc}") from None
-    except (Exception, SystemExit) as exc:  # a user module can fail to import in any way
-        raise EnvironmentLoadError(
-            f"{_KEY}: cannot import {module_name!r} for {name!r} "
-            f"({type(exc).__name__}: {first_line(exc)})"
-        ) from None
+    module = import_named_module(
+        _KEY, name, module_name, "rl_megatron_user_env_", EnvironmentLoadError
+    )
     if not hasattr(module, attr):
         raise EnvironmentLoadError(f"{_KEY}: {module_name!r} has no attribute {attr!r}")
     factory = getattr(module, attr)

@@ -32,12 +32,8 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import ctypes
 import multiprocessing
 import multiprocessing.connection
-import os
-import signal
-import sys
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
@@ -46,10 +42,10 @@ from typing import Any
 from rl_megatron.environments.base import Observation
 from rl_megatron.environments.loader import check_environment
 from rl_megatron.rewards.scoring import as_score, describe
+from rl_megatron.utils.forked_workers import fork_worker, kill_worker
 
 __all__ = ["EnvironmentCallError", "EnvironmentPool", "check_messages", "check_observation"]
 
-_PR_SET_PDEATHSIG = 1
 CUT_MARK = "\n[... {} characters cut]"
 
 
@@ -238,21 +234,7 @@ class EnvironmentPool:
         )
 
     def _fork(self) -> _Worker:
-        parent_pid = os.getpid()
-        here, there = multiprocessing.Pipe()
-        # Flushed first, or the child would print the trainer's buffered output again.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:  # the worker: never returns into the trainer's code
-            code = 1
-            try:
-                here.close()
-                _serve(self, there, parent_pid)
-                code = 0
-            finally:
-                os._exit(code)
-        there.close()
+        pid, here = fork_worker(lambda conn: _serve(self, conn))
         self.forks += 1
         worker = _Worker(pid=pid, conn=here)
         self._workers.append(worker)
@@ -264,28 +246,12 @@ class EnvironmentPool:
             self._workers.remove(worker)
         if worker.traj_id is not None and self._owner.get(worker.traj_id) is worker:
             del self._owner[worker.traj_id]
-        worker.conn.close()
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(worker.pid, signal.SIGKILL)
-        try:
-            _, status = os.waitpid(worker.pid, 0)
-        except ChildProcessError:
-            return "already reaped"
-        if os.WIFSIGNALED(status):
-            return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-        return f"exit code {os.WEXITSTATUS(status)}"
+        return kill_worker(worker.pid, worker.conn)
 
 
-def _serve(pool: EnvironmentPool, conn: Any, parent_pid: int) -> None:
-    """The worker's loop: ("start", sample) / ("step", text) / ("close", None) in,
-    (True, value) or (False, one line saying why) out."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        # Dies with the thread that forked it, at once, even inside the user's C code.
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent_pid:  # the trainer died before the line above
-        return
+def _serve(pool: EnvironmentPool, conn: Any) -> None:
+    """The worker's loop (`fork_worker`): ("start", sample) / ("step", text) / ("close",
+    None) in, (True, value) or (False, one line saying why) out."""
     # The trainer's other workers' pipes, inherited by the fork: closed, so that a
     # trainer-side close is seen by them (EOF) even while this process lives.
     for other in pool._workers:

@@ -14,7 +14,9 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from rl_megatron.rewards.rules import RULES
-from rl_megatron.utils.user_imports import UserFileError, first_line, import_user_module
+from rl_megatron.utils.user_imports import (
+    import_named_module,
+)
 
 if TYPE_CHECKING:
     from rl_megatron.config import Config
@@ -66,15 +68,9 @@ def _import_user_function(spec: str) -> RewardFn:
     module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
         raise RewardError(f"reward.function: {spec!r} must look like 'package.module:function'")
-    try:
-        module = import_user_module(module_name, prefix="rl_megatron_user_reward_")
-    except UserFileError as exc:
-        raise RewardError(f"reward.function: {exc}") from None
-    except (Exception, SystemExit) as exc:  # a user module can fail to import in any way
-        raise RewardError(
-            f"reward.function: cannot import {module_name!r} for {spec!r} "
-            f"({type(exc).__name__}: {first_line(exc)})"
-        ) from None
+    module = import_named_module(
+        "reward.function", spec, module_name, "rl_megatron_user_reward_", RewardError
+    )
     if not hasattr(module, attr):
         raise RewardError(f"reward.function: module {module_name!r} has no attribute {attr!r}")
     fn = getattr(module, attr)

@@ -30,22 +30,15 @@ Decisions:
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
-import multiprocessing
-import os
-import signal
-import sys
 import weakref
 from collections.abc import Mapping
 from typing import Any
 
 from rl_megatron.rewards.registry import RewardFn
 from rl_megatron.rewards.scoring import CallError, as_score, describe
+from rl_megatron.utils.forked_workers import fork_worker, kill_worker
 
 __all__ = ["TimedWorker"]
-
-_PR_SET_PDEATHSIG = 1
 
 
 class TimedWorker:
@@ -97,21 +90,7 @@ class TimedWorker:
 
     def _worker(self):
         if self.pid is None:
-            parent_pid = os.getpid()
-            here, there = multiprocessing.Pipe()
-            # Flushed first, or the child would print the trainer's buffered output again.
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:  # the worker: never returns into the trainer's code
-                code = 1
-                try:
-                    here.close()
-                    _serve(self.fn, there, parent_pid)
-                    code = 0
-                finally:
-                    os._exit(code)
-            there.close()
+            pid, here = fork_worker(lambda conn: _serve(self.fn, conn))
             self.pid, self._conn = pid, here
             self._finalizer.detach()
             self._finalizer = weakref.finalize(self, _kill, [pid, here])
@@ -128,28 +107,16 @@ class TimedWorker:
 
 def _kill(handle: list) -> str:
     pid, conn = (handle + [None, None])[:2]
-    if conn is not None:
-        conn.close()
     if pid is None:
+        if conn is not None:
+            conn.close()
         return "not running"
-    with contextlib.suppress(ProcessLookupError):  # not reaped yet, so not expected
-        os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status):
-        return f"killed by {signal.Signals(os.WTERMSIG(status)).name}"
-    return f"exit code {os.WEXITSTATUS(status)}"
+    return kill_worker(pid, conn)
 
 
-def _serve(fn: RewardFn, conn, parent_pid: int) -> None:
-    """The worker's loop: a (response, sample) in, (True, score) or (False, why) out."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    if sys.platform.startswith("linux"):
-        # Dies with the thread that forked it (the trainer's main thread), at once, even
-        # while stuck in the user's C code.
-        ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
-    if os.getppid() != parent_pid:  # the trainer died before the line above
-        return
+def _serve(fn: RewardFn, conn) -> None:
+    """The worker's loop (`fork_worker`): a (response, sample) in, (True, score) or
+    (False, why) out."""
     while True:
         try:
             response, sample = conn.recv()

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-__all__ = ["UserFileError", "first_line", "import_user_module"]
+__all__ = ["UserFileError", "first_line", "import_named_module", "import_user_module"]
 
 
 class UserFileError(ImportError):
@@ -28,6 +28,22 @@ def import_user_module(module_name: str, prefix: str) -> ModuleType:
     if module_name.endswith(".py"):
         return _import_file(Path(module_name), prefix)
     return importlib.import_module(module_name)
+
+
+def import_named_module(
+    key: str, spec: str, module_name: str, prefix: str, error: type[Exception]
+) -> ModuleType:
+    """`import_user_module`, every failure an `error` whose one line starts with `key` (the
+    setting, e.g. "reward.function") and names `spec` (its value) and what went wrong."""
+    try:
+        return import_user_module(module_name, prefix=prefix)
+    except UserFileError as exc:
+        raise error(f"{key}: {exc}") from None
+    except (Exception, SystemExit) as exc:  # a user module can fail to import in any way
+        raise error(
+            f"{key}: cannot import {module_name!r} for {spec!r} "
+            f"({type(exc).__name__}: {first_line(exc)})"
+        ) from None
 
 
 def _import_file(path: Path, prefix: str) -> ModuleType:
