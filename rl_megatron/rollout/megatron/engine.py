@@ -139,8 +139,11 @@ class MegatronEngine(RolloutEngine):
         self.pad_token_id = pad_token_id
         self.max_batch_size = max_batch_size
         self.seed = seed
-        if tp_group is None:
-            tp_group = ParallelGroups.from_megatron().tp
+        if tp_group is None or (expert_group is None and self.model.config.num_moe_experts):
+            # The run's groups, read once (with context parallelism making them is collective).
+            run_groups = ParallelGroups.from_megatron()
+            tp_group = run_groups.tp if tp_group is None else tp_group
+            expert_group = run_groups.expert_model if expert_group is None else expert_group
         self._tp_group = tp_group
         self._check_same_seed(tp_group)
         self._lockstep = self._lockstep_group(tp_group, expert_group)
@@ -190,8 +193,6 @@ class MegatronEngine(RolloutEngine):
         such rank. That is an MoE model's expert group (EP × ETP)."""
         if not self.model.config.num_moe_experts:
             return None
-        if expert_group is None:
-            expert_group = ParallelGroups.from_megatron().expert_model
         experts = set(dist.get_process_group_ranks(expert_group))
         tp = set(dist.get_process_group_ranks(tp_group))
         if experts <= tp:
