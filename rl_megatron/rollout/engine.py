@@ -31,15 +31,18 @@ import abc
 import contextlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+import torch.distributed as dist
 
 from rl_megatron.rollout.batch import RolloutBatch
 from rl_megatron.rollout.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from rl_megatron.resharding.executor import SyncStats
+    from rl_megatron.rollout.multi_turn import MultiTurnSession
+    from rl_megatron.rollout.trajectory import Trajectory
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
 OutputLayout = Literal["full", "replica"]
@@ -223,6 +226,28 @@ class RolloutEngine(abc.ABC):
         batch = self._generate(prompt_token_ids, sampling, output_layout)
         batch.weight_version = self._weight_version
         return batch
+
+    def generate_trajectories(
+        self,
+        samples: Sequence[Mapping[str, Any]],
+        sampling: SamplingParams,
+        session: MultiTurnSession,
+        group: dist.ProcessGroup | None = None,
+    ) -> tuple[list[Trajectory], dict[str, float]]:
+        """Multi-turn rollouts: `sampling.n` trajectories per data record (DESIGN.md §2).
+
+        samples: the step's records, identical on every rank of `group` (the ranks that
+            pass the same prompts; None: this rank alone). Every rank of it returns all
+            `len(samples) * n` trajectories (record-major) and the `multi_turn/*` metrics.
+        The environments run on one rank of each group of ranks that generate together;
+        the default generates each wave of ready turns in one `generate` call
+        (`rollout/turn_waves.py`); an engine that can take each turn as it comes overrides
+        this (vLLM).
+        """
+        self._check_can_generate()
+        from rl_megatron.rollout.turn_waves import generate_in_waves
+
+        return generate_in_waves(self, samples, sampling, session, group)
 
     # ---- memory -------------------------------------------------------------------
 

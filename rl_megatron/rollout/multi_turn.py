@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -25,7 +25,7 @@ from rl_megatron.environments.base import Observation
 from rl_megatron.environments.workers import EnvironmentCallError, EnvironmentPool
 from rl_megatron.rollout.trajectory import ChatIncrements, IncrementError, Trajectory
 
-__all__ = ["Turn", "TurnBudget", "TurnGenerator", "run_trajectories"]
+__all__ = ["MultiTurnSession", "Turn", "TurnBudget", "TurnGenerator", "run_trajectories"]
 
 _POLL_S = 0.002  # the wait on one source while the other has work in flight
 
@@ -71,6 +71,69 @@ class TurnBudget:
             max_turn_tokens=mt.max_turn_tokens or rollout.max_response_length,
             max_total_tokens=rollout.max_prompt_length + rollout.max_response_length,
         )
+
+
+class MultiTurnSession:
+    """What an engine's `generate_trajectories` needs besides the records: the environment
+    (its worker pool, made on first use, on the ranks that drive), the chat template's
+    increments and the budgets. Built once by the trainer (`trainer/multi_turn.py`)."""
+
+    def __init__(
+        self,
+        environment: Callable[..., Any],
+        name: str,
+        increments: ChatIncrements,
+        budget: TurnBudget,
+        *,
+        timeout_s: float,
+        max_concurrent: int,
+        kwargs: Mapping[str, Any] | None = None,
+        max_observation_chars: int = 16384,
+    ) -> None:
+        """
+        Args:
+            environment: the class `environments.loader.load_environment` returned.
+            name: `environment.function` as the user wrote it (for messages).
+            timeout_s, max_concurrent, kwargs, max_observation_chars: `environment.*`.
+        """
+        self.environment, self.name = environment, name
+        self.increments, self.budget = increments, budget
+        self._pool_args = dict(
+            timeout_s=timeout_s,
+            max_concurrent=max_concurrent,
+            kwargs=dict(kwargs or {}),
+            max_observation_chars=max_observation_chars,
+        )
+        self._pool: EnvironmentPool | None = None
+
+    @property
+    def pool(self) -> EnvironmentPool:
+        """The environment workers (forked on first use: only driving ranks have them)."""
+        if self._pool is None:
+            self._pool = EnvironmentPool(self.environment, self.name, **self._pool_args)
+        return self._pool
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end an assistant turn: the engine stops each turn at them."""
+        return tuple(sorted(self.increments.stop_token_ids))
+
+    def run(
+        self,
+        samples: Sequence[Mapping[str, Any]],
+        n: int,
+        generator: TurnGenerator,
+        groups: Sequence[int] | None = None,
+    ) -> tuple[list[Trajectory], dict[str, float]]:
+        """`run_trajectories` with this session's pool, increments and budget."""
+        return run_trajectories(
+            samples, n, self.pool, self.increments, generator, self.budget, groups
+        )
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
 
 
 def run_trajectories(

@@ -1,0 +1,117 @@
+"""Multi-turn rollouts on an engine that generates in batches: each wave of ready turns is
+one `generate` call.
+
+The default `RolloutEngine.generate_trajectories` (the Megatron engine's): the driver
+(`multi_turn.run_trajectories`) runs on the group's first rank; whenever it asks for
+finished turns, every turn submitted since the last wave is generated in one batch
+(`n = 1`, each row's own budget: the wave runs to the largest and cuts each row to its
+own, a cut row's finish reason "length"). Trajectories whose environments are slow do not
+hold the others past the current wave, but a wave waits for its longest turn: the vLLM
+engine, which takes each turn as it comes, overrides this (`rollout/vllm/`).
+
+The other ranks of the group replay each wave's `generate` (it is collective) from the
+leader's messages (`turn_channel.LeaderChannel`): ("wave", prompts, params), then
+("done", result) or ("error", message).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch.distributed as dist
+
+from rl_megatron.rollout.multi_turn import MultiTurnSession, Turn
+from rl_megatron.rollout.sampling import SamplingParams
+from rl_megatron.rollout.trajectory import Trajectory
+from rl_megatron.rollout.turn_channel import LeaderChannel
+
+__all__ = ["generate_in_waves", "turn_sampling"]
+
+
+def turn_sampling(sampling: SamplingParams, session: MultiTurnSession) -> SamplingParams:
+    """One request per turn (n = 1), stopped by the template's end-of-turn tokens. The
+    driver keeps every request within the context (`TurnBudget`): nothing to truncate."""
+    return replace(
+        sampling,
+        n=1,
+        stop_token_ids=session.stop_token_ids,
+        prompt_overflow="reject",
+        max_prompt_len=None,
+    )
+
+
+def group_leader(group: dist.ProcessGroup | None) -> int:
+    """The global rank that drives `group` (its lowest); this rank alone without one."""
+    if group is None:
+        return dist.get_rank() if dist.is_initialized() else 0
+    return min(dist.get_process_group_ranks(group))
+
+
+class _Waves:
+    """The leader's `TurnGenerator`: queues submissions, generates them as one wave."""
+
+    def __init__(self, engine: Any, sampling: SamplingParams, channel: LeaderChannel) -> None:
+        self.engine, self.sampling, self.channel = engine, sampling, channel
+        self.pending: list[tuple[str, list[int], int]] = []
+        self.waves = 0
+        self._seed = sampling.seed  # advanced past every row of a wave: no seed repeats
+
+    def submit(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
+        self.pending.append((request_id, list(prompt_token_ids), int(max_tokens)))
+
+    def finished(self, timeout_s: float) -> list[Turn]:
+        if not self.pending:
+            return []
+        wave, self.pending = self.pending, []
+        params = replace(self.sampling, max_new_tokens=max(m for _, _, m in wave), seed=self._seed)
+        if self._seed is not None:
+            self._seed += len(wave)
+        prompts = [p for _, p, _ in wave]
+        self.channel.send(("wave", prompts, params))
+        batch = self.engine.generate(prompts, params, output_layout="full")
+        self.waves += 1
+        turns = []
+        for row, (request_id, _, budget) in enumerate(wave):
+            _, tokens = batch.row_tokens(row)
+            logprobs = None
+            if batch.rollout_log_probs is not None:
+                logprobs = batch.rollout_log_probs[row, : len(tokens)].tolist()
+            reason = batch.finish_reasons[row]
+            if len(tokens) > budget:  # the wave ran to a longer turn's budget
+                tokens, reason = tokens[:budget], "length"
+                logprobs = None if logprobs is None else logprobs[:budget]
+            turns.append(Turn(request_id, tokens, logprobs, reason))
+        return turns
+
+
+def generate_in_waves(
+    engine: Any,
+    samples: Sequence[Mapping[str, Any]],
+    sampling: SamplingParams,
+    session: MultiTurnSession,
+    group: dist.ProcessGroup | None,
+) -> tuple[list[Trajectory], dict[str, float]]:
+    """`RolloutEngine.generate_trajectories` for a batch-generating engine (module doc)."""
+    channel = LeaderChannel(group, group_leader(group))
+    params = turn_sampling(sampling, session)
+    if not channel.is_leader:
+        while True:
+            message = channel.receive()
+            if message[0] == "wave":
+                engine.generate(message[1], message[2], output_layout="full")
+            elif message[0] == "done":
+                return message[1]
+            else:
+                raise RuntimeError(f"multi-turn rollout failed on the leading rank: {message[1]}")
+    waves = _Waves(engine, params, channel)
+    try:
+        trajectories, metrics = session.run(samples, sampling.n, waves)
+    except BaseException as exc:
+        if channel.size > 1:
+            channel.send(("error", f"{type(exc).__name__}: {exc}".splitlines()[0]))
+        raise
+    metrics["multi_turn/generate_calls"] = float(waves.waves)
+    channel.send(("done", (trajectories, metrics)))
+    return trajectories, metrics
