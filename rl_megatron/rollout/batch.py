@@ -5,7 +5,8 @@ Layout (B = rows = num_prompts * n, P = longest prompt, R = longest response):
     prompts           [B, P]      int64  left-padded with pad_token_id
     responses         [B, R]      int64  right-padded with pad_token_id
     attention_mask    [B, P + R]  int64  1 on real prompt and response tokens
-    response_mask     [B, R]      int64  1 on generated tokens (the stop token included)
+    response_mask     [B, R]      int64  1 on sampled tokens (the stop token included); 0 on
+                                         padding and on a multi-turn trajectory's observations
     position_ids      [B, P + R]  int64  0 at each row's first real token, counting up;
                                          0 on left padding, continuing on right padding
     rollout_log_probs [B, R]      fp32   engine's log-prob of each sampled token; 0 on padding.
@@ -113,6 +114,7 @@ class RolloutBatch:
         pad_token_id: int = 0,
         weight_version: int | None = None,
         routed_experts: Sequence[torch.Tensor] | None = None,
+        response_masks: Sequence[Sequence[int]] | None = None,
     ) -> RolloutBatch:
         """Pad per-row token lists into a batch.
 
@@ -123,6 +125,8 @@ class RolloutBatch:
         group_index: `B` source-prompt ids; default `0 … B-1` (each row its own group).
         routed_experts: `B` tensors `[n_i, L, k]`, the experts of row i's first n_i tokens
             of prompt + response (n_i ≤ their count; an engine returns all but the last).
+        response_masks: `B` 0/1 lists, one per response token: which tokens the policy
+            sampled (a multi-turn trajectory's observations are 0); default all 1.
         """
         b = len(prompts)
         for name, seq in (
@@ -135,6 +139,11 @@ class RolloutBatch:
         for i in range(b):
             if not prompts[i]:
                 raise ValueError(f"RolloutBatch: row {i} has an empty prompt")
+            if response_masks is not None and len(response_masks[i]) != len(responses[i]):
+                raise ValueError(
+                    f"RolloutBatch: row {i} has {len(responses[i])} response tokens but a "
+                    f"mask of {len(response_masks[i])}"
+                )
             if log_probs is not None and len(log_probs[i]) != len(responses[i]):
                 raise ValueError(
                     f"RolloutBatch: row {i} has {len(responses[i])} response tokens but "
@@ -147,6 +156,9 @@ class RolloutBatch:
         lp_t = None
         if log_probs is not None:
             lp_t = _pad_rows(log_probs, resp_len, 0.0, torch.float32, left=False)
+        mask_t = None
+        if response_masks is not None:
+            mask_t = _pad_rows(response_masks, resp_len, 0, torch.int64, left=False)
         p = prompt_t.shape[1]
         r = resp_t.shape[1]
         reasons = torch.tensor(
@@ -171,6 +183,7 @@ class RolloutBatch:
             routed_experts=None
             if routed_experts is None
             else _pad_routing(routed_experts, [len(x) for x in prompts], p + r),
+            response_mask=mask_t,
         )
 
     @classmethod
@@ -188,6 +201,7 @@ class RolloutBatch:
         pad_token_id: int = 0,
         weight_version: int | None = None,
         routed_experts: torch.Tensor | None = None,
+        response_mask: torch.Tensor | None = None,
     ) -> RolloutBatch:
         """Build the masks and position ids from already padded tensors.
 
@@ -195,6 +209,8 @@ class RolloutBatch:
         (rollout_log_probs may be None: not computed by the engine);
         prompt_lengths, response_lengths, finish_reason: `[B]`;
         routed_experts: `[B, P + R, L, k]` or None (module docstring).
+        response_mask: `[B, R]` the sampled tokens among the real ones (multi-turn: not
+            the observations); default every real response token.
         """
         b, p = prompts.shape
         r = responses.shape[1]
@@ -202,8 +218,13 @@ class RolloutBatch:
         cols_p = torch.arange(p, device=device)
         cols_r = torch.arange(r, device=device)
         prompt_mask = (cols_p[None, :] >= (p - prompt_lengths)[:, None]).to(torch.int64)
-        response_mask = (cols_r[None, :] < response_lengths[:, None]).to(torch.int64)
-        attention_mask = torch.cat([prompt_mask, response_mask], dim=1)
+        real_response = (cols_r[None, :] < response_lengths[:, None]).to(torch.int64)
+        attention_mask = torch.cat([prompt_mask, real_response], dim=1)
+        if response_mask is None:
+            response_mask = real_response
+        elif bool((response_mask.bool() & ~real_response.bool()).any()):
+            raise ValueError("RolloutBatch: response_mask is 1 on padding")
+        response_mask = response_mask.to(torch.int64)
         # Left padding gets position 0; right padding keeps counting so that the
         # positions stay within the model's range and never repeat a real one.
         position_ids = (torch.cumsum(prompt_mask, dim=1) - 1).clamp(min=0)

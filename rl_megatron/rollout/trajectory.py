@@ -29,7 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ChatIncrements", "IncrementError", "Trajectory"]
+from rl_megatron.rollout.batch import FinishReason, RolloutBatch
+
+__all__ = ["ChatIncrements", "IncrementError", "Trajectory", "trajectory_batch"]
 
 # A fixed conversation the increments are measured after: the assistant's content is a
 # sentinel word the rendering is searched for (templates differ around it).
@@ -191,3 +193,39 @@ class Trajectory:
             self.logprobs.extend([0.0] * len(token_ids))
         else:
             self.logprobs.extend(float(x) for x in logprobs)
+
+
+# Trajectory finish reasons → the batch's `FinishReason`: an environment's end or the turn
+# budget is a stop; a cut at a token budget is a length; an environment error aborted it.
+_BATCH_REASON = {
+    "done": FinishReason.STOP,
+    "max_turns": FinishReason.STOP,
+    "turn_length": FinishReason.LENGTH,
+    "context_length": FinishReason.LENGTH,
+    "environment_error": FinishReason.ABORT,
+}
+
+
+def trajectory_batch(
+    trajectories: Sequence[Trajectory],
+    *,
+    with_log_probs: bool,
+    pad_token_id: int,
+    weight_version: int | None = None,
+) -> RolloutBatch:
+    """Trajectories as a `RolloutBatch`: the prompt is the initial messages' tokens, the
+    response everything after them (turns and observations), `response_mask` the loss mask
+    (1 on sampled tokens only), `group_index` the trajectory's record (GRPO groups)."""
+    for i, t in enumerate(trajectories):
+        if t.finish_reason is None:
+            raise ValueError(f"trajectory {i} (record {t.group}) has not finished")
+    return RolloutBatch.from_sequences(
+        prompts=[t.token_ids[: t.prompt_length] for t in trajectories],
+        responses=[t.token_ids[t.prompt_length :] for t in trajectories],
+        log_probs=[t.logprobs[t.prompt_length :] for t in trajectories] if with_log_probs else None,
+        finish_reasons=[_BATCH_REASON[t.finish_reason] for t in trajectories],
+        group_index=[t.group for t in trajectories],
+        pad_token_id=pad_token_id,
+        weight_version=weight_version,
+        response_masks=[t.loss_mask[t.prompt_length :] for t in trajectories],
+    )
