@@ -330,7 +330,9 @@ class OverlongBufferConfig:
 class RewardConfig:
     type: Literal["rule", "model"] = "rule"
     # Rule reward: a registry name (gsm8k, boxed_math, exact_match) or "module:function".
-    function: str = "exact_match"
+    # With multi-turn rollouts it scores each trajectory's final answer, added to the
+    # environment's reward; null there: the environment's reward alone.
+    function: str | None = "exact_match"
     model_path: str | None = None  # HF *ForSequenceClassification checkpoint, type=model
     micro_batch_size: int = 1
     # A reward function that raises on a sample: score it `error_score` and count it, or stop.

@@ -510,6 +510,12 @@ def _check_environment(config: Config) -> None:
     """environment.* and rollout.multi_turn: limits that keep a trajectory bounded."""
     env: EnvironmentConfig = config.environment
     if env.function is None:
+        _require(
+            config.reward.type != "rule" or config.reward.function is not None,
+            "reward.function",
+            "null needs environment.function (an environment whose observations carry "
+            "the reward); name a rule reward",
+        )
         return
     parallel_limit = config.parallel.timeout_s
     _require(env.timeout_s > 0, "environment.timeout_s", f"must be > 0, got {env.timeout_s:g}")
@@ -530,9 +536,10 @@ def _check_environment(config: Config) -> None:
             f"{mt.max_turn_tokens} must be in [1, rollout.max_response_length="
             f"{r.max_response_length}]",
         )
-    # The pieces (environments/, rollout/trajectory.py, rollout/multi_turn.py) are built and
-    # tested on their own; the engines and the loop do not drive them yet (issue 38).
-    raise ConfigError(
-        "environment.function: multi-turn rollouts are not wired into the trainer yet; "
-        "leave it null (single-turn generation)"
+    _require(
+        config.reward.type == "rule",
+        "reward.type",
+        "'model' with environment.function: a reward model does not score multi-turn "
+        "trajectories yet; use reward.type=rule (reward.function, or null for the "
+        "environment's reward alone)",
     )

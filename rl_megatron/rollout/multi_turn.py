@@ -191,6 +191,7 @@ def run_trajectories(
         traj.reward += result.reward
         for key, value in result.metrics.items():
             env_metrics[key] = env_metrics.get(key, 0.0) + value
+            traj.metrics[key] = traj.metrics.get(key, 0.0) + value
         if result.done:
             return end(t, "done")
         if turn_count[t] >= budget.max_turns:
@@ -241,6 +242,8 @@ def run_trajectories(
         pool.ready(0.0)  # collects the closes' acknowledgements that are already in
     timeouts = pool.timeouts - timeouts_before
     wall_s = time.monotonic() - started
+    for t, traj in enumerate(trajs):
+        traj.env_seconds = float(pool.seconds.get(t, 0.0))
     return trajs, _metrics(trajs, turn_count, pool.seconds, timeouts, env_metrics, wall_s)
 
 

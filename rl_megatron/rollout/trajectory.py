@@ -158,7 +158,8 @@ class Trajectory:
     reward: float = 0.0
     finish_reason: str | None = None
     error: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+    metrics: dict[str, float] = field(default_factory=dict)  # its observations' metrics, summed
+    env_seconds: float = 0.0  # time its environment's calls took
 
     def set_prompt(self, token_ids: Sequence[int]) -> None:
         self._extend(token_ids, None, 0)
@@ -181,6 +182,13 @@ class Trajectory:
     def finish(self, reason: str, error: str | None = None) -> None:
         if self.finish_reason is None:
             self.finish_reason, self.error = reason, error
+
+    @property
+    def final_answer(self) -> str:
+        for message in reversed(self.texts):
+            if message.get("role") == "assistant":
+                return str(message.get("content", ""))
+        return ""
 
     @property
     def response_length(self) -> int:

@@ -45,27 +45,36 @@ def training_batch(rollout: RolloutBatch) -> dict[str, torch.Tensor]:
     return batch
 
 
-def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """Put each sequence's score on its last response token (zeros elsewhere).
+def last_masked_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """`[b]` column of each row's last 1 in `response_mask` (-1 for a row without one).
 
-    scores: `[b]`; response_mask: `[b, R]`, right-padded. A row without response tokens (a
-    rejected prompt) keeps no reward: it has no token to carry it and takes no part in
-    the loss.
+    Not the count of 1s minus one: a multi-turn row's mask has 0s between its turns (the
+    observations), so its last sampled token sits past its count of them."""
+    cols = torch.arange(response_mask.shape[-1], device=response_mask.device)
+    return torch.where(response_mask.bool(), cols, -1).amax(dim=-1)
+
+
+def token_level_scores(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Put each sequence's score on its last sampled token (zeros elsewhere).
+
+    scores: `[b]`; response_mask: `[b, R]`. A row without response tokens (a rejected
+    prompt) keeps no reward: it has no token to carry it and takes no part in the loss.
     """
-    lengths = response_mask.long().sum(dim=-1)
+    last = last_masked_index(response_mask)
     out = torch.zeros(response_mask.shape, dtype=torch.float32, device=scores.device)
-    rows = (lengths > 0).nonzero().squeeze(-1)
-    out[rows, lengths[rows] - 1] = scores[rows].float()
+    rows = (last >= 0).nonzero().squeeze(-1)
+    out[rows, last[rows]] = scores[rows].float()
     return out
 
 
 def sequence_scores_at_last_token(
     values: torch.Tensor, response_mask: torch.Tensor
 ) -> torch.Tensor:
-    """A reward model's `[b, R]` per-token outputs → the score at each sequence's end."""
-    lengths = response_mask.long().sum(dim=-1)
-    index = (lengths - 1).clamp(min=0).unsqueeze(-1)
-    return torch.where(lengths > 0, values.gather(-1, index).squeeze(-1), 0.0)
+    """A reward model's `[b, R]` per-token outputs → the score at each sequence's last
+    sampled token."""
+    last = last_masked_index(response_mask)
+    index = last.clamp(min=0).unsqueeze(-1)
+    return torch.where(last >= 0, values.gather(-1, index).squeeze(-1), 0.0)
 
 
 def rollout_correction(

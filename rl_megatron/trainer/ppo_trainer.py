@@ -37,6 +37,7 @@ from rl_megatron.rollout.batch import RolloutBatch
 from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.trainer import checkpointing
 from rl_megatron.trainer import experience as ex
+from rl_megatron.trainer import multi_turn as mt
 from rl_megatron.trainer.build import Roles, TrainingData
 from rl_megatron.trainer.dynamic_sampling import Collected, Round, collect_groups
 from rl_megatron.trainer.hf_snapshots import HFSnapshots
@@ -111,6 +112,8 @@ class PPOTrainer:
             if config.trainer.dump_rollouts
             else None
         )
+        # environment.function: multi-turn rollouts through the environment's workers.
+        self.session = mt.build_session(config, data.tokenizer, logger)
         self.step = 0  # optimizer steps of the actor taken so far = the next step's index
         self.resumed = False
 
@@ -145,6 +148,8 @@ class PPOTrainer:
                 break
         if cfg.trainer.manual_gc:
             gc.enable()
+        if self.session is not None:
+            self.session.shutdown()
         self.metrics.close()
 
     def train_step(self) -> dict[str, float]:
@@ -158,7 +163,7 @@ class PPOTrainer:
         collected, sync = self._rollout()
         rollout, scores = collected.rollout, collected.scores
         if self.rollout_records is not None:  # numbered as metrics.jsonl numbers the step
-            self.rollout_records.write(self.step + 1, rollout, scores)
+            self.rollout_records.write(self.step + 1, rollout, scores, collected.per_row)
         batch = self._to_device(ex.training_batch(rollout))
         mask = batch["response_mask"]
 
@@ -252,6 +257,8 @@ class PPOTrainer:
             routing_mismatch = roles.actor.routing_mismatch_frac()
             if routing_mismatch is not None:
                 metrics["rollout/routing_mismatch_frac"] = routing_mismatch
+        if self.session is not None:  # turns, tool calls, ... of the rows trained on
+            metrics.update(mt.step_metrics(collected.per_row, self.dp_group))
         metrics.update(correction_metrics, **collected.metrics)
         metrics.update(actor_metrics, **critic_metrics, **sync, **self.sampler.metrics())
         metrics.update(self.data.metrics())  # rollout/prompts_truncated: counted at load
@@ -331,22 +338,24 @@ class PPOTrainer:
         if round_index:  # the last round's engine slept, keeping its weights
             self.engine.prepare_for_generation()
         indices = self.sampler.next_batch()
-        prompts = [self.data.train.input_ids[i] for i in indices]
+        sampling = self._sampling(self.step, round_index=round_index)
+        answers, per_row = None, {}
         with self.phases.time("generate"):
-            rollout = self._generate(prompts, self._sampling(self.step, round_index=round_index))
+            if self.session is None:
+                prompts = [self.data.train.input_ids[i] for i in indices]
+                rollout = self._generate(prompts, sampling)
+            else:
+                rollout, per_row, answers = self._generate_trajectories(indices, sampling)
         # Another round generates with these weights (no sync before it): keep them.
         self.engine.release_for_training(keep_weights=self.config.algorithm.dynamic_sampling.enable)
         self._record_device_used("engine_asleep")
         with self.phases.time("reward"):
             samples = [indices[int(g)] for g in rollout.group_index]
-            # Only a reward model reads the batch; the step as the console numbers it.
-            batch = None
-            if self.roles.reward_model is not None:
-                batch = self._to_device(ex.training_batch(rollout))
-            scores, m = self.scorer.score(
-                rollout, self.data.train.dataset, samples, batch, self.step + 1
+            scores, m = self._score(
+                rollout, self.data.train.dataset, samples, answers, self.step + 1
             )
-            per_row = {}
+            if self.session is not None:  # the environment's reward, added to the rule's
+                scores = scores + per_row["mt/env_reward"].to(scores.dtype)
             ob, limit = self.config.reward.overlong_buffer, self.config.rollout.max_response_length
             if ob.enable:  # DAPO's soft overlong punishment, part of the reward
                 penalty = overlong_penalty(
@@ -354,6 +363,48 @@ class PPOTrainer:
                 )
                 scores, per_row["overlong_penalty"] = scores + penalty, penalty
         return Round(rollout, scores, per_row, m.get("reward/errors"))
+
+    def _generate_trajectories(
+        self, indices: list[int], sampling: SamplingParams
+    ) -> tuple[RolloutBatch, dict[str, torch.Tensor], list[str]]:
+        """Multi-turn: `sampling.n` trajectories per record through the environment; the
+        rows, their per-row facts (`trainer/multi_turn.py`) and each one's final answer."""
+        records = [self.data.train.dataset[i] for i in indices]
+        trajectories, _ = self.engine.generate_trajectories(
+            records, sampling, self.session, group=self.run.groups.replica
+        )
+        rollout, per_row = mt.trajectory_round(
+            trajectories,
+            with_log_probs=self._engine_log_probs(),
+            pad_token_id=self.engine.pad_token_id,
+            weight_version=self.engine.weight_version,
+        )
+        return rollout, per_row, [t.final_answer for t in trajectories]
+
+    def _engine_log_probs(self) -> bool:
+        """Whether the engine returns sampled log-probs (`rollout.calculate_log_probs`)."""
+        return bool(getattr(self.engine, "calculate_log_probs", True))
+
+    def _score(
+        self,
+        rollout: RolloutBatch | None,
+        dataset,
+        samples: list[int],
+        answers: list[str] | None,
+        step: int,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The reward function's or model's scores of `rollout`'s rows; with multi-turn
+        the rule scores each trajectory's final answer, and a run without a rule
+        (`reward.function: null`) takes the environment's reward alone (zeros here)."""
+        if self.session is not None and self.config.reward.type == "rule":
+            if self.config.reward.function is None:
+                return torch.zeros(len(samples)), {}
+            return self.scorer.score(rollout, dataset, samples, None, step, texts=answers)
+        # Only a reward model reads the batch; the step as the console numbers it.
+        batch = None
+        if self.roles.reward_model is not None and rollout is not None:
+            batch = self._to_device(ex.training_batch(rollout))
+        return self.scorer.score(rollout, dataset, samples, batch, step)
 
     def _sync_engine(self, version: int, phase: str = "reshard") -> dict[str, float]:
         """Put the actor's current weights into the engine as `version`: its weights wake
@@ -554,18 +605,35 @@ class PPOTrainer:
             # Every rank walks the same batches; a replica with an empty share (the last
             # batch may be uneven) generates nothing (unless the engine's generate spans
             # replicas: then it joins with no prompts) but joins the reward collectives.
-            rollout, batch = None, None
+            rollout, answers, env_reward = None, None, None
             if rows or self.engine.needs_every_replica:
                 sampling = self._sampling(batch_index, evaluation=True)
                 with contextlib.ExitStack() as stack:
                     if self.engine.generates_with_trainer_modules:
                         stack.enter_context(self.roles.actor.on_device())
-                    rollout = self._generate([val.input_ids[i] for i in rows], sampling)
-            if rows:
-                batch = self._to_device(ex.training_batch(rollout))
-            else:
+                    if self.session is None:
+                        rollout = self._generate([val.input_ids[i] for i in rows], sampling)
+                    else:
+                        trajectories, _ = self.engine.generate_trajectories(
+                            [val.dataset[i] for i in rows],
+                            sampling,
+                            self.session,
+                            group=self.run.groups.replica,
+                        )
+                        if rows:
+                            rollout, per_row = mt.trajectory_round(
+                                trajectories,
+                                with_log_probs=False,
+                                pad_token_id=self.engine.pad_token_id,
+                                weight_version=self.engine.weight_version,
+                            )
+                            answers = [t.final_answer for t in trajectories]
+                            env_reward = per_row["mt/env_reward"]
+            if not rows:
                 rollout = None
-            scores, _ = self.scorer.score(rollout, val.dataset, rows, batch, self.step)
+            scores, _ = self._score(rollout, val.dataset, rows, answers, self.step)
+            if env_reward is not None:
+                scores = scores + env_reward.to(scores.dtype)
             if rows:
                 totals += torch.tensor(
                     [scores.sum().item(), rollout.response_lengths.sum().item(), len(rows)],

@@ -78,6 +78,10 @@ def console_line(step: int, total_steps: int, m: dict[str, float]) -> str:
         line += f" | vloss {m['critic/loss']:.4f} ev {m['critic/explained_variance']:.2f}"
     if "actor/kl_to_ref" in m:
         line += f" | kl {m['actor/kl_to_ref']:.4f}"
+    if "multi_turn/turns_mean" in m:  # multi-turn: turns and tool calls per trajectory
+        line += f" | turns {m['multi_turn/turns_mean']:.2f}"
+        if "env/tool_calls_per_traj" in m:
+            line += f" tools {m['env/tool_calls_per_traj']:.2f}"
     if "val/reward_mean" in m:
         line += f" | val {m['val/reward_mean']:.3f}"
     line += (

@@ -1,7 +1,7 @@
 """Rollout records (`trainer.dump_rollouts`): each step's trajectories as JSONL, for the user.
 
     records = RolloutRecords(run_dir, tokenizer, dp_rank, dp_group, rank)
-    records.write(step, rollout, scores)   # collective: every rank of the world calls it
+    records.write(step, rollout, scores, per_row)   # collective: every rank calls it
 
 `<run_dir>/rollouts/step_<8-digit step>.jsonl` holds one record per trajectory of the step's
 batch, every data-parallel replica's rows in replica order (the ranks of a replica hold the
@@ -13,9 +13,17 @@ same rows, so one replica's rows come from the rank of it in global rank 0's DP 
                                   the loss uses over them (0 on the prompt)
     rollout_log_probs             the engine's log-prob of each response token; null when it
                                   computed none
-    turns, observations, num_turns  `[{"text": response}]`, `[]`, 1 (a single-turn run's shape
-                                  of a multi-turn trajectory)
-    finish_reason, reward         "stop" / "length" / …, the score the step trains with
+    turns, observations, num_turns  each sampled turn's text `[{"text": ...}]`, each observation's
+                                  (the template's tokens around the environment's messages,
+                                  decoded) and the number of turns; a single-turn row is one
+                                  turn and no observation
+    finish_reason, reward         "stop" / "length" / … (multi-turn: "done", "max_turns",
+                                  "turn_length", "context_length", "environment_error"), the
+                                  score the step trains with (multi-turn: the environment's
+                                  reward plus the rule's, in `env_reward` the former alone)
+
+A multi-turn row's turns and observations are read off its loss mask (runs of 1 and of 0
+after the prompt), so the texts are those of the exact tokens trained on.
 
 Global rank 0 writes a temporary file beside the record and renames it over, so a killed run
 never leaves a half file under a record's name; a failed write (a full disk, permissions)
@@ -43,9 +51,16 @@ class RecordWriteError(Exception):
 
 
 def records_of(
-    rollout: RolloutBatch, scores: torch.Tensor, tokenizer: Any, step: int, dp_rank: int
+    rollout: RolloutBatch,
+    scores: torch.Tensor,
+    tokenizer: Any,
+    step: int,
+    dp_rank: int,
+    per_row: dict[str, torch.Tensor] | None = None,
 ) -> list[dict]:
-    """One record per row of `rollout` (this rank's rows), in row order."""
+    """One record per row of `rollout` (this rank's rows), in row order. `per_row`: the
+    round's per-row facts; multi-turn ones (`trainer/multi_turn.py`) make multi-turn records."""
+    multi_turn = per_row is not None and "mt/turns" in per_row
     # Python lists first: one host copy per tensor, not one per row and field.
     prompts, responses = rollout.prompts.tolist(), rollout.responses.tolist()
     masks = rollout.response_mask.long().tolist()
@@ -59,24 +74,50 @@ def records_of(
     ):
         prompt = prompts[i][len(prompts[i]) - plen :]  # left-padded
         response = responses[i][:rlen]  # right-padded
-        out.append(
-            {
-                "step": step,
-                "dp_rank": dp_rank,
-                "group": groups[i],
-                "prompt_ids": prompt,
-                "response_ids": response,
-                "token_ids": prompt + response,
-                "loss_mask": [0] * plen + masks[i][:rlen],
-                "rollout_log_probs": None if log_probs is None else log_probs[i][:rlen],
-                "turns": [{"text": tokenizer.decode(response, skip_special_tokens=False)}],
-                "observations": [],
-                "num_turns": 1,
-                "finish_reason": FinishReason(reasons[i]).name.lower(),
-                "reward": rewards[i],
-            }
-        )
+        record = {
+            "step": step,
+            "dp_rank": dp_rank,
+            "group": groups[i],
+            "prompt_ids": prompt,
+            "response_ids": response,
+            "token_ids": prompt + response,
+            "loss_mask": [0] * plen + masks[i][:rlen],
+            "rollout_log_probs": None if log_probs is None else log_probs[i][:rlen],
+            "turns": [{"text": tokenizer.decode(response, skip_special_tokens=False)}],
+            "observations": [],
+            "num_turns": 1,
+            "finish_reason": FinishReason(reasons[i]).name.lower(),
+            "reward": rewards[i],
+        }
+        if multi_turn:
+            turns, observations = _spans(response, masks[i][:rlen])
+            decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
+            record["turns"] = [{"text": decode(ids)} for ids in turns]
+            record["observations"] = [{"text": decode(ids)} for ids in observations]
+            record["num_turns"] = int(per_row["mt/turns"][i])
+            record["finish_reason"] = next(
+                name[len("mt/finish_") :]
+                for name, value in per_row.items()
+                if name.startswith("mt/finish_") and value[i] > 0
+            )
+            record["env_reward"] = float(per_row["mt/env_reward"][i])
+        out.append(record)
     return out
+
+
+def _spans(tokens: list[int], mask: list[int]) -> tuple[list[list[int]], list[list[int]]]:
+    """The runs of `tokens` where `mask` is 1 (sampled turns) and where it is 0
+    (observations), each in order."""
+    turns: list[list[int]] = []
+    observations: list[list[int]] = []
+    previous = None
+    for token, m in zip(tokens, mask):
+        runs = turns if m else observations
+        if m != previous:
+            runs.append([])
+            previous = m
+        runs[-1].append(token)
+    return turns, observations
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -110,11 +151,17 @@ class RolloutRecords:
         self.folder = Path(run_dir) / "rollouts"
         self.tokenizer, self.dp_rank, self.dp_group, self.rank = tokenizer, dp_rank, dp_group, rank
 
-    def write(self, step: int, rollout: RolloutBatch, scores: torch.Tensor) -> Path:
+    def write(
+        self,
+        step: int,
+        rollout: RolloutBatch,
+        scores: torch.Tensor,
+        per_row: dict[str, torch.Tensor] | None = None,
+    ) -> Path:
         """The step's records from every replica into one file; collective over the world
         (every rank learns whether rank 0's write failed, so none waits in a later one)."""
         path = self.folder / f"step_{step:08d}.jsonl"
-        rows = records_of(rollout, scores, self.tokenizer, step, self.dp_rank)
+        rows = records_of(rollout, scores, self.tokenizer, step, self.dp_rank, per_row)
         replicas = [rows]
         distributed = dist.is_initialized() and dist.get_world_size() > 1
         # Only global rank 0's DP group gathers: its ranks hold one copy of every replica's rows.

@@ -74,6 +74,7 @@ class RewardScorer:
         rows: list[int],
         batch: Batch | None,
         step: int,
+        texts: list[str] | None = None,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Sequence rewards `[b]` of a rollout whose row i answers `dataset[rows[i]]`.
 
@@ -88,6 +89,8 @@ class RewardScorer:
             step: the number of the step being scored as the console prints it (1-based:
                 `train_step` passes `self.step + 1`; the evaluation after step N passes N),
                 for the error message.
+            texts: what the rule function scores, per row, instead of the decoded response
+                (a multi-turn trajectory's final answer).
 
         Returns:
             scores `[b]` on the CPU, and `reward/mean`, `reward/std` (and `reward/errors`
@@ -110,7 +113,8 @@ class RewardScorer:
         errors = torch.zeros(1)
         if dist.get_rank() == self.replica_src and n:
             # One rank scores (user functions need not be deterministic); the rest copy.
-            texts = self.tokenizer.batch_decode([rollout.row_tokens(i)[1] for i in range(n)])
+            if texts is None:
+                texts = self.tokenizer.batch_decode([rollout.row_tokens(i)[1] for i in range(n)])
             try:
                 scores, m = score_batch(
                     self.reward_fn,

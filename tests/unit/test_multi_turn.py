@@ -301,11 +301,7 @@ def test_multi_turn_config_defaults_and_budget():
         + ["environment.function=my_env.py:Lookup", "rollout.multi_turn.max_turns=3",
            "rollout.max_prompt_length=40", "rollout.max_response_length=20"],
     )  # fmt: skip
-    # Every limit is in range; the run is refused until the loop drives environments.
-    with pytest.raises(
-        ConfigError, match=r"^environment.function: multi-turn rollouts are not wired"
-    ):
-        validate(config, world_size=1)
+    validate(config, world_size=1)  # every limit in range
     budget = TurnBudget.from_config(config.rollout)
     assert budget == TurnBudget(max_turns=3, max_turn_tokens=20, max_total_tokens=60)
     config.rollout.multi_turn.max_turn_tokens = 8
@@ -322,10 +318,23 @@ def test_multi_turn_config_defaults_and_budget():
         (["rollout.multi_turn.max_turns=0"], "rollout.multi_turn.max_turns: must be >= 1, got 0"),
         (["rollout.multi_turn.max_turn_tokens=10000"],
          "rollout.multi_turn.max_turn_tokens: 10000 must be in [1, rollout.max_response_length="),
+        (["reward.type=model", "reward.model_path=/rm"],
+         "reward.type: 'model' with environment.function: a reward model does not score"),
     ],
 )  # fmt: skip
 def test_multi_turn_config_checks_name_the_key(overrides, expected):
+    """Each refusal is one line naming the key."""
     config = load_config(TINY, ONE_RANK + ["environment.function=my_env.py:Lookup", *overrides])
     with pytest.raises(ConfigError) as info:
         validate(config, world_size=1)
     assert str(info.value).startswith(expected) and "\n" not in str(info.value)
+
+
+def test_a_null_reward_function_needs_an_environment():
+    """reward.function: null means "the environment's reward alone": without an
+    environment there would be no reward at all."""
+    config = load_config(TINY, ONE_RANK + ["reward.function=null"])
+    with pytest.raises(ConfigError, match=r"^reward.function: null needs environment.function"):
+        validate(config, world_size=1)
+    config.environment.function = "my_env.py:Lookup"
+    validate(config, world_size=1)

@@ -34,3 +34,10 @@ def check_config(config: Config) -> None:
     )
     # With parallel.ep > 1 the engine's ranks decode different prompts, and agree on every
     # forward the expert all-to-all spans (`engine.py`): nothing to refuse.
+    _require(
+        config.environment.function is None or p.ep == 1,
+        "environment.function",
+        f"multi-turn rollouts on the megatron engine need parallel.ep=1 (got {p.ep}): its "
+        "expert all-to-all keeps every replica's generate calls in lockstep, and each "
+        "replica's environments decide how many turns it generates; use rollout.engine=vllm",
+    )
