@@ -371,7 +371,7 @@ class DataConfig:
     apply_chat_template: bool = False
     # A task generated on the fly instead of files (`data/synthetic.py`): the CPU demo and
     # the end-to-end tests. It brings its own character tokenizer; model.vocab_size >= 100.
-    synthetic_task: Literal["digit_echo"] | None = None
+    synthetic_task: Literal["digit_echo", "key_lookup"] | None = None
     synthetic_size: int = 1024  # training prompts; validation uses data.val_batch_size
     # Prompts of this many tokens (k digits and their spaces: 2k - 1; an even length is
     # one short) instead of 5-11: the demo task at the lengths of a real one, for

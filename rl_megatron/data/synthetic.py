@@ -8,6 +8,12 @@ samples each of ~100 token ids about equally often, so it starts near 0.02 and l
 from reward alone, first to emit digits and then the right one: the climb is visible in a
 few dozen steps of a 4-layer model on two CPU cores.
 
+`data.synthetic_task: key_lookup` is the multi-turn demo (`yaml_configs/tiny_agent_cpu.yaml`,
+environment `key_lookup`): each prompt is a two-letter key whose value, one digit, is a
+hash of the key the model cannot see; a turn holding "?" calls the lookup tool, which
+answers with the value, and the next turn is the answer, scored as digit_echo scores it.
+Without the tool the value is a guess; with it, an echo of the observation.
+
 `CharTokenizer` maps one character to one token id. It has the methods of
 `data.tokenize.PromptTokenizer` that the trainer uses, so the rest of the pipeline (length
 policy, decoding, rewards) runs unchanged.
@@ -15,6 +21,7 @@ policy, decoding, rewards) runs unchanged.
 
 from __future__ import annotations
 
+import hashlib
 import string
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,7 +32,7 @@ from rl_megatron.data.datasets import DataError, Prompt, PromptDataset
 
 __all__ = ["CharTokenizer", "SYNTHETIC_TASKS", "synthetic_dataset"]
 
-SYNTHETIC_TASKS = ("digit_echo",)
+SYNTHETIC_TASKS = ("digit_echo", "key_lookup")
 
 PAD_ID, EOS_ID = 0, 1
 # Digits first, so that the task's tokens are the same ids whatever else is added later.
@@ -33,6 +40,11 @@ ALPHABET = (
     string.digits + " " + string.ascii_lowercase + string.ascii_uppercase + ".,:;!?=+-*/()<>#"
 )
 UNKNOWN = "\ufffd"  # decoded for ids the model may sample beyond the alphabet
+# The chat template's role markers (`CharChatTemplate`): ids after the alphabet and the
+# `<unk>` that `save_pretrained` adds; each renders as one character outside the alphabet.
+ROLE_IDS = {"user": len(ALPHABET) + 3, "assistant": len(ALPHABET) + 4, "tool": len(ALPHABET) + 5}
+_ROLE_CHARS = {"user": "\x02", "assistant": "\x03", "tool": "\x05"}
+_END_OF_TURN = "\x04"  # renders EOS: an assistant turn ends where the engine stops it
 
 
 class CharTokenizer:
@@ -80,6 +92,11 @@ class CharTokenizer:
         return EOS_ID
 
     @property
+    def chat_tokenizer(self) -> CharChatTemplate:
+        """The chat rendering multi-turn rollouts need (`rollout/trajectory.py`)."""
+        return CharChatTemplate(self)
+
+    @property
     def pad_token_id(self) -> int:
         return PAD_ID
 
@@ -106,6 +123,60 @@ class CharTokenizer:
         fast.save_pretrained(str(directory))
 
 
+class CharChatTemplate:
+    """A chat template for the character tokenizer: `<role>content<eos>` per message, the
+    generation prompt `<assistant>`. What `ChatIncrements` reads of a Hugging Face
+    tokenizer: `apply_chat_template(..., tokenize=False)`, `encode`, `decode`, EOS."""
+
+    def __init__(self, tokenizer: CharTokenizer) -> None:
+        self.base = tokenizer
+        self._special = {c: ROLE_IDS[r] for r, c in _ROLE_CHARS.items()} | {_END_OF_TURN: EOS_ID}
+        self._names = {i: f"<{r}>" for r, i in ROLE_IDS.items()}
+
+    eos_token_id = EOS_ID
+
+    def apply_chat_template(
+        self, messages, tools=None, tokenize=False, add_generation_prompt=False
+    ) -> str:
+        if tokenize:
+            raise ValueError("CharChatTemplate renders text only (tokenize=False)")
+        parts = []
+        for m in messages:
+            if m["role"] not in _ROLE_CHARS:
+                raise ValueError(f"the character chat template has no role {m['role']!r}")
+            parts.append(_ROLE_CHARS[m["role"]] + str(m.get("content", "")) + _END_OF_TURN)
+        if add_generation_prompt:
+            parts.append(_ROLE_CHARS["assistant"])
+        return "".join(parts)
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        out, plain = [], []
+        for c in text + "\x00":  # a sentinel flushes the last run of plain characters
+            if c in self._special or c == "\x00":
+                if plain:
+                    out.extend(self.base.encode_texts(["".join(plain)])[0])
+                    plain = []
+                if c != "\x00":
+                    out.append(self._special[c])
+            else:
+                plain.append(c)
+        return out
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        text = []
+        for i in ids:
+            if int(i) in self._names:
+                text.append("" if skip_special_tokens else self._names[int(i)])
+            else:
+                text.append(self.base.decode([i], skip_special_tokens))
+        return "".join(text)
+
+
+def key_value(key: str) -> str:
+    """The key_lookup task's hidden value of `key`: one digit, a hash of the key."""
+    return str(int(hashlib.sha256(key.encode()).hexdigest(), 16) % 10)
+
+
 def synthetic_dataset(
     task: str, num_prompts: int, seed: int, split: str = "train", length: int | None = None
 ) -> PromptDataset:
@@ -127,6 +198,13 @@ def synthetic_dataset(
     # in the sense of never being the same draw (the task space is small; that is fine).
     rng = np.random.default_rng([seed, 0 if split == "train" else 1])
     samples, sources = [], []
+    if task == "key_lookup":
+        letters = np.array(list(string.ascii_lowercase))
+        for i in range(num_prompts):
+            key = "".join(rng.choice(letters, size=2))
+            samples.append({"prompt": key, "key": key, "answer": key_value(key)})
+            sources.append(f"synthetic:{split}:{i}")
+        return PromptDataset(samples, sources, prompt_key="prompt", files=[f"synthetic:{task}"])
     for i in range(num_prompts):
         count = int(rng.integers(3, 7)) if length is None else (length + 1) // 2
         digits = rng.integers(0, 10, size=count)

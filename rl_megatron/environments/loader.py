@@ -21,6 +21,7 @@ __all__ = ["BUILTIN", "EnvironmentLoadError", "load_environment"]
 # environment pulls in its tools).
 BUILTIN: dict[str, str] = {
     "tool_calling": "rl_megatron.environments.tool_env:ToolEnvironment",
+    "key_lookup": "rl_megatron.environments.key_lookup:KeyLookup",
 }
 
 _KEY = "environment.function"

@@ -4,8 +4,8 @@ one `generate` call.
 The default `RolloutEngine.generate_trajectories` (the Megatron engine's): the driver
 (`multi_turn.run_trajectories`) runs on the group's first rank; whenever it asks for
 finished turns, every turn submitted since the last wave is generated in one batch
-(`n = 1`, each row's own budget: the wave runs to the largest and cuts each row to its
-own, a cut row's finish reason "length"). Trajectories whose environments are slow do not
+(`n = 1`; one call per distinct turn budget in the wave, since a call's prompt limit is
+the context minus its budget). Trajectories whose environments are slow do not
 hold the others past the current wave, but a wave waits for its longest turn: the vLLM
 engine, which takes each turn as it comes, overrides this (`rollout/vllm/`).
 
@@ -56,6 +56,7 @@ class _Waves:
         self.engine, self.sampling, self.channel = engine, sampling, channel
         self.pending: list[tuple[str, list[int], int]] = []
         self.waves = 0
+        self.calls = 0  # generate calls: one per distinct turn budget in a wave
         self._seed = sampling.seed  # advanced past every row of a wave: no seed repeats
 
     def submit(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
@@ -65,24 +66,36 @@ class _Waves:
         if not self.pending:
             return []
         wave, self.pending = self.pending, []
-        params = replace(self.sampling, max_new_tokens=max(m for _, _, m in wave), seed=self._seed)
+        # One call per turn budget: a call's prompt limit is the context minus its
+        # max_new_tokens, so a long trajectory (a small budget, its room left) and a
+        # short one (the full turn budget) in one call would reject the long one.
+        turns = []
+        for budget in sorted({m for _, _, m in wave}):
+            turns += self._generate([w for w in wave if w[2] == budget], budget)
+        self.waves += 1
+        return turns
+
+    def _generate(self, requests: list[tuple[str, list[int], int]], budget: int) -> list[Turn]:
+        params = replace(self.sampling, max_new_tokens=budget, seed=self._seed)
         if self._seed is not None:
-            self._seed += len(wave)
-        prompts = [p for _, p, _ in wave]
+            self._seed += len(requests)
+        prompts = [p for _, p, _ in requests]
         self.channel.send(("wave", prompts, params))
         batch = self.engine.generate(prompts, params, output_layout="full")
-        self.waves += 1
         turns = []
-        for row, (request_id, _, budget) in enumerate(wave):
+        for row, (request_id, _, _) in enumerate(requests):
             _, tokens = batch.row_tokens(row)
+            reason = batch.finish_reasons[row]
+            if reason in ("rejected", "abort"):  # the driver keeps every request in budget
+                raise RuntimeError(
+                    f"multi-turn: the engine returned {reason!r} for turn {request_id} "
+                    f"({len(prompts[row])} tokens so far, {budget} new at most)"
+                )
             logprobs = None
             if batch.rollout_log_probs is not None:
                 logprobs = batch.rollout_log_probs[row, : len(tokens)].tolist()
-            reason = batch.finish_reasons[row]
-            if len(tokens) > budget:  # the wave ran to a longer turn's budget
-                tokens, reason = tokens[:budget], "length"
-                logprobs = None if logprobs is None else logprobs[:budget]
             turns.append(Turn(request_id, tokens, logprobs, reason))
+        self.calls += 1
         return turns
 
 
@@ -112,6 +125,7 @@ def generate_in_waves(
         if channel.size > 1:
             channel.send(("error", f"{type(exc).__name__}: {exc}".splitlines()[0]))
         raise
-    metrics["multi_turn/generate_calls"] = float(waves.waves)
+    metrics["multi_turn/waves"] = float(waves.waves)
+    metrics["multi_turn/generate_calls"] = float(waves.calls)
     channel.send(("done", (trajectories, metrics)))
     return trajectories, metrics

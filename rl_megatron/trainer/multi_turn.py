@@ -47,7 +47,8 @@ def build_session(config: Config, tokenizer, log: logging.Logger) -> MultiTurnSe
     if env.function is None:
         return None
     factory = load_environment(env.function)
-    chat = getattr(tokenizer, "tokenizer", tokenizer)  # PromptTokenizer wraps the HF one
+    # PromptTokenizer wraps the HF one; the synthetic tasks' tokenizer has a template aside.
+    chat = getattr(tokenizer, "chat_tokenizer", None) or getattr(tokenizer, "tokenizer", tokenizer)
     tools = getattr(factory, "tools", None)
     try:
         increments = ChatIncrements(chat, tools=tools)

@@ -58,7 +58,9 @@ class RewardScorer:
         # The replica's ranks (TP × PP) agree on rewards through its first rank.
         self.replica_group = replica_group
         self.replica_src = dist.get_process_group_ranks(replica_group)[0]
-        self.reward_fn = reward_fn_from_config(config) if config.reward.type == "rule" else None
+        # No rule (reward.function: null): a multi-turn run on the environment's reward.
+        rule = config.reward.type == "rule" and config.reward.function is not None
+        self.reward_fn = reward_fn_from_config(config) if rule else None
         if self.reward_fn is not None and ":" in config.reward.function:
             # User code: time-limited, in a process of its own. The built-in rules are
             # ours, bounded and cheap; they stay in this process.
