@@ -1,0 +1,73 @@
+"""The multi-turn demo's task, chat template and environment (data.synthetic_task: key_lookup)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_megatron.data.synthetic import (
+    EOS_ID,
+    ROLE_IDS,
+    CharTokenizer,
+    key_value,
+    synthetic_dataset,
+)
+from rl_megatron.environments.key_lookup import KeyLookup
+from rl_megatron.environments.loader import load_environment
+from rl_megatron.rollout.trajectory import ChatIncrements
+
+
+def test_records_carry_the_key_and_its_hidden_value():
+    data = synthetic_dataset("key_lookup", 50, seed=3)
+    again = synthetic_dataset("key_lookup", 50, seed=3)
+    assert [data[i] for i in range(50)] == [again[i] for i in range(50)]
+    values = set()
+    for i in range(50):
+        r = data[i]
+        assert r["prompt"] == r["key"] and len(r["key"]) == 2 and r["key"].isalpha()
+        assert r["answer"] == key_value(r["key"]) and len(r["answer"]) == 1
+        values.add(r["answer"])
+    assert len(values) >= 5  # the value is not guessable from one constant
+
+
+def test_char_template_renders_as_increments():
+    tok = CharTokenizer()
+    chat = tok.chat_tokenizer
+    inc = ChatIncrements(chat)
+    assert inc.stop_token_ids == {EOS_ID} and inc.tail == []
+    u, a, t = ROLE_IDS["user"], ROLE_IDS["assistant"], ROLE_IDS["tool"]
+    assert inc.prompt([{"role": "user", "content": "kq"}]) == [u, *tok.encode("kq"), EOS_ID, a]
+    assert inc.increment([{"role": "tool", "content": "7"}]) == [t, *tok.encode("7"), EOS_ID, a]
+    # Prompt + sampled turn (its EOS kept) + increment == the whole conversation rendered.
+    messages = [{"role": "user", "content": "kq"}]
+    turn = tok.encode("?") + [EOS_ID]
+    ids = inc.prompt(messages) + turn + inc.tail + inc.increment([{"role": "tool", "content": "7"}])
+    full = messages + [
+        {"role": "assistant", "content": "?"},
+        {"role": "tool", "content": "7"},
+    ]
+    assert ids == chat.encode(chat.apply_chat_template(full, add_generation_prompt=True))
+    assert inc.turn_text(turn) == "?"
+    assert chat.decode([u, *tok.encode("ab"), EOS_ID]) == "<user>ab<eos>"
+    with pytest.raises(ValueError, match="no role 'system'"):
+        chat.apply_chat_template([{"role": "system", "content": "x"}])
+
+
+def test_the_value_comes_only_through_the_tool():
+    env = load_environment("key_lookup")()
+    assert isinstance(env, KeyLookup)
+    assert env.start({"prompt": "kq", "key": "kq", "answer": "7"}) == [
+        {"role": "user", "content": "kq"}
+    ]
+    guess = env.step("3")  # no tool call: the answer, scored as digit_echo scores it
+    assert guess.done and guess.reward == pytest.approx(0.2)
+    assert guess.metrics == {"tool_calls": 0.0, "answers_after_tool": 0.0}
+    env = KeyLookup()
+    env.start({"prompt": "kq", "answer": "7"})
+    call = env.step("a?")
+    assert not call.done and call.reward == 0.0
+    assert call.messages == [{"role": "tool", "content": "7"}]
+    assert call.metrics == {"tool_calls": 1.0}
+    answer = env.step("77")
+    assert answer.done and answer.reward == pytest.approx(1.0)
+    assert answer.metrics == {"tool_calls": 0.0, "answers_after_tool": 1.0}
+    assert env.step("x").reward == 0.0  # no digit, no credit
