@@ -48,6 +48,12 @@ def test_char_template_renders_as_increments():
     assert ids == chat.encode(chat.apply_chat_template(full, add_generation_prompt=True))
     assert inc.turn_text(turn) == "?"
     assert chat.decode([u, *tok.encode("ab"), EOS_ID]) == "<user>ab<eos>"
+    # Rollout records decode with the trainer's tokenizer: the markers read as their names
+    # there, and stay unknown characters where special tokens are skipped (rewards).
+    assert tok.decode([t, *tok.encode("7"), EOS_ID, a], skip_special_tokens=False) == (
+        "<tool>7<eos><assistant>"
+    )
+    assert tok.decode([t, *tok.encode("7"), EOS_ID]) == "\ufffd7"
     with pytest.raises(ValueError, match="no role 'system'"):
         chat.apply_chat_template([{"role": "system", "content": "x"}])
 
