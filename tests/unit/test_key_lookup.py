@@ -73,6 +73,10 @@ def test_the_value_comes_only_through_the_tool():
     assert not call.done and call.reward == 0.0
     assert call.messages == [{"role": "tool", "content": "7"}]
     assert call.metrics == {"tool_calls": 1.0}
+    partial = KeyLookup()
+    partial.start({"prompt": "kq", "answer": "7"})
+    partial.step("?")
+    assert partial.step("7a3").reward == pytest.approx((1.0 + 0.0 + 0.2) / 3)
     answer = env.step("77")
     assert answer.done and answer.reward == pytest.approx(1.0)
     assert answer.metrics == {"tool_calls": 0.0, "answers_after_tool": 1.0}
