@@ -105,6 +105,18 @@ def test_every_rank_returns_every_trajectory_in_record_order(run):
     # Several turns each, or the other checks would be weak.
     turns = [len(t["turns"]) for t in first]
     assert sum(turns) >= 2 * len(first), turns
+    # The metrics of every trajectory (with TP = 1, the two replicas' combined).
+    metrics = run[0]["metrics"]
+    assert run[1]["metrics"] == metrics
+    assert metrics["multi_turn/turns_mean"] == pytest.approx(sum(turns) / len(turns))
+    assert metrics["multi_turn/turns_max"] == max(turns)
+    lengths = [len(t["token_ids"]) for t in first]
+    assert metrics["multi_turn/length_max"] == max(lengths)
+    assert metrics["multi_turn/length_mean"] == pytest.approx(sum(lengths) / len(lengths))
+    reasons = [t["finish_reason"] for t in first]
+    for reason in ("max_turns", "turn_length", "context_length"):
+        assert metrics[f"multi_turn/finish_{reason}"] == reasons.count(reason)
+    assert metrics["env/at_1"] == pytest.approx(sum(t["metrics"].get("at_1", 0) for t in first))
 
 
 def test_a_slow_environment_holds_only_its_own_trajectory(run):
