@@ -8,7 +8,7 @@ at any of many other words (the stop ids passed to `ChatIncrements`), so a rando
 still ends turns cleanly and trajectories have several.
 
 Checks: (a) trajectories advance independently: one record's environment answers its
-first turn 2 s late, and every other trajectory has run all its turns before that answer
+first turn 3 s late, and every other trajectory has run all its turns before that answer
 (a lock-step rollout, where turn k + 1 waits for every turn k's observation, cannot);
 (b) each sampled token's log-prob matches `transformers` on the trajectory's tokens within
 the trainer's tolerance for vLLM (1e-3, tests/vllm/test_trainer_vllm.py); (c) each

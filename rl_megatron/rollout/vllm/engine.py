@@ -49,7 +49,8 @@ own shards of vLLM's parameters, through the begin / finish steps above; no rank
 holds a full HF tensor.
 
 Generation steps vLLM's in-process engine core directly (`core_loop.CoreLoop`), not
-`LLM.generate`, whose per-step output handling would run in this thread.
+`LLM.generate`, whose per-step output handling would run in this thread. Multi-turn
+rollouts (`generate_trajectories`) add each turn to it as it comes (`turns.py`).
 
 The model lives in the in-process worker:
 `llm.llm_engine.model_executor.driver_worker` (a `WorkerWrapperBase`) → `.worker` →
