@@ -203,3 +203,48 @@ def test_kv_cache_that_does_not_fit_is_one_line_naming_a_value_that_does(tmp_pat
     proc = launch(fits[1])
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert_quiet(proc)
+
+
+@pytest.mark.slow
+def test_multi_turn_with_vllm_at_tp2(tmp_path):
+    """Multi-turn rollouts through the trainer on vLLM at TP=2 (2 ranks): the first rank
+    drives the environments and its TP peer replays each engine step. The engine's
+    log-probs of the sampled tokens match the trainer's on the loss mask; the records'
+    observations are the tool messages the environment sent, out of the loss."""
+    overrides = ["parallel.tp=2", "rollout.tp=2", "trainer.val_interval=2"]
+    overrides += [
+        "data.synthetic_task=key_lookup",
+        "environment.function=tests/e2e/envs/echo_env.py:SeenEnv",
+        "reward.function=null",
+        "rollout.calculate_log_probs=true",
+        "rollout.multi_turn.max_turns=3",
+        "rollout.multi_turn.max_turn_tokens=16",
+        "rollout.max_response_length=48",
+        "trainer.dump_rollouts=true",
+    ]
+    from rl_megatron.data.synthetic import EOS_ID, ROLE_IDS, CharTokenizer
+
+    rows = run_trainer(tmp_path, nproc=2, steps=2, overrides=overrides)
+    tok = CharTokenizer()
+    observations = 0
+    for row in rows:
+        assert row["rollout/logprob_diff_max"] < 1e-3, row["rollout/logprob_diff_max"]
+        assert row["multi_turn/trajectories"] == 64 and row["multi_turn/turns_mean"] >= 1
+        assert row["actor/grad_norm"] > 0
+        path = tmp_path / "runs" / "tiny_cpu" / "rollouts" / f"step_{row['step']:08d}.jsonl"
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        for r in records:
+            assert r["token_ids"] == r["prompt_ids"] + r["response_ids"]
+            assert len(r["observations"]) == r["num_turns"] - 1
+            for k, obs in enumerate(r["observations"]):
+                ids = [
+                    ROLE_IDS["tool"],
+                    *tok.encode(f"seen {k + 1}"),
+                    EOS_ID,
+                    ROLE_IDS["assistant"],
+                ]
+                assert obs["text"] == tok.decode(ids, skip_special_tokens=False)
+            observations += len(r["observations"])
+            assert r["reward"] == pytest.approx(r["env_reward"])
+    assert observations > 0
+    assert "val/reward_mean" in rows[1]

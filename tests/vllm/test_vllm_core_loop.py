@@ -153,3 +153,40 @@ def test_refuses_an_engine_core_in_another_process_and_mismatched_params():
     loop, _ = make_loop(lambda reqs: [])
     with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
         loop.run([[1], [2]], [vllm.SamplingParams()])
+
+
+def test_requests_added_one_by_one_finish_step_by_step_under_their_keys():
+    """The incremental API: a request added between steps joins the running ones, each
+    step returns exactly the requests that finished in it, and abort ends the rest."""
+
+    def script(reqs):
+        a, b = (r.request_id for r in reqs)
+        yield [core_output(a, [5], logprobs=[-0.5]), core_output(b, [7], logprobs=[-0.25])]
+        yield [core_output(a, [6], logprobs=[-1.0], finish="stop")]
+        c = reqs[2].request_id  # added after the second step, while b still decodes
+        yield [core_output(b, [8], logprobs=[-2.0]), core_output(c, [9], logprobs=[-3.0])]
+        yield [core_output(c, [4], logprobs=[-4.0], finish="length")]
+
+    loop, core = make_loop(script)
+    params = vllm.SamplingParams(n=1, seed=3, max_tokens=2, logprobs=0)
+    loop.add("0-0", [1, 2], params)
+    loop.add("1-0", [3], params.clone())
+    assert loop.running == 2
+    assert loop.step() == []
+    ((key, sample),) = loop.step()
+    assert (key, sample.token_ids, sample.log_probs) == ("0-0", [5, 6], [-0.5, -1.0])
+    assert sample.finish_reason == "stop" and loop.running == 1
+    loop.add("0-1", [1, 2, 5, 6, 11], params)
+    assert loop.step() == []
+    ((key, sample),) = loop.step()
+    assert (key, sample.token_ids, sample.log_probs) == ("0-1", [9, 4], [-3.0, -4.0])
+    assert sample.finish_reason == "length"
+    assert [r.prompt_token_ids for r in core.requests] == [[1, 2], [3], [1, 2, 5, 6, 11]]
+    assert [r.request_id for r in core.requests] == ["rl-0-abcd", "rl-1-abcd", "rl-2-abcd"]
+    # "1-0" is still running: abort hands exactly it to the engine core, once.
+    loop.abort()
+    assert core.aborted == ["rl-1-abcd"] and loop.running == 0
+    loop.abort()
+    assert core.aborted == ["rl-1-abcd"]
+    with pytest.raises(ValueError, match="one sample per request.*n = 2"):
+        loop.add("x", [1], vllm.SamplingParams(n=2))

@@ -27,7 +27,7 @@ equal `LLM.generate`'s for the same requests and seeds (tests/vllm/test_vllm_eng
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from copy import copy
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,7 +64,9 @@ def in_process_client(llm: Any) -> Any:
 
 
 class CoreLoop:
-    """Runs batches of token-id prompts on one in-process `vllm.LLM`'s engine core."""
+    """Runs token-id prompts on one in-process `vllm.LLM`'s engine core: a batch at a time
+    (`run`), or request by request (`add`, then `step` until done: multi-turn rollouts add
+    a trajectory's next turn while the others still decode; rollout/vllm/turns.py)."""
 
     def __init__(self, llm: Any) -> None:
         from vllm.inputs.engine import tokens_input
@@ -74,6 +76,47 @@ class CoreLoop:
         self._tasks = self._engine.get_supported_tasks()
         self._tokens_input = tokens_input
         self._ids = itertools.count()
+        # Requests added and not yet finished: engine request id → (caller's key, sample).
+        self._live: dict[str, tuple[Hashable, CoreSample]] = {}
+
+    @property
+    def running(self) -> int:
+        """Requests added and not finished (nor aborted)."""
+        return len(self._live)
+
+    def add(self, key: Hashable, prompt: Sequence[int], params: Any) -> None:
+        """Add one request (`params.n` must be 1) under `key`; `step` returns it finished."""
+        if params.n != 1:
+            raise ValueError(
+                f"CoreLoop.add takes one sample per request (n = 1), got n = {params.n}"
+            )
+        self._add(prompt, params, [key])
+
+    def step(self) -> list[tuple[Hashable, CoreSample]]:
+        """One engine-core step (`get_output`): every running request's new tokens are
+        appended; returns the requests that finished in it, as (key, sample)."""
+        done = []
+        for out in self._client.get_output().outputs:
+            entry = self._live.get(out.request_id)
+            if entry is None:
+                continue  # a request of an earlier, aborted call
+            sample = entry[1]
+            sample.token_ids.extend(out.new_token_ids)
+            if sample.log_probs is not None and out.new_logprobs is not None:
+                # vLLM's sampler puts the sampled token's log-prob in column 0.
+                sample.log_probs.extend(out.new_logprobs.logprobs[:, 0].tolist())
+            if out.routed_experts is not None:
+                sample.routed_chunks.append(out.routed_experts)
+            if out.finished:
+                sample.finish_reason = str(out.finish_reason)
+                done.append(self._live.pop(out.request_id))
+        return done
+
+    def abort(self) -> None:
+        """Abort every request still running, so the engine is clean for the next call."""
+        unfinished, self._live = list(self._live), {}
+        if unfinished:
+            self._client.abort_requests(unfinished)
 
     def run(
         self, prompts: Sequence[Sequence[int]], params: Sequence[Any]
@@ -85,37 +128,23 @@ class CoreLoop:
         """
         if len(prompts) != len(params):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
-        samples: dict[str, CoreSample] = {}
         by_prompt: list[list[CoreSample]] = []
         try:
-            for prompt, prompt_params in zip(prompts, params):
-                by_prompt.append(self._add(prompt, prompt_params, samples))
-            running = set(samples)
-            while running:
-                for out in self._client.get_output().outputs:
-                    sample = samples.get(out.request_id)
-                    if sample is None:
-                        continue  # a request of an earlier, aborted call
-                    sample.token_ids.extend(out.new_token_ids)
-                    if sample.log_probs is not None and out.new_logprobs is not None:
-                        # vLLM's sampler puts the sampled token's log-prob in column 0.
-                        sample.log_probs.extend(out.new_logprobs.logprobs[:, 0].tolist())
-                    if out.routed_experts is not None:
-                        sample.routed_chunks.append(out.routed_experts)
-                    if out.finished:
-                        sample.finish_reason = str(out.finish_reason)
-                        running.discard(out.request_id)
+            for i, (prompt, prompt_params) in enumerate(zip(prompts, params)):
+                keys = [(i, j) for j in range(prompt_params.n)]
+                by_prompt.append(self._add(prompt, prompt_params, keys))
+            while self._live:
+                self.step()
         except BaseException:
-            unfinished = [rid for rid, s in samples.items() if s.finish_reason is None]
-            self._client.abort_requests(unfinished)
+            self.abort()
             raise
         return by_prompt
 
     def _add(
-        self, prompt: Sequence[int], params: Any, samples: dict[str, CoreSample]
+        self, prompt: Sequence[int], params: Any, keys: Sequence[Hashable]
     ) -> list[CoreSample]:
         """Add one prompt's n requests to the engine core (`LLMEngine.add_request`'s
-        fan-out); their samples, registered in `samples` under their request ids."""
+        fan-out), sample j under `keys[j]`; their samples."""
         request = self._engine.input_processor.process_inputs(
             f"rl-{next(self._ids)}",
             self._tokens_input(list(prompt)),
@@ -136,9 +165,9 @@ class CoreLoop:
                     child.sampling_params.seed = params.seed + j
                 children.append(child)
         out = []
-        for child in children:
+        for key, child in zip(keys, children, strict=True):
             sample = CoreSample(log_probs=[] if params.logprobs is not None else None)
-            samples[child.request_id] = sample
+            self._live[child.request_id] = (key, sample)
             out.append(sample)
             self._client.add_request(child)
         return out

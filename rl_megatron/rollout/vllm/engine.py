@@ -49,7 +49,8 @@ own shards of vLLM's parameters, through the begin / finish steps above; no rank
 holds a full HF tensor.
 
 Generation steps vLLM's in-process engine core directly (`core_loop.CoreLoop`), not
-`LLM.generate`, whose per-step output handling would run in this thread.
+`LLM.generate`, whose per-step output handling would run in this thread. Multi-turn
+rollouts (`generate_trajectories`) add each turn to it as it comes (`turns.py`).
 
 The model lives in the in-process worker:
 `llm.llm_engine.model_executor.driver_worker` (a `WorkerWrapperBase`) → `.worker` →
@@ -74,7 +75,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -103,6 +104,8 @@ if TYPE_CHECKING:
     from rl_megatron.parallel import ParallelLayout
     from rl_megatron.resharding.executor import SyncStats
     from rl_megatron.resharding.weight_sync import WeightSync
+    from rl_megatron.rollout.multi_turn import MultiTurnSession
+    from rl_megatron.rollout.trajectory import Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -469,6 +472,13 @@ class VllmEngine(RolloutEngine):
             self._gather_group, _ = dist.new_subgroups_by_enumeration(
                 [sorted(g) for g in groups], backend="gloo"
             )
+        # Multi-turn rollouts: the replica's first rank drives, its TP peers replay what it
+        # adds (rollout/vllm/turns.py), over gloo. Created here, collectively, by every rank.
+        self._replica_group: dist.ProcessGroup | None = None
+        if args.tp > 1:
+            self._replica_group, _ = dist.new_subgroups_by_enumeration(
+                [list(range(r, r + args.tp)) for r in range(0, world, args.tp)], backend="gloo"
+            )
         # How `sync_from` reshards a trainer's weights into this engine (`pair_with`).
         self.weight_sync: WeightSync | None = None
 
@@ -710,6 +720,59 @@ class VllmEngine(RolloutEngine):
                 self._routing[i] = [sample_routing(i, c) for c in samples]
         return out
 
+    def generate_trajectories(
+        self,
+        samples: Sequence[Mapping[str, Any]],
+        sampling: SamplingParams,
+        session: MultiTurnSession,
+        group: dist.ProcessGroup | None = None,
+    ) -> tuple[list[Trajectory], dict[str, float]]:
+        """Multi-turn rollouts, each turn taken as it comes (rollout/vllm/turns.py).
+
+        Each generation replica drives a contiguous share of the records (group index =
+        the record's index in `samples`); its first rank runs the environments and its TP
+        peers replay the engine steps. The replicas of the prompt group then gather the
+        trajectories, so every rank returns all `len(samples) * n` (record, then sample
+        order) and the metrics: counts and times summed over the replicas, maxima and
+        means combined. `group` is not needed: the engine's prompt groups (its
+        construction) say which ranks pass the same records.
+
+        vLLM's prefix caching stays on: a turn's prompt is the whole trajectory so far, and
+        its earlier blocks are still cached from the previous turn (prompt and sampled
+        tokens alike), so each turn prefills little more than the observation.
+        """
+        self._check_can_generate()
+        from rl_megatron.rollout.turn_channel import LeaderChannel
+        from rl_megatron.rollout.vllm.turns import drive_turns
+
+        layout = self.layout
+        mine = layout.share(len(samples))
+        leader = layout.rank - layout.rank % layout.tp
+        channel = LeaderChannel(self._replica_group, leader)
+        self._prefix_cache_dirty = True
+        local = drive_turns(
+            self._core_loop,
+            channel,
+            [samples[i] for i in mine],
+            list(mine),
+            sampling,
+            session,
+            first_trajectory=mine.start * sampling.n,
+            calculate_log_probs=self.calculate_log_probs,
+            eos_token_ids=self.eos_token_ids,
+        )
+        if layout.num_replicas == 1:
+            return local
+        parts: list[Any] = [None] * len(layout.group_ranks)
+        dist.all_gather_object(
+            parts, local if layout.is_replica_leader else None, group=self._gather_group
+        )
+        results = [p for p in parts if p is not None]  # replica order = record order
+        trajectories = [t for trajs, _ in results for t in trajs]
+        return trajectories, combine_turn_metrics(
+            [m for _, m in results], [len(trajs) for trajs, _ in results]
+        )
+
     def _routing_rows(
         self, results: dict[int, list], order: list[int], gathered: bool
     ) -> list[torch.Tensor]:
@@ -728,6 +791,23 @@ class VllmEngine(RolloutEngine):
         return [
             mine.get(i, [none] * len(results[i]))[j] for i in order for j in range(len(results[i]))
         ]
+
+
+def combine_turn_metrics(parts: list[dict[str, float]], counts: list[int]) -> dict[str, float]:
+    """The replicas' multi-turn metrics as one step's: `*_mean` weighted by each replica's
+    trajectories, `*_max` and the wall time (`timing_s/*`, concurrent) the largest, the
+    rest (counts, env time, env metrics, engine steps) summed."""
+    total = max(sum(counts), 1)
+    out: dict[str, float] = {}
+    for key in dict.fromkeys(k for m in parts for k in m):
+        values = [(m[key], c) for m, c in zip(parts, counts) if key in m]
+        if key.endswith("_mean"):
+            out[key] = sum(v * c for v, c in values) / total
+        elif key.endswith("_max") or key.startswith("timing_s/"):
+            out[key] = max(v for v, _ in values)
+        else:
+            out[key] = sum(v for v, _ in values)
+    return out
 
 
 def _start_llm(vllm: Any, kwargs: dict[str, Any], on_cpu: bool) -> Any:
