@@ -45,6 +45,7 @@ UNKNOWN = "\ufffd"  # decoded for ids the model may sample beyond the alphabet
 ROLE_IDS = {"user": len(ALPHABET) + 3, "assistant": len(ALPHABET) + 4, "tool": len(ALPHABET) + 5}
 _ROLE_CHARS = {"user": "\x02", "assistant": "\x03", "tool": "\x05"}
 _END_OF_TURN = "\x04"  # renders EOS: an assistant turn ends where the engine stops it
+_ROLE_NAMES = {i: f"<{r}>" for r, i in ROLE_IDS.items()}
 
 
 class CharTokenizer:
@@ -81,6 +82,11 @@ class CharTokenizer:
                     chars.append("<pad>" if i == PAD_ID else "<eos>")
                 continue
             k = int(i) - 2
+            if not skip_special_tokens and int(i) in _ROLE_NAMES:
+                # The chat template's markers, readable in rollout records; skipped, they
+                # stay UNKNOWN, so single-turn decoding and its rewards are unchanged.
+                chars.append(_ROLE_NAMES[int(i)])
+                continue
             chars.append(ALPHABET[k] if 0 <= k < len(ALPHABET) else UNKNOWN)
         return "".join(chars)
 
@@ -131,7 +137,6 @@ class CharChatTemplate:
     def __init__(self, tokenizer: CharTokenizer) -> None:
         self.base = tokenizer
         self._special = {c: ROLE_IDS[r] for r, c in _ROLE_CHARS.items()} | {_END_OF_TURN: EOS_ID}
-        self._names = {i: f"<{r}>" for r, i in ROLE_IDS.items()}
 
     eos_token_id = EOS_ID
 
@@ -165,8 +170,8 @@ class CharChatTemplate:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         text = []
         for i in ids:
-            if int(i) in self._names:
-                text.append("" if skip_special_tokens else self._names[int(i)])
+            if int(i) in _ROLE_NAMES:
+                text.append("" if skip_special_tokens else _ROLE_NAMES[int(i)])
             else:
                 text.append(self.base.decode([i], skip_special_tokens))
         return "".join(text)

@@ -81,6 +81,10 @@ def test_multi_turn_run_records_and_metrics(tmp_path):
                 with_observations += 1
             assert r["num_turns"] == turn == len(r["turns"])
             assert len(r["observations"]) == turn - 1
+            # Records are for reading: the template's markers decode as their names.
+            assert [o["text"] for o in r["observations"]] == [
+                f"<tool>seen {k}<eos><assistant>" for k in range(1, turn)
+            ]
             last_clean = ids[-1] == EOS_ID
             if r["finish_reason"] == "max_turns":
                 assert turn == max_turns and last_clean

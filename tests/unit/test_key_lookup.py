@@ -48,6 +48,12 @@ def test_char_template_renders_as_increments():
     assert ids == chat.encode(chat.apply_chat_template(full, add_generation_prompt=True))
     assert inc.turn_text(turn) == "?"
     assert chat.decode([u, *tok.encode("ab"), EOS_ID]) == "<user>ab<eos>"
+    # Rollout records decode with the trainer's tokenizer: the markers read as their names
+    # there, and stay unknown characters where special tokens are skipped (rewards).
+    assert tok.decode([t, *tok.encode("7"), EOS_ID, a], skip_special_tokens=False) == (
+        "<tool>7<eos><assistant>"
+    )
+    assert tok.decode([t, *tok.encode("7"), EOS_ID]) == "\ufffd7"
     with pytest.raises(ValueError, match="no role 'system'"):
         chat.apply_chat_template([{"role": "system", "content": "x"}])
 
@@ -67,6 +73,10 @@ def test_the_value_comes_only_through_the_tool():
     assert not call.done and call.reward == 0.0
     assert call.messages == [{"role": "tool", "content": "7"}]
     assert call.metrics == {"tool_calls": 1.0}
+    partial = KeyLookup()
+    partial.start({"prompt": "kq", "answer": "7"})
+    partial.step("?")
+    assert partial.step("7a3").reward == pytest.approx((1.0 + 0.0 + 0.2) / 3)
     answer = env.step("77")
     assert answer.done and answer.reward == pytest.approx(1.0)
     assert answer.metrics == {"tool_calls": 0.0, "answers_after_tool": 1.0}
