@@ -10,9 +10,9 @@ few dozen steps of a 4-layer model on two CPU cores.
 
 `data.synthetic_task: key_lookup` is the multi-turn demo (`yaml_configs/tiny_agent_cpu.yaml`,
 environment `key_lookup`): each prompt is a two-letter key whose value, one digit, is a
-hash of the key the model cannot see; a turn holding "?" calls the lookup tool, which
-answers with the value, and the next turn is the answer, scored as digit_echo scores it.
-Without the tool the value is a guess; with it, an echo of the observation.
+hash of the key the model cannot see; a lookup turn gets the value from the tool, and an
+answer citing it ("=") is right (`environments/key_lookup.py`). Without the tool the
+value is a guess.
 
 `CharTokenizer` maps one character to one token id. It has the methods of
 `data.tokenize.PromptTokenizer` that the trainer uses, so the rest of the pipeline (length

@@ -11,7 +11,7 @@ from rl_megatron.data.synthetic import (
     key_value,
     synthetic_dataset,
 )
-from rl_megatron.environments.key_lookup import KeyLookup
+from rl_megatron.environments.key_lookup import CLEAN_ANSWER_CREDIT, KeyLookup
 from rl_megatron.environments.loader import load_environment
 from rl_megatron.rollout.trajectory import ChatIncrements
 
@@ -64,20 +64,29 @@ def test_the_value_comes_only_through_the_tool():
     assert env.start({"prompt": "kq", "key": "kq", "answer": "7"}) == [
         {"role": "user", "content": "kq"}
     ]
-    guess = env.step("3")  # no tool call: the answer, scored as digit_echo scores it
-    assert guess.done and guess.reward == pytest.approx(0.2)
-    assert guess.metrics == {"tool_calls": 0.0, "answers_after_tool": 0.0}
+    guess = env.step("a3b7")  # a digit: a direct answer, its first digit (3, wrong)
+    assert guess.done and guess.reward == pytest.approx(CLEAN_ANSWER_CREDIT)
+    assert guess.metrics == {"tool_calls": 0.0, "answers_citing_tool": 0.0, "answers_right": 0.0}
+    lucky = KeyLookup()
+    lucky.start({"prompt": "kq", "answer": "7"})
+    assert lucky.step("7").reward == 1.0  # a right guess counts, one time in ten
+
+    blind = KeyLookup()
+    blind.start({"prompt": "kq", "answer": "7"})
+    cited = blind.step("=")  # cites a lookup that never happened: wrong
+    assert cited.done and cited.reward == pytest.approx(CLEAN_ANSWER_CREDIT)
+    assert cited.metrics["answers_citing_tool"] == 0.0
+
     env = KeyLookup()
     env.start({"prompt": "kq", "answer": "7"})
-    call = env.step("a?")
+    call = env.step("ab")  # neither digit nor "=": a lookup
     assert not call.done and call.reward == 0.0
     assert call.messages == [{"role": "tool", "content": "7"}]
     assert call.metrics == {"tool_calls": 1.0}
-    partial = KeyLookup()
-    partial.start({"prompt": "kq", "answer": "7"})
-    partial.step("?")
-    assert partial.step("7a3").reward == pytest.approx((1.0 + 0.0 + 0.2) / 3)
-    answer = env.step("77")
-    assert answer.done and answer.reward == pytest.approx(1.0)
-    assert answer.metrics == {"tool_calls": 0.0, "answers_after_tool": 1.0}
-    assert env.step("x").reward == 0.0  # no digit, no credit
+    answer = env.step("x=")
+    assert answer.done and answer.reward == 1.0
+    assert answer.metrics == {"tool_calls": 0.0, "answers_citing_tool": 1.0, "answers_right": 1.0}
+    other = KeyLookup()
+    other.start({"prompt": "zz", "answer": "2"})
+    other.step("?")
+    assert other.step("7").reward == pytest.approx(CLEAN_ANSWER_CREDIT)  # the tool said 2
