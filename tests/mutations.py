@@ -520,11 +520,18 @@ MUTATIONS = [
         "tests/vllm/test_vllm_engine.py::test_samples_are_those_of_vllms_own_generate",
     ),
     (
-        "vLLM core loop: an error aborts the finished requests too",
+        "vLLM core loop: abort keeps the aborted requests live (aborted again next time)",
         "rl_megatron/rollout/vllm/core_loop.py",
-        "if s.finish_reason is None]",
-        "]",
+        "unfinished, self._live = list(self._live), {}",
+        "unfinished = list(self._live)",
         "tests/vllm/test_vllm_core_loop.py",
+    ),
+    (
+        "vLLM core loop: a finished request stays live (aborted on an error)",
+        "rl_megatron/rollout/vllm/core_loop.py",
+        "done.append(self._live.pop(out.request_id))",
+        "done.append(self._live[out.request_id])",
+        "tests/vllm/test_vllm_core_loop.py::test_requests_added_one_by_one_finish_step_by_step_under_their_keys",
     ),
     (
         "vLLM core loop: a step's tokens replace the earlier ones",
