@@ -534,6 +534,20 @@ MUTATIONS = [
         "tests/vllm/test_vllm_core_loop.py::test_requests_added_one_by_one_finish_step_by_step_under_their_keys",
     ),
     (
+        "multi-turn waves: a turn's seed swaps its trajectory and turn",
+        "rl_megatron/rollout/turn_waves.py",
+        "seeds = [turn_seed(self.sampling.seed, t, k, self.max_turns) for t, k in ids]",
+        "seeds = [turn_seed(self.sampling.seed, k, t, self.max_turns) for t, k in ids]",
+        "tests/unit/test_turn_waves.py",
+    ),
+    (
+        "Megatron engine: per-prompt seeds ignored for the call's seed",
+        ENGINE,
+        "seeds = [sampling.prompt_seed(i) + j for i, j in chunk]",
+        "seeds = [(sampling.seed or 0) + i * sampling.n + j for i, j in chunk]",
+        "tests/multirank/test_megatron_engine.py",
+    ),
+    (
         "vLLM core loop: a step's tokens replace the earlier ones",
         "rl_megatron/rollout/vllm/core_loop.py",
         "sample.token_ids.extend(out.new_token_ids)",

@@ -6,7 +6,8 @@ turn of the policy is one of:
   returned (reward 1 after a lookup; without one it cites nothing: a wrong answer);
 * a direct answer: a turn holding a digit answers with its first digit (reward 1 if it is
   the value: a guess is right one time in ten);
-* a lookup (anything else): the tool answers with the value, as a tool message.
+* a lookup (anything else): the tool answers with the value, as a tool message; after
+  one lookup, anything else is an empty answer (looking up again would teach nothing).
 An answer ends the trajectory; a wrong one still gets 0.1, an answer's credit for ending
 its turns cleanly (the engine's stop token), which a random model first has to learn.
 
@@ -41,6 +42,8 @@ class KeyLookup(Environment):
             answer = self.looked_up
         elif digits:
             answer = digits[0]
+        elif self.looked_up is not None:  # one lookup is enough: this is an empty answer
+            answer = None
         else:  # a lookup
             self.looked_up = self.value
             return Observation(

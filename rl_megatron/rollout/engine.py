@@ -223,6 +223,7 @@ class RolloutEngine(abc.ABC):
         if output_layout not in ("full", "replica"):
             raise ValueError(f"output_layout must be 'full' or 'replica', got {output_layout!r}")
         self._check_can_generate()
+        sampling.check_prompt_seeds(len(prompt_token_ids))
         batch = self._generate(prompt_token_ids, sampling, output_layout)
         batch.weight_version = self._weight_version
         return batch

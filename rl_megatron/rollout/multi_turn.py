@@ -55,6 +55,13 @@ class TurnGenerator(Protocol):
         """Turns finished since the last call, waiting at most `timeout_s` for the first."""
 
 
+def turn_seed(seed: int | None, trajectory: int, turn: int, max_turns: int) -> int | None:
+    """The seed of `trajectory`'s (index: record * n + sample) `turn`-th turn: a function of
+    these alone, so a turn draws the same tokens whatever is generated beside it. The
+    trainer spaces its calls' seeds by n * max_turns per record (`PPOTrainer._sampling`)."""
+    return None if seed is None else seed + trajectory * max_turns + turn
+
+
 @dataclass(frozen=True)
 class TurnBudget:
     """`rollout.multi_turn` and the context the config allows."""

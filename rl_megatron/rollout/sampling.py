@@ -40,6 +40,10 @@ class SamplingParams:
     # Per-request seed: prompt i's sample j uses seed + i*n + j, so results do not
     # depend on how prompts are split over generation replicas. None: engine's RNG.
     seed: int | None = None
+    # Per-prompt seeds instead (prompt i's sample j uses prompt_seeds[i] + j): multi-turn
+    # waves give each turn the seed of its trajectory and turn, whatever else is batched
+    # with it (rollout/turn_waves.py). Overrides `seed`.
+    prompt_seeds: tuple[int, ...] | None = None
     prompt_overflow: PromptOverflow = "reject"  # what to do with a too-long prompt
     max_prompt_len: int | None = None  # extra cap on prompt tokens; None: context only
 
@@ -47,6 +51,8 @@ class SamplingParams:
         # Lists are accepted for convenience; a tuple keeps the dataclass hashable.
         if self.stop_token_ids is not None and not isinstance(self.stop_token_ids, tuple):
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        if self.prompt_seeds is not None and not isinstance(self.prompt_seeds, tuple):
+            object.__setattr__(self, "prompt_seeds", tuple(self.prompt_seeds))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         checks = [
@@ -75,6 +81,21 @@ class SamplingParams:
             if not ok:
                 value = getattr(self, key.split(".", 1)[1])
                 raise ValueError(f"{key} {rule}; got {value!r}")
+
+    def prompt_seed(self, i: int) -> int | None:
+        """The seed of prompt i's first sample (sample j draws with it + j); None: the
+        engine's RNG."""
+        if self.prompt_seeds is not None:
+            return self.prompt_seeds[i]
+        return None if self.seed is None else self.seed + i * self.n
+
+    def check_prompt_seeds(self, num_prompts: int) -> None:
+        """Refuse `prompt_seeds` that do not give every prompt one seed."""
+        if self.prompt_seeds is not None and len(self.prompt_seeds) != num_prompts:
+            raise ValueError(
+                f"sampling.prompt_seeds holds {len(self.prompt_seeds)} seeds for "
+                f"{num_prompts} prompts"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -5,7 +5,9 @@ The default `RolloutEngine.generate_trajectories` (the Megatron engine's): the d
 (`multi_turn.run_trajectories`) runs on the group's first rank; whenever it asks for
 finished turns, every turn submitted since the last wave is generated in one batch
 (`n = 1`; one call per distinct turn budget in the wave, since a call's prompt limit is
-the context minus its budget). Trajectories whose environments are slow do not
+the context minus its budget). Each turn draws with its own seed (`turn_seed`: its
+trajectory's and turn's), so which turns share a wave, a matter of the environments'
+timing, does not change what is sampled. Trajectories whose environments are slow do not
 hold the others past the current wave, but a wave waits for its longest turn: the vLLM
 engine, which takes each turn as it comes, overrides this (`rollout/vllm/`).
 
@@ -22,7 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from rl_megatron.rollout.multi_turn import MultiTurnSession, Turn
+from rl_megatron.rollout.multi_turn import MultiTurnSession, Turn, turn_seed
 from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.rollout.trajectory import Trajectory
 from rl_megatron.rollout.turn_channel import LeaderChannel
@@ -52,12 +54,14 @@ def group_leader(group: dist.ProcessGroup | None) -> int:
 class _Waves:
     """The leader's `TurnGenerator`: queues submissions, generates them as one wave."""
 
-    def __init__(self, engine: Any, sampling: SamplingParams, channel: LeaderChannel) -> None:
+    def __init__(
+        self, engine: Any, sampling: SamplingParams, channel: LeaderChannel, max_turns: int
+    ) -> None:
         self.engine, self.sampling, self.channel = engine, sampling, channel
+        self.max_turns = max_turns
         self.pending: list[tuple[str, list[int], int]] = []
         self.waves = 0
         self.calls = 0  # generate calls: one per distinct turn budget in a wave
-        self._seed = sampling.seed  # advanced past every row of a wave: no seed repeats
 
     def submit(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
         self.pending.append((request_id, list(prompt_token_ids), int(max_tokens)))
@@ -76,9 +80,11 @@ class _Waves:
         return turns
 
     def _generate(self, requests: list[tuple[str, list[int], int]], budget: int) -> list[Turn]:
-        params = replace(self.sampling, max_new_tokens=budget, seed=self._seed)
-        if self._seed is not None:
-            self._seed += len(requests)
+        params = replace(self.sampling, max_new_tokens=budget)
+        if self.sampling.seed is not None:  # request "<trajectory>-<turn>"
+            ids = [tuple(int(x) for x in r.split("-")) for r, _, _ in requests]
+            seeds = [turn_seed(self.sampling.seed, t, k, self.max_turns) for t, k in ids]
+            params = replace(params, seed=None, prompt_seeds=tuple(seeds))
         prompts = [p for _, p, _ in requests]
         self.channel.send(("wave", prompts, params))
         batch = self.engine.generate(prompts, params, output_layout="full")
@@ -118,7 +124,7 @@ def generate_in_waves(
                 return message[1]
             else:
                 raise RuntimeError(f"multi-turn rollout failed on the leading rank: {message[1]}")
-    waves = _Waves(engine, params, channel)
+    waves = _Waves(engine, params, channel, session.budget.max_turns)
     try:
         trajectories, metrics = session.run(samples, sampling.n, waves)
     except BaseException as exc:

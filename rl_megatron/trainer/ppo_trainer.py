@@ -288,11 +288,15 @@ class PPOTrainer:
         eos = self.data.tokenizer.eos_token_id
         n = 1 if evaluation else r.n
         local = self.sampler.local_batch_size
-        # Seeds unique per (step, round, replica, prompt, sample) and a function of these
-        # only, so a resumed run draws exactly the samples the uninterrupted run drew.
+        # Seeds unique per (step, round, replica, prompt, sample[, turn]) and a function of
+        # these only, so a resumed run draws exactly the samples the uninterrupted run drew.
+        # A multi-turn trajectory draws one seed per turn (`turn_seed`).
         rounds = 1 + ds.max_extra_rounds if ds.enable and not evaluation else 1
         draw = step * rounds + round_index
-        seed = self.config.trainer.seed + (draw * self.dp_size + self.dp_rank) * local * r.n
+        per_sample = r.multi_turn.max_turns if self.session is not None else 1
+        seed = self.config.trainer.seed + (
+            (draw * self.dp_size + self.dp_rank) * local * r.n * per_sample
+        )
         return SamplingParams(
             temperature=r.val_temperature if evaluation else r.temperature,
             top_p=1.0 if evaluation else r.top_p,

@@ -148,6 +148,17 @@ def _cases(tp: int, ref: dict) -> None:
     split_lps = [lp for piece in pieces for lp in row_log_probs(piece)]
     for got, want in zip(split_lps, row_log_probs(batch), strict=True):
         assert (got - want).abs().max() < LOGPROB_TOL
+    # Per-prompt seeds (multi-turn waves): prompts in another order, each with the seed it
+    # had in the call above, are the same samples; a wrong count is refused.
+    order = [2, 0, 1]
+    reordered = small.generate(
+        [prompts[i] for i in order],
+        replace(sampled, seed=None, prompt_seeds=[sampled.prompt_seed(i) for i in order]),
+    )
+    by_prompt = {i: responses(batch)[3 * i : 3 * i + 3] for i in range(3)}
+    assert responses(reordered) == [r for i in order for r in by_prompt[i]]
+    with pytest.raises(ValueError, match="prompt_seeds holds 2 seeds for 3 prompts"):
+        small.generate(prompts[:3], replace(sampled, prompt_seeds=[1, 2]))
     mismatch = _logprob_gap(chunks, batch, info)
     assert mismatch["rollout/logprob_diff_max"] < LOGPROB_TOL, mismatch
 

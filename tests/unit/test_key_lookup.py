@@ -86,6 +86,11 @@ def test_the_value_comes_only_through_the_tool():
     answer = env.step("x=")
     assert answer.done and answer.reward == 1.0
     assert answer.metrics == {"tool_calls": 0.0, "answers_citing_tool": 1.0, "answers_right": 1.0}
+    again = KeyLookup()
+    again.start({"prompt": "kq", "answer": "7"})
+    again.step("ab")
+    empty = again.step("cd")  # a second lookup is an empty answer
+    assert empty.done and empty.reward == pytest.approx(CLEAN_ANSWER_CREDIT)
     other = KeyLookup()
     other.start({"prompt": "zz", "answer": "2"})
     other.step("?")

@@ -318,8 +318,8 @@ class MegatronEngine(RolloutEngine):
             chunk = chunks[k]
             prompts = [fitted.token_ids[i] for i, _ in chunk]
             seeds = None
-            if sampling.seed is not None:
-                seeds = [sampling.seed + i * sampling.n + j for i, j in chunk]
+            if sampling.prompt_seed(0) is not None:
+                seeds = [sampling.prompt_seed(i) + j for i, j in chunk]
             for key, sample in zip(chunk, self._decode(prompts, sampling, seeds)):
                 results[key] = sample
         return RolloutBatch.from_sequences(

@@ -705,7 +705,7 @@ class VllmEngine(RolloutEngine):
             to_vllm_sampling_params(
                 sampling,
                 stop_ids,
-                None if sampling.seed is None else sampling.seed + i * sampling.n,
+                sampling.prompt_seed(i),
                 calculate_log_probs=with_lp,
             )
             for i in todo

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from rl_megatron.rollout.multi_turn import MultiTurnSession, Turn
+from rl_megatron.rollout.multi_turn import MultiTurnSession, Turn, turn_seed
 from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.rollout.trajectory import Trajectory
 from rl_megatron.rollout.turn_channel import LeaderChannel
@@ -32,12 +32,7 @@ from rl_megatron.rollout.turn_waves import turn_sampling
 from rl_megatron.rollout.vllm.core_loop import CoreLoop
 from rl_megatron.rollout.vllm.io import convert_sample, to_vllm_sampling_params
 
-__all__ = ["CoreTurns", "drive_turns", "turn_seed"]
-
-
-def turn_seed(seed: int | None, trajectory: int, turn: int, max_turns: int) -> int | None:
-    """The seed of `trajectory`'s (global index: record * n + sample) `turn`-th turn."""
-    return None if seed is None else seed + trajectory * max_turns + turn
+__all__ = ["CoreTurns", "drive_turns"]
 
 
 class CoreTurns:
