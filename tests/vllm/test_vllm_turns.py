@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.rollout.multi_turn import turn_seed
+from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.rollout.vllm.turns import CoreTurns, follow_turns
 from tests.vllm.test_vllm_core_loop import core_output, make_loop
 
