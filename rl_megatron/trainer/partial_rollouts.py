@@ -157,6 +157,11 @@ class PartialRollouts:
         while sum(g.finished for g in self.groups) < need or (
             not counts["chunks"] and not all(g.finished for g in self.groups)
         ):
+            if counts["chunks"] > self.max_new_tokens:  # each chunk adds a token or ends
+                raise RuntimeError(
+                    f"partial rollouts: {self.max_new_tokens} chunks and still fewer than "
+                    f"{need} finished groups; the samples do not advance"
+                )
             self._generate_chunk(version, generate)
             counts["chunks"] += 1
         taken: list[InFlightGroup] = []
