@@ -113,6 +113,22 @@ class MultiTurnConfig:
 
 
 @dataclass
+class PartialRolloutConfig:
+    # trainer.mode: colocated_async. Off: every sample runs to its end in the phase that
+    # started it, one batch of records in flight (with rollout.max_staleness 0: exactly
+    # the synchronous loop's batches).
+    enable: bool = True
+    # Tokens a sample may generate per engine call; between calls the step checks whether
+    # it has its groups (all n samples of a record finished) and stops generating when it
+    # has. null: rollout.max_response_length / 4. Each call re-reads the sample's tokens
+    # so far as its prompt (prefix-cache hits on vLLM, under the same weights).
+    chunk_tokens: int | None = None
+    # Batches of records (data.train_batch_size each) in flight: the step trains on the
+    # first batch's worth of groups that finish; the others go on in the next phase.
+    in_flight_batches: int = 2
+
+
+@dataclass
 class RolloutConfig:
     engine: Literal["vllm", "megatron"] = "vllm"
     tp: int = 1  # generation tensor-parallel size t_g; must divide parallel.tp·parallel.pp
@@ -157,6 +173,12 @@ class RolloutConfig:
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
     val_temperature: float = 0.0  # 0 = greedy evaluation
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    # Asynchronous modes (trainer.mode): no token trained on at step s was sampled by a
+    # policy older than s - max_staleness. A sample that would be is restarted (its tokens
+    # dropped, its record kept) or its record's group dropped for the epoch (on_stale).
+    max_staleness: int = 1
+    on_stale: Literal["restart", "drop"] = "restart"
+    partial: PartialRolloutConfig = field(default_factory=PartialRolloutConfig)
 
 
 @dataclass
@@ -384,6 +406,11 @@ class DataConfig:
 class TrainerConfig:
     total_steps: int | None = None  # None = total_epochs over the data
     total_epochs: int = 1
+    # sync: generate a whole batch, train, sync (the default). colocated_async: partial
+    # rollouts on the same GPUs (rollout.partial, rollout.max_staleness). split_async:
+    # separate generation ranks (placement.rollout_ranks): not built yet, refused.
+    mode: Literal["sync", "colocated_async", "split_async"] = "sync"
+    total_epochs: int = 1
     seed: int = 1234
     deterministic: bool = False  # seeded + deterministic kernels: two runs match bit for bit
     output_dir: str = "runs"  # run folder = output_dir/experiment_name
@@ -519,6 +546,13 @@ def _resolve_defaults(config: Config) -> None:
         config.critic.enable = config.algorithm.adv_estimator == "gae"
     if config.reference.enable is None:
         config.reference.enable = config.algorithm.use_kl_in_reward or config.actor.use_kl_loss
+    correction = config.algorithm.rollout_correction
+    if config.trainer.mode != "sync" and correction.level is None:
+        # Stale tokens need the behaviour policy's log-probs: token-level truncated IS at
+        # rollout_correction.threshold (2) on top of decoupled PPO-clip (DESIGN.md §7).
+        correction.level = "token"
+    if config.rollout.partial.chunk_tokens is None:
+        config.rollout.partial.chunk_tokens = max(1, config.rollout.max_response_length // 4)
     if config.rollout.calculate_log_probs is None:
         # The behaviour policy's log-probs are what the correction's weights are made of.
         config.rollout.calculate_log_probs = config.algorithm.rollout_correction.level is not None

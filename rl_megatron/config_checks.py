@@ -59,6 +59,7 @@ def validate(config: Config, world_size: int) -> ParallelLayout:
     _check_optimizer_cpu_offload(config)
     _check_run(config.trainer, config.checkpoint, config.logging)
     _check_environment(config)
+    _check_async(config)
     return layout
 
 
@@ -543,3 +544,41 @@ def _check_environment(config: Config) -> None:
         "trajectories yet; use reward.type=rule (reward.function, or null for the "
         "environment's reward alone)",
     )
+
+
+def _check_async(config: Config) -> None:
+    """trainer.mode and what the asynchronous loop does not combine with yet."""
+    r, mode = config.rollout, config.trainer.mode
+    _require(r.max_staleness >= 0, "rollout.max_staleness", f"must be >= 0, got {r.max_staleness}")
+    _require(
+        r.partial.in_flight_batches >= 1,
+        "rollout.partial.in_flight_batches",
+        f"must be >= 1, got {r.partial.in_flight_batches}",
+    )
+    chunk = r.partial.chunk_tokens
+    _require(
+        chunk is None or 1 <= chunk <= r.max_response_length,
+        "rollout.partial.chunk_tokens",
+        f"{chunk} must be in [1, rollout.max_response_length={r.max_response_length}]",
+    )
+    if mode == "sync":
+        return
+    _require(
+        mode != "split_async",
+        "trainer.mode",
+        "split_async (separate generation ranks) is not built yet; use colocated_async or sync",
+    )
+    for ok, key, why in (
+        (
+            not config.algorithm.dynamic_sampling.enable,
+            "algorithm.dynamic_sampling.enable",
+            "its extra rounds",
+        ),
+        (config.environment.function is None, "environment.function", "multi-turn rollouts"),
+        (
+            config.parallel.ep == 1,
+            "parallel.ep",
+            "expert parallelism (its replicas generate in lockstep; partial phases differ)",
+        ),
+    ):
+        _require(ok, key, f"trainer.mode={mode} does not combine with {why} yet")

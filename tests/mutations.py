@@ -548,6 +548,28 @@ MUTATIONS = [
         "tests/multirank/test_megatron_engine.py",
     ),
     (
+        "partial rollouts: staleness judged by a sample's newest token, not its oldest",
+        "rl_megatron/trainer/partial_rollouts.py",
+        "stale = [s for s in group.samples if s.versions and s.versions[0] < oldest]",
+        "stale = [s for s in group.samples if s.versions and s.versions[-1] < oldest]",
+        "tests/unit/test_partial_rollouts.py",
+    ),
+    (
+        "partial rollouts: a continuation overwrites the log-probs sampled before",
+        "rl_megatron/trainer/partial_rollouts.py",
+        "sample.log_probs += batch.rollout_log_probs[row, : len(tokens)].tolist()",
+        "sample.log_probs = batch.rollout_log_probs[row, : len(tokens)].tolist()",
+        "tests/unit/test_partial_rollouts.py",
+    ),
+    (
+        "colocated_async: a drawn batch seeded as the next draw",
+        TRAINER,
+        "return indices, prompts, self._sampling(d).seed",
+        "return indices, prompts, self._sampling(d + 1).seed",
+        "tests/e2e/test_async_training.py::"
+        "test_staleness_zero_without_partial_rollouts_is_the_synchronous_loop",
+    ),
+    (
         "vLLM core loop: a step's tokens replace the earlier ones",
         "rl_megatron/rollout/vllm/core_loop.py",
         "sample.token_ids.extend(out.new_token_ids)",

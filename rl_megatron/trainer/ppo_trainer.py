@@ -19,6 +19,7 @@ import contextlib
 import functools
 import gc
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -42,6 +43,7 @@ from rl_megatron.trainer.build import Roles, TrainingData
 from rl_megatron.trainer.dynamic_sampling import Collected, Round, collect_groups
 from rl_megatron.trainer.hf_snapshots import HFSnapshots
 from rl_megatron.trainer.optimizer_step import NonFiniteUpdateError
+from rl_megatron.trainer.partial_rollouts import PartialRollouts, ReplicaStates, staleness_metrics
 from rl_megatron.trainer.reporting import batch_stats, console_line, throughput
 from rl_megatron.trainer.roles import MegatronRole
 from rl_megatron.trainer.rollout_records import RolloutRecords
@@ -50,6 +52,16 @@ from rl_megatron.utils.metrics import MetricsTracker, wandb_settings
 from rl_megatron.utils.timers import PhaseTimer, device_used_gb
 
 Batch = dict[str, torch.Tensor]
+
+
+# A colocated_async phase's counts summed over the replicas (the others: their mean).
+_ASYNC_SUMS = (
+    "async/restarted",
+    "async/dropped",
+    "async/draws",
+    "async/carried_groups",
+    "async/carried_partial_samples",
+)
 
 
 class PPOTrainer:
@@ -94,7 +106,31 @@ class PPOTrainer:
             head = "value" if role.value_head else "lm"
             sidecar = checkpointing.sidecar(config, info, head, run.layout)
             self.checkpoints.register_role(name, role, sidecar)
-        self.checkpoints.register("sampler", self.sampler)
+        # trainer.mode: colocated_async: groups in flight across steps (partial rollouts).
+        # Each replica then draws records at its own pace: its data position is its own,
+        # saved with its buffer.
+        self.partial = None
+        if config.trainer.mode == "colocated_async":
+            r = config.rollout
+            self.partial = PartialRollouts(
+                r.n,
+                r.max_response_length,
+                r.partial.chunk_tokens if r.partial.enable else r.max_response_length,
+                (r.partial.in_flight_batches - 1) * self.sampler.local_batch_size
+                if r.partial.enable
+                else 0,
+                r.max_staleness,
+                r.on_stale,
+                with_log_probs=self._engine_log_probs(),
+            )
+            self.checkpoints.register(
+                "async_rollouts",
+                ReplicaStates(
+                    {"sampler": self.sampler, "buffer": self.partial}, self.dp_rank, self.dp_group
+                ),
+            )
+        else:
+            self.checkpoints.register("sampler", self.sampler)
         self.checkpoints.register("kl_ctrl", self.kl_ctrl)
         # checkpoint.save_hf: the actor as an HF model folder beside every checkpoint.
         self.hf_snapshots = (
@@ -259,6 +295,12 @@ class PPOTrainer:
                 metrics["rollout/routing_mismatch_frac"] = routing_mismatch
         if self.session is not None:  # turns, tool calls, ... of the rows trained on
             metrics.update(mt.step_metrics(collected.per_row, self.dp_group))
+        if self.partial is not None:  # staleness of the tokens trained on, the phase's counts
+            versions = collected.per_row["async/token_versions"].to(mask.device)
+            metrics.update(staleness_metrics(versions, mask, self.step, self.dp_group))
+            phase = {**self._phase_metrics}
+            phase["async/partial_fraction"] = collected.per_row["async/partial"].mean().item()
+            metrics.update(ex.dp_mean(phase, self.dp_group, sums=_ASYNC_SUMS))
         metrics.update(correction_metrics, **collected.metrics)
         metrics.update(actor_metrics, **critic_metrics, **sync, **self.sampler.metrics())
         metrics.update(self.data.metrics())  # rollout/prompts_truncated: counted at load
@@ -327,7 +369,7 @@ class PPOTrainer:
             with self.phases.time("wake_kv_cache"):
                 self._wake_kv_cache("wake_kv_cache")
             collected = collect_groups(
-                self._rollout_round,
+                self._rollout_round if self.partial is None else self._partial_round,
                 self.sampler.local_batch_size,
                 self.config.rollout.n,
                 ds.enable,
@@ -353,8 +395,52 @@ class PPOTrainer:
         # Another round generates with these weights (no sync before it): keep them.
         self.engine.release_for_training(keep_weights=self.config.algorithm.dynamic_sampling.enable)
         self._record_device_used("engine_asleep")
+        samples = [indices[int(g)] for g in rollout.group_index]
+        return self._scored_round(rollout, samples, per_row, answers)
+
+    def _partial_round(self, round_index: int) -> Round:
+        """colocated_async: the step's groups from the partial-rollout buffer (finished in
+        this phase or waiting from an earlier one); the others stay in flight."""
+        local = self.sampler.local_batch_size
+
+        def draw(d: int) -> tuple[list[int], list[list[int]], int | None]:
+            indices = self.sampler.next_batch()  # the d-th local batch of this replica
+            prompts = [self.data.train.input_ids[i] for i in indices]
+            return indices, prompts, self._sampling(d).seed
+
+        def generate(prompts, max_new_tokens, seeds) -> RolloutBatch:
+            sampling = replace(
+                self._sampling(self.step),
+                n=1,
+                max_new_tokens=max_new_tokens,
+                seed=None,
+                prompt_seeds=None if seeds[0] is None else tuple(seeds),
+                # A continuation's prompt holds its tokens so far: the context bounds it.
+                max_prompt_len=None,
+                prompt_overflow="reject",
+            )
+            return self._generate(prompts, sampling)
+
+        with self.phases.time("generate"):
+            phase = self.partial.phase(self.step, local, draw, generate)
+        self.engine.release_for_training(keep_weights=False)
+        self._record_device_used("engine_asleep")
+        rollout, per_row, samples = PartialRollouts.to_rows(
+            phase.groups, self.engine.pad_token_id, self.engine.weight_version
+        )
+        self._phase_metrics = phase.metrics
+        return self._scored_round(rollout, samples, per_row, None)
+
+    def _scored_round(
+        self,
+        rollout: RolloutBatch,
+        samples: list[int],
+        per_row: dict[str, torch.Tensor],
+        answers: list[str] | None,
+    ) -> Round:
+        """A round's rows scored: the reward function's or model's scores (plus the
+        environment's with multi-turn) and DAPO's overlong shaping."""
         with self.phases.time("reward"):
-            samples = [indices[int(g)] for g in rollout.group_index]
             scores, m = self._score(
                 rollout, self.data.train.dataset, samples, answers, self.step + 1
             )

@@ -101,6 +101,11 @@ def records_of(
                 if name.startswith("mt/finish_") and value[i] > 0
             )
             record["env_reward"] = float(per_row["mt/env_reward"][i])
+        if per_row is not None and "async/token_versions" in per_row:
+            # colocated_async: the policy version that sampled each response token, and
+            # the data record (dataset index) the row answers.
+            record["token_versions"] = per_row["async/token_versions"][i][:rlen].tolist()
+            record["data_record"] = int(per_row["async/record"][i])
         out.append(record)
     return out
 

@@ -1,0 +1,55 @@
+"""trainer.mode and the asynchronous rollout keys: defaults, what they resolve to, and
+one-line refusals naming the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from rl_megatron.config import ConfigError, load_config
+from rl_megatron.config_checks import validate
+from tests.unit.test_multi_turn import ONE_RANK, TINY
+
+
+def test_sync_is_the_default_and_async_turns_the_correction_on():
+    config = load_config(TINY, ONE_RANK)
+    assert config.trainer.mode == "sync"
+    assert config.algorithm.rollout_correction.level is None
+    assert config.rollout.calculate_log_probs is False
+    assert config.rollout.partial.chunk_tokens == config.rollout.max_response_length // 4
+    config = load_config(TINY, ONE_RANK + ["trainer.mode=colocated_async"])
+    validate(config, world_size=1)
+    # Stale tokens need the behaviour policy's log-probs: token-level TIS at 2.
+    assert config.algorithm.rollout_correction.level == "token"
+    assert config.algorithm.rollout_correction.threshold == 2.0
+    assert config.rollout.calculate_log_probs is True
+    assert (config.rollout.max_staleness, config.rollout.on_stale) == (1, "restart")
+    # A correction the user names is kept.
+    config = load_config(
+        TINY,
+        ONE_RANK + ["trainer.mode=colocated_async", "algorithm.rollout_correction.level=sequence"],
+    )
+    assert config.algorithm.rollout_correction.level == "sequence"
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["rollout.max_staleness=-1"], "rollout.max_staleness: must be >= 0, got -1"),
+        (["rollout.partial.in_flight_batches=0"],
+         "rollout.partial.in_flight_batches: must be >= 1, got 0"),
+        (["rollout.partial.chunk_tokens=0"], "rollout.partial.chunk_tokens: 0 must be in [1, "),
+        (["trainer.mode=split_async"], "trainer.mode: split_async (separate generation ranks) "
+         "is not built yet"),
+        (["trainer.mode=colocated_async", "algorithm.dynamic_sampling.enable=true",
+          "rollout.n=4", "algorithm.adv_estimator=grpo"],
+         "algorithm.dynamic_sampling.enable: trainer.mode=colocated_async does not combine"),
+        (["trainer.mode=colocated_async", "environment.function=my_env.py:Lookup"],
+         "environment.function: trainer.mode=colocated_async does not combine with multi-turn"),
+        (["rollout.on_stale=skip"], "rollout.on_stale"),
+        (["trainer.mode=async"], "trainer.mode"),
+    ],
+)  # fmt: skip
+def test_async_config_checks_name_the_key(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(TINY, ONE_RANK + overrides), world_size=1)
+    assert str(info.value).startswith(expected) and "\n" not in str(info.value)
