@@ -146,7 +146,13 @@ class PartialRollouts:
             seed of its first sample (record i's sample j draws with seed + i·n + j);
         generate(prompts, max_new_tokens, seeds): one sample per prompt, each with its seed.
         """
-        counts = {"restarted": 0.0, "dropped": 0.0, "chunks": 0.0, "draws": 0.0}
+        counts = {
+            "restarted": 0.0,
+            "dropped": 0.0,
+            "chunks": 0.0,
+            "draws": 0.0,
+            "generated_tokens": 0.0,  # by this phase, whichever step trains them
+        }
         self._enforce_staleness(version, counts)
         while len(self.groups) < need + self.extra_groups:
             self._add_batch(*draw(self.draws))
@@ -162,7 +168,7 @@ class PartialRollouts:
                     f"partial rollouts: {self.max_new_tokens} chunks and still fewer than "
                     f"{need} finished groups; the samples do not advance"
                 )
-            self._generate_chunk(version, generate)
+            counts["generated_tokens"] += self._generate_chunk(version, generate)
             counts["chunks"] += 1
         taken: list[InFlightGroup] = []
         for group in list(self.groups):
@@ -206,7 +212,9 @@ class PartialRollouts:
         self,
         version: int,
         generate: Callable[[list[list[int]], int, list[int | None]], RolloutBatch],
-    ) -> None:
+    ) -> int:
+        """One chunk of every unfinished sample; returns the tokens it generated."""
+        generated = 0
         todo = [(g, s) for g in self.groups for s in g.samples if not s.finished]
         budgets: dict[int, list[tuple[InFlightGroup, InFlightSample]]] = {}
         for g, s in todo:
@@ -232,12 +240,14 @@ class PartialRollouts:
                         f"of {len(prompts[row])} tokens ({budget} new at most)"
                     )
                 sample.tokens += tokens
+                generated += len(tokens)
                 sample.versions += [int(sampled_by)] * len(tokens)
                 if sample.log_probs is not None:
                     sample.log_probs += batch.rollout_log_probs[row, : len(tokens)].tolist()
                 cut = reason == "length" and len(sample.tokens) < self.max_new_tokens
                 if not cut:
                     sample.finish_reason = reason
+        return generated
 
     # ------------------------------------------------------------ rows for a step
 

@@ -61,6 +61,7 @@ _ASYNC_SUMS = (
     "async/draws",
     "async/carried_groups",
     "async/carried_partial_samples",
+    "async/generated_tokens",
 )
 
 
@@ -307,6 +308,9 @@ class PPOTrainer:
         metrics["actor/kl_coef"] = self.kl_ctrl.value
         metrics.update(self.phases.pop())
         metrics.update(throughput(metrics, self.info, self.config.actor.ppo_epochs))
+        if self.partial is not None:  # what generation did, apart from what was trained
+            generate_s = max(metrics.get("timing_s/generate", 0.0), 1e-9)
+            metrics["async/generate_tokens_per_s"] = metrics["async/generated_tokens"] / generate_s
         return metrics
 
     def _collect_garbage(self) -> None:

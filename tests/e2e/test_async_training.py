@@ -62,6 +62,9 @@ def test_staleness_zero_without_partial_rollouts_is_the_synchronous_loop(tmp_pat
         ):
             assert b[key] == a[key], f"step {a['step']} {key}: async {b[key]} vs sync {a[key]}"
         assert b["async/staleness_max"] == 0.0 and b["async/partial_fraction"] == 0.0
+        # Every token generated was trained: the response tokens of the step's rows.
+        trained = a["rollout/num_samples"] * a["rollout/response_length_mean"]
+        assert b["async/generated_tokens"] == pytest.approx(trained)
     final = "tiny_cpu/checkpoints/step_00000002/actor"
     files = sorted(p.name for p in (tmp_path / "sync" / final).glob("*.distcp"))
     assert len(files) == 4

@@ -124,6 +124,8 @@ def test_staleness_zero_without_partial_is_one_batch_to_its_end_with_the_sync_se
     assert engine.calls == [(LOCAL * N, MAX_NEW, [100 + k for k in range(LOCAL * N)])]
     assert [g.record for g in phase.groups] == [0, 1, 2, 3]
     assert phase.metrics["async/chunks"] == 1.0
+    generated = sum(len(s.tokens) for g in phase.groups for s in g.samples)
+    assert phase.metrics["async/generated_tokens"] == generated > 0
 
 
 def test_restart_and_drop_act_on_what_exceeds_the_bound():
