@@ -562,6 +562,13 @@ MUTATIONS = [
         "tests/unit/test_partial_rollouts.py",
     ),
     (
+        "partial rollouts: a continuation forgets the tokens sampled so far",
+        "rl_megatron/trainer/partial_rollouts.py",
+        "prompts = [g.prompt + s.tokens for g, s in requests]",
+        "prompts = [g.prompt for g, s in requests]",
+        "tests/vllm/test_trainer_vllm.py::test_partial_rollouts_continue_exactly_on_vllm",
+    ),
+    (
         "colocated_async: a drawn batch seeded as the next draw",
         TRAINER,
         "return indices, prompts, self._sampling(d).seed",

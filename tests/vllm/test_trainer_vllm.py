@@ -248,3 +248,28 @@ def test_multi_turn_with_vllm_at_tp2(tmp_path):
             assert r["reward"] == pytest.approx(r["env_reward"])
     assert observations > 0
     assert "val/reward_mean" in rows[1]
+
+
+@pytest.mark.slow
+def test_partial_rollouts_continue_exactly_on_vllm(tmp_path):
+    """trainer.mode=colocated_async on vLLM (TP=2), chunks of 2 tokens: every response is
+    generated in up to 4 calls, each re-reading the tokens so far as its prompt (prefix
+    cache hits under the same weights). With max_staleness 0 nothing older than the step's
+    weights is trained (samples left unfinished restart), so vLLM's log-probs of every
+    token, continuation or not, must match the actor's recomputation as closely as a
+    single call's do."""
+    overrides = ["parallel.tp=2", "rollout.tp=2", "trainer.val_interval=0"]
+    overrides += [
+        "trainer.mode=colocated_async",
+        "rollout.max_staleness=0",
+        "rollout.partial.chunk_tokens=2",
+        "rollout.partial.in_flight_batches=2",
+    ]
+    rows = run_trainer(tmp_path, nproc=2, steps=3, overrides=overrides)
+    for row in rows:
+        assert row["rollout/logprob_diff_max"] < 1e-3, row["rollout/logprob_diff_max"]
+        assert row["async/staleness_max"] == 0.0
+        assert row["async/chunks"] >= 2, row["async/chunks"]
+        assert row["rollout/num_samples"] == 64
+    # The second batch in flight started in each phase and restarted in the next.
+    assert sum(row["async/restarted"] for row in rows[1:]) > 0
