@@ -128,7 +128,10 @@ def _account(run: Path, step: int) -> dict[str, int]:
         status: dict[tuple[int, int], str] = {}
         for group in state["buffer"]["groups"]:
             d, i = divmod(group["order"], LOCAL)  # orders count the groups drawn
-            assert d < draws and slots[d][i][1] == group["record"], (step, replica, group)
+            assert d < draws and slots[d][i][1] == group["record"], (
+                f"step {step} replica {replica}: record {group['record']} in flight as the "
+                f"{i}-th of local batch {d} ({draws} drawn), which holds {slots[d][i][1]}"
+            )
             finished = all(s["finish_reason"] is not None for s in group["samples"])
             started = any(s["tokens"] for s in group["samples"])
             assert (d, i) not in status
