@@ -196,8 +196,10 @@ def _start(run: Path, log: Path) -> subprocess.Popen:
         )
 
 
-def _kill_when(proc: subprocess.Popen, moment, what: str, timeout: float = 300) -> None:
-    """SIGKILL the run's whole process group as soon as `moment()` is true."""
+def _kill_when(
+    proc: subprocess.Popen, moment, what: str, delay: float, timeout: float = 300
+) -> None:
+    """SIGKILL the run's whole process group `delay` seconds after `moment()` is true."""
     deadline = time.monotonic() + timeout
     try:
         while not moment():
@@ -206,6 +208,7 @@ def _kill_when(proc: subprocess.Popen, moment, what: str, timeout: float = 300) 
             if time.monotonic() > deadline:
                 raise AssertionError(f"no {what} within {timeout} s")
             time.sleep(0.005)
+        time.sleep(delay)
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -222,24 +225,23 @@ def test_kills_during_save_generation_and_update_resume_the_same_rows(straight, 
     run, checkpoints = tmp_path / "killed", tmp_path / "killed" / "tiny_cpu" / "checkpoints"
     records = run / "tiny_cpu" / "rollouts"
     want = _rows(straight)
+    # Step 5 starts with its generation (the Megatron engine's weight sync is a version
+    # stamp): a third of the way into the uninterrupted run's is well inside it.
+    generating = 0.3 * _metrics(straight / "tiny_cpu")[4]["timing_s/generate"]
     moments = [
-        # (what, when to kill, the checkpoint the next attempt resumes from)
-        ("the save of step 4", lambda: any(checkpoints.glob("step_00000004.tmp-*")), None),
-        ("step 4's record (then step 5 generates)", lambda: _last_step(run) == 4, 2),
-        (
-            "step 7's rollout records (then its update)",
-            lambda: (records / "step_00000007.jsonl").exists(),
-            4,
-        ),
-        ("the end", None, 6),
+        # (what, when to kill, how long after, the checkpoint the attempt resumes from)
+        ("the save of step 4", lambda: any(checkpoints.glob("step_00000004.tmp-*")), 0, None),
+        ("step 4's record", lambda: _last_step(run) == 4, generating, 2),
+        ("step 7's rollout records", lambda: (records / "step_00000007.jsonl").exists(), 0, 4),
+        ("the end", None, 0, 6),
     ]
-    for attempt, (what, moment, resumes_from) in enumerate(moments):
+    for attempt, (what, moment, delay, resumes_from) in enumerate(moments):
         log = tmp_path / f"attempt_{attempt}.log"
         proc = _start(run, log)
         if moment is None:
             assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
         else:
-            _kill_when(proc, moment, what)
+            _kill_when(proc, moment, what, delay)
         out = log.read_text()
         if resumes_from is None:
             assert "resumed from" not in out
