@@ -16,8 +16,16 @@ while epoch 1 is being drawn), a checkpoint every 2 steps, 8 steps.
   resume takes step 2's checkpoint), during the generation of step 5 (after step 4's
   checkpoint, at the epoch boundary) and during the update of step 7 (its rollout records
   written). Every step each attempt trained after its resume has the uninterrupted run's
-  rows (replica, record, tokens, versions); the final state is the same, and the counting
-  above holds over the resumed run too.
+  rows (replica, record, tokens, versions); the final buffer holds the same records and
+  tokens (log-probs to 1e-5, see the test), and the counting above holds over the resumed
+  run too.
+
+Broken on purpose once, each fails: a load that drops the buffer's groups (rows differ at
+the first step after a resume; the counting finds 16 records per replica drawn and never
+trained, a third of the epoch, the peers' bug), a replica loading replica 0's state, a
+data cursor rewound to the records trained (the counting refuses checkpoint 4's position
+at once; rows differ from step 5), a group trained twice or a record lost per draw in a
+straight run (the counting test).
 """
 
 from __future__ import annotations
