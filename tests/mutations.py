@@ -548,6 +548,27 @@ MUTATIONS = [
         "tests/multirank/test_megatron_engine.py",
     ),
     (
+        "Megatron engine: a row capped by prompt_max_new_tokens stops one token late",
+        ENGINE,
+        "done |= length >= row_caps",
+        "done |= length > row_caps",
+        "tests/multirank/test_megatron_engine.py",
+    ),
+    (
+        "vLLM engine: prompt_max_new_tokens ignored (every request gets max_new_tokens)",
+        "rl_megatron/rollout/vllm/engine.py",
+        "max_tokens=sampling.prompt_max_new(i),",
+        "max_tokens=sampling.max_new_tokens,",
+        "tests/vllm/test_vllm_engine.py::test_prompt_caps_cut_the_seeded_samples",
+    ),
+    (
+        "sampling: a prompt's cap is not bounded by max_new_tokens",
+        "rl_megatron/rollout/sampling.py",
+        "return min(self.max_new_tokens, self.prompt_max_new_tokens[i])",
+        "return self.prompt_max_new_tokens[i]",
+        "tests/unit/test_rollout_sampling.py",
+    ),
+    (
         "partial rollouts: staleness judged by a sample's newest token, not its oldest",
         "rl_megatron/trainer/partial_rollouts.py",
         "stale = [s for s in group.samples if s.versions and s.versions[0] < oldest]",
