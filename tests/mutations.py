@@ -14,7 +14,8 @@ issue 22's (log-probs from the hidden states, context parallelism), the Megatron
 engine's routing record (routing replay), issue 21's engine sleep levels, batch
 padding and vLLM core loop, and issue 36's edges (non-finite values other than NaN, the
 dual clip engaged, routing replay's gate weights and sequence parallelism, dynamic
-sampling across replicas, the restricted unpickler).
+sampling across replicas, the restricted unpickler), and issue 39's per-prompt caps on
+new tokens in both engines.
 """
 
 from __future__ import annotations
