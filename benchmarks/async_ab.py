@@ -20,6 +20,14 @@ many steps when the asynchronous side resumes, so that `rollout.max_staleness` r
 what it would restart in the continuous run, not everything (their log-probs are the
 older policy's: this measures speed, which random weights at a 1e-6 learning rate do not
 change). The first `--warmup-rounds` fill the buffer (the asynchronous run's start-up).
+Both sides draw records from the trainer's one data stream.
+
+Staleness and the tail: a sample needs L / `rollout.partial.chunk_tokens` chunks (4 by
+default) and must finish within `rollout.max_staleness` + 1 phases, while a phase runs
+one chunk whenever the short groups fill the step; at `max_staleness: 1` the long samples
+are then restarted over and over and the asynchronous side trains a shorter mix than the
+sampler gives. The summary says so per side (`trained_response_length_mean`,
+`trained_at_max_length_fraction`, `restarted_samples`); `max_staleness=3` lets them finish.
 
 What is counted, the same on both sides: the tokens of the rows a step *trains on*
 (`rollout/num_samples` x (prompt + response mean length): the rows of the groups the
@@ -54,7 +62,7 @@ GPU (one H200; `gpu/whole_step.sh` step `async_ab_1.5b`):
 CPU smoke test (the mechanics, not the target; tiny model, 4 ranks TP 2 x DP 2):
 
     .venv/bin/python -m rl_megatron.launcher --standalone --nproc_per_node 4 \
-        benchmarks/async_ab.py --config yaml_configs/tiny_cpu.yaml --rounds 2 \
+        benchmarks/async_ab.py --config yaml_configs/tiny_cpu.yaml --rounds 4 \
         rollout.max_response_length=32
 
 Writes one JSON object (rank 0) to `--out-json` after every round (default
