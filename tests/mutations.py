@@ -14,7 +14,8 @@ issue 22's (log-probs from the hidden states, context parallelism), the Megatron
 engine's routing record (routing replay), issue 21's engine sleep levels, batch
 padding and vLLM core loop, and issue 36's edges (non-finite values other than NaN, the
 dual clip engaged, routing replay's gate weights and sequence parallelism, dynamic
-sampling across replicas, the restricted unpickler).
+sampling across replicas, the restricted unpickler), and issue 39's per-prompt caps on
+new tokens in both engines.
 """
 
 from __future__ import annotations
@@ -546,6 +547,27 @@ MUTATIONS = [
         "seeds = [sampling.prompt_seed(i) + j for i, j in chunk]",
         "seeds = [(sampling.seed or 0) + i * sampling.n + j for i, j in chunk]",
         "tests/multirank/test_megatron_engine.py",
+    ),
+    (
+        "Megatron engine: a row capped by prompt_max_new_tokens stops one token late",
+        ENGINE,
+        "done |= length >= row_caps",
+        "done |= length > row_caps",
+        "tests/multirank/test_megatron_engine.py",
+    ),
+    (
+        "vLLM engine: prompt_max_new_tokens ignored (every request gets max_new_tokens)",
+        "rl_megatron/rollout/vllm/engine.py",
+        "max_tokens=sampling.prompt_max_new(i),",
+        "max_tokens=sampling.max_new_tokens,",
+        "tests/vllm/test_vllm_engine.py::test_prompt_caps_cut_the_seeded_samples",
+    ),
+    (
+        "sampling: a prompt's cap is not bounded by max_new_tokens",
+        "rl_megatron/rollout/sampling.py",
+        "return min(self.max_new_tokens, self.prompt_max_new_tokens[i])",
+        "return self.prompt_max_new_tokens[i]",
+        "tests/unit/test_rollout_sampling.py",
     ),
     (
         "partial rollouts: staleness judged by a sample's newest token, not its oldest",

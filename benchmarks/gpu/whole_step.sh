@@ -7,6 +7,7 @@
 #   STEPS="rollout_ab_085b" bash benchmarks/gpu/whole_step.sh
 #   STEPS="sync_ab_* e2e_1.5b*" bash benchmarks/gpu/whole_step.sh
 #   STEPS="e2e_8b" bash benchmarks/gpu/whole_step.sh  # alone: it needs most of a call
+#   STEPS="async_ab_1.5b" bash benchmarks/gpu/whole_step.sh  # alone too (issue 39)
 SUITE=whole_step
 source "$(dirname "$0")/common.sh"
 SHAPE_7B="--layers 32 --hidden 4096 --heads 32 --kv-heads 32 --ffn 11008 --vocab 32000"
@@ -168,6 +169,26 @@ step e2e_1.5b 420 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h
 step e2e_1.5b_l0 420 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_1.5b.yaml \
   --algorithms grpo --no-plain --warmup-steps 1 --steps 2 \
   --out-json "$RES/e2e_h200_1.5b_l0_$TAG.json" rollout.sleep_level=0
+# Issue 39: partial rollouts (trainer.mode: colocated_async) against the synchronous loop on
+# the same trainer, interleaved rounds of 2 steps each, response lengths from async_ab.py's
+# long-tailed sampler (70 % <= 128 tokens, 25 % 129-512, 5 % at 1 024: mean 176); target
+# >= 1.3x trained tokens/s per GPU, median and worst round. Time (an estimate, not
+# measured): e2e_h200_1.5b_run16.json's phases scaled to these lengths' tokens (45 %):
+# ~22 s a synchronous step (generate still runs to 1 024 tokens), ~17 s an asynchronous
+# one; (1 warm-up + 4) rounds x 78 s = 390 s, + ~90 s of imports and build (53 s
+# there) ~ 480 s.
+# Alone in a call (STEPS="async_ab_1.5b"). JSON written after every round.
+step async_ab_1.5b 560 $TR1 benchmarks/async_ab.py --config yaml_configs/bench_h200_e2e_1.5b.yaml \
+  --steps-per-round 2 --rounds 4 --warmup-rounds 1 --out-json "$RES/async_ab_h200_1.5b_$TAG.json"
+# The same with rollout.max_staleness=3: at the default 1, a 1 024-token sample (4 chunks
+# of 256) must finish within 2 phases, and a phase runs one chunk as long as the short
+# groups fill the step, so long samples are restarted again and again and the async side
+# trains a shorter mix (the CPU smoke run: none of its trained rows at the maximum; the
+# JSON's trained_at_max_length_fraction and restarted_samples). With 3, a long sample
+# finishes in 4 phases. Alone in a call too.
+step async_ab_1.5b_s3 560 $TR1 benchmarks/async_ab.py --config yaml_configs/bench_h200_e2e_1.5b.yaml \
+  --steps-per-round 2 --rounds 4 --warmup-rounds 1 \
+  --out-json "$RES/async_ab_h200_1.5b_s3_$TAG.json" rollout.max_staleness=3
 # The ~7-8B step of issue 21 on one GPU: Llama-3.1-8B's shape, 32 prompts x 8, 60 % of
 # the optimizer on the host, full recompute (memory and time arithmetic in the YAML's
 # header). Run it ALONE in one device call (STEPS="e2e_8b"): ~400-530 s estimated, against

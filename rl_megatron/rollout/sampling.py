@@ -1,7 +1,8 @@
 """Sampling parameters shared by every rollout engine, and the prompt-overflow policy.
 
 One `SamplingParams` describes a whole `generate` call: every prompt gets `n` responses
-drawn with the same temperature / top-p / top-k and at most `max_new_tokens` tokens each.
+drawn with the same temperature / top-p / top-k and at most `max_new_tokens` tokens each
+(or fewer, `prompt_max_new_tokens`: a cap per prompt).
 Engines translate it to their own knobs (`vllm_io.to_vllm_sampling_params`).
 Engines that sample themselves (the Megatron engine) use `sample_tokens`: batched,
 and with per-row seeds a pure function of (row seed, decode step, logits).
@@ -44,6 +45,10 @@ class SamplingParams:
     # waves give each turn the seed of its trajectory and turn, whatever else is batched
     # with it (rollout/turn_waves.py). Overrides `seed`.
     prompt_seeds: tuple[int, ...] | None = None
+    # Per-prompt caps on new tokens: prompt i's samples stop at min(max_new_tokens,
+    # prompt_max_new_tokens[i]) with finish reason "length" (a benchmark's length sampler,
+    # benchmarks/async_ab.py). None: max_new_tokens for every prompt.
+    prompt_max_new_tokens: tuple[int, ...] | None = None
     prompt_overflow: PromptOverflow = "reject"  # what to do with a too-long prompt
     max_prompt_len: int | None = None  # extra cap on prompt tokens; None: context only
 
@@ -53,6 +58,10 @@ class SamplingParams:
             object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         if self.prompt_seeds is not None and not isinstance(self.prompt_seeds, tuple):
             object.__setattr__(self, "prompt_seeds", tuple(self.prompt_seeds))
+        if self.prompt_max_new_tokens is not None and not isinstance(
+            self.prompt_max_new_tokens, tuple
+        ):
+            object.__setattr__(self, "prompt_max_new_tokens", tuple(self.prompt_max_new_tokens))
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
         checks = [
@@ -76,6 +85,12 @@ class SamplingParams:
                 "sampling.stop_token_ids",
                 "must hold non-negative token ids",
             ),
+            (
+                self.prompt_max_new_tokens is None
+                or all(c >= 1 for c in self.prompt_max_new_tokens),
+                "sampling.prompt_max_new_tokens",
+                "must hold caps >= 1",
+            ),
         ]
         for ok, key, rule in checks:
             if not ok:
@@ -90,12 +105,24 @@ class SamplingParams:
         return None if self.seed is None else self.seed + i * self.n
 
     def check_prompt_seeds(self, num_prompts: int) -> None:
-        """Refuse `prompt_seeds` that do not give every prompt one seed."""
+        """Refuse `prompt_seeds` or `prompt_max_new_tokens` that do not give every prompt
+        exactly one entry."""
         if self.prompt_seeds is not None and len(self.prompt_seeds) != num_prompts:
             raise ValueError(
                 f"sampling.prompt_seeds holds {len(self.prompt_seeds)} seeds for "
                 f"{num_prompts} prompts"
             )
+        caps = self.prompt_max_new_tokens
+        if caps is not None and len(caps) != num_prompts:
+            raise ValueError(
+                f"sampling.prompt_max_new_tokens holds {len(caps)} caps for {num_prompts} prompts"
+            )
+
+    def prompt_max_new(self, i: int) -> int:
+        """Most new tokens prompt i's samples may generate."""
+        if self.prompt_max_new_tokens is None:
+            return self.max_new_tokens
+        return min(self.max_new_tokens, self.prompt_max_new_tokens[i])
 
     @property
     def greedy(self) -> bool:

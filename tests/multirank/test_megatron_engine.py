@@ -159,6 +159,40 @@ def _cases(tp: int, ref: dict) -> None:
     assert responses(reordered) == [r for i in order for r in by_prompt[i]]
     with pytest.raises(ValueError, match="prompt_seeds holds 2 seeds for 3 prompts"):
         small.generate(prompts[:3], replace(sampled, prompt_seeds=[1, 2]))
+    # Per-prompt caps on new tokens (benchmarks/async_ab.py's length sampler): a capped row
+    # is the uncapped row's first tokens (same seeds, same log-probs within LOGPROB_TOL)
+    # and ends exactly at its cap with "length", while the other rows of its decode batch
+    # go on; a cap above max_new_tokens changes nothing.
+    free = replace(sampled, ignore_eos=True)
+    caps = [3, 20, 5]
+    capped = small.generate(prompts[:3], replace(free, prompt_max_new_tokens=caps))
+    uncapped = small.generate(prompts[:3], free)
+    cut = [min(caps[g], free.max_new_tokens) for g in capped.group_index.tolist()]
+    assert cut == [3] * 3 + [8] * 3 + [5] * 3
+    assert responses(capped) == [r[:n] for r, n in zip(responses(uncapped), cut)]
+    assert capped.response_lengths.tolist() == cut
+    assert capped.finish_reasons == ["length"] * 9
+    for got, want, n in zip(row_log_probs(capped), row_log_probs(uncapped), cut, strict=True):
+        assert (got - want[:n]).abs().max() < LOGPROB_TOL
+    # With a stop token: a row whose stop token is its cap-th token ends with "stop", one
+    # capped a token earlier with "length", one that never stops with "length" at its cap.
+    # Five prompts over max_batch_size 4: two decode batches, each with its own caps.
+    eos = ref["eos"]
+    ends = [i for i, e in enumerate(ref["eos_tokens"]) if e[-1] == eos]
+    caps = [7] * len(prompts)
+    for k, i in enumerate(ends):
+        caps[i] = max(1, len(ref["eos_tokens"][i]) - k % 2)
+    stopped = engine.generate(
+        prompts,
+        SamplingParams(
+            temperature=0, max_new_tokens=MAX_NEW, stop_token_ids=[eos], prompt_max_new_tokens=caps
+        ),
+    )
+    want = [e[:c] for e, c in zip(ref["eos_tokens"], caps)]
+    assert responses(stopped) == want
+    reasons = ["stop" if eos in w else "length" for w in want]
+    assert stopped.finish_reasons == reasons and {"stop", "length"} <= set(reasons)
+
     mismatch = _logprob_gap(chunks, batch, info)
     assert mismatch["rollout/logprob_diff_max"] < LOGPROB_TOL, mismatch
 

@@ -40,6 +40,7 @@ from rl_megatron.rollout.sampling import (
         ({"prompt_overflow": "drop"}, "sampling.prompt_overflow"),
         ({"max_prompt_len": 0}, "sampling.max_prompt_len"),
         ({"stop_token_ids": [3, -1]}, "sampling.stop_token_ids"),
+        ({"prompt_max_new_tokens": [4, 0]}, "sampling.prompt_max_new_tokens"),
     ],
 )
 def test_sampling_errors_name_the_key(kwargs, key):
@@ -56,6 +57,20 @@ def test_sampling_defaults_and_normalisation():
     assert sp.resolved_stop_token_ids([2]) == (5, 6)
     assert SamplingParams().resolved_stop_token_ids([2, 9]) == (2, 9)
     assert SamplingParams(ignore_eos=True, stop_token_ids=[5]).resolved_stop_token_ids([2]) == ()
+
+
+def test_prompt_max_new_tokens_cap_each_prompt_and_must_cover_every_prompt():
+    sp = SamplingParams(max_new_tokens=8, prompt_max_new_tokens=[3, 8, 20])
+    assert sp.prompt_max_new_tokens == (3, 8, 20)  # a tuple: still hashable
+    hash(sp)
+    # min(max_new_tokens, the prompt's cap): a cap above max_new_tokens changes nothing.
+    assert [sp.prompt_max_new(i) for i in range(3)] == [3, 8, 8]
+    assert SamplingParams(max_new_tokens=8).prompt_max_new(5) == 8
+    sp.check_prompt_seeds(3)
+    with pytest.raises(ValueError, match="prompt_max_new_tokens holds 3 caps for 2 prompts"):
+        sp.check_prompt_seeds(2)
+    with pytest.raises(ValueError, match="prompt_max_new_tokens holds 3 caps for 2 prompts"):
+        RecordingEngine().generate([[5], [6]], sp)  # every engine checks it
 
 
 def test_prompt_limit():

@@ -40,6 +40,7 @@ MAX_MODEL_LEN, BLOCK_SIZE, MAX_NEW = 128, 32, 12
 PROMPT_LENGTHS = (1, 5, 17, 45, 70)  # 45 and 70 fill 1 and 2 KV blocks: prefix-cached
 LONG_PROMPT_LEN = 130  # > MAX_MODEL_LEN - MAX_NEW = 116
 TEMPERATURE, LOGPROB_TOL, MIN_GAP = 0.7, 1e-4, 1e-4
+CAPS = (3, 20, 5)  # per-prompt caps on new tokens of the 8-token sampled case
 RUN_TIMEOUT_S = 480  # engine start-up is 5–15 s, far more on a loaded 2-core CI box
 
 
@@ -78,6 +79,7 @@ def ref(tmp_path_factory) -> dict:
         "max_new_tokens": MAX_NEW,
         "max_model_len": MAX_MODEL_LEN,
         "block_size": BLOCK_SIZE,
+        "caps": list(CAPS),
     }
     return {
         "root": root,
@@ -184,6 +186,22 @@ def test_n_samples_per_prompt(run, ref):
         # Per-request seeds: the same call samples the same tokens.
         assert responses(res["sampled_again"]) == responses(res["sampled"])
     assert run[0]["sampled"] == run[1]["sampled"]
+
+
+def test_prompt_caps_cut_the_seeded_samples(run):
+    """`prompt_max_new_tokens`: each prompt's samples are the uncapped ones' first
+    min(cap, max_new_tokens) tokens (the same seeds), ending there with "length"."""
+    for res in run:
+        capped, free = res["capped"]["rows"], res["uncapped"]["rows"]
+        cut = [min(CAPS[r["group"]], 8) for r in capped]
+        assert cut == [3] * 3 + [8] * 3 + [5] * 3
+        assert [r["group"] for r in capped] == [r["group"] for r in free]
+        assert [r["response"] for r in capped] == [r["response"][:n] for r, n in zip(free, cut)]
+        assert [len(r["response"]) for r in capped] == cut
+        assert all(r["finish"] == "length" for r in capped)
+        for a, b, n in zip(capped, free, cut):
+            assert max(abs(x - y) for x, y in zip(a["log_probs"], b["log_probs"][:n])) < LOGPROB_TOL
+    assert run[0]["capped"] == run[1]["capped"]
 
 
 def test_samples_are_those_of_vllms_own_generate(run):

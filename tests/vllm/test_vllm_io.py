@@ -29,6 +29,8 @@ def test_sampling_params_ask_for_log_probs_only_when_calculated():
     for name in ("n", "temperature", "top_p", "top_k", "max_tokens", "stop_token_ids", "seed"):
         assert getattr(off, name) == getattr(on, name), name
     assert (off.n, off.top_k, off.max_tokens, off.seed) == (3, 5, 9, 11)
+    # A prompt's own cap (prompt_max_new_tokens) becomes its request's max_tokens.
+    assert to_vllm_sampling_params(sampling, [2], seed=11, max_tokens=4).max_tokens == 4
 
 
 def test_convert_sample_with_and_without_log_probs():

@@ -16,6 +16,7 @@ import json
 import os
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,13 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     res["sampled"] = dump(sampled_batch)
     res["sampled_again"] = dump(engine.generate(prompts[:3], sampled))
     res["sampled_llm_generate"] = llm_generate_share(engine, prompts[:3], sampled)
+    # Per-prompt caps on new tokens (prompt_max_new_tokens, one vLLM max_tokens each): the
+    # seeded samples without EOS, then the same capped at 3 / 20 (above max_new_tokens) / 5.
+    free = replace(sampled, ignore_eos=True)
+    res["uncapped"] = dump(engine.generate(prompts[:3], free))
+    res["capped"] = dump(
+        engine.generate(prompts[:3], replace(free, prompt_max_new_tokens=spec["caps"]))
+    )
     # A prompt longer than the context: rejected, or truncated on the left.
     with_long = [prompts[0], spec["long_prompt"], prompts[1]]
     for policy in ("reject", "truncate_left"):

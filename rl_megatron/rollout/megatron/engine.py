@@ -55,7 +55,8 @@ then top-k, then top-p; the log-prob returned is that of the sampled token under
 filtered, renormalised distribution (under plain `log_softmax(logits)` when greedy).
 With a seed, row (i, j) draws one counter-based uniform per step from its own seed
 `seed + i·n + j` and inverts its CDF (`sampling.sample_tokens`), for all rows at once; its
-tokens therefore do not depend on which rows share its decode batch.
+tokens therefore do not depend on which rows share its decode batch, nor on a per-prompt
+cap (`prompt_max_new_tokens`: the row stops there, the batch decodes on for the others).
 """
 
 from __future__ import annotations
@@ -320,7 +321,10 @@ class MegatronEngine(RolloutEngine):
             seeds = None
             if sampling.prompt_seed(0) is not None:
                 seeds = [sampling.prompt_seed(i) + j for i, j in chunk]
-            for key, sample in zip(chunk, self._decode(prompts, sampling, seeds)):
+            caps = None
+            if sampling.prompt_max_new_tokens is not None:
+                caps = [sampling.prompt_max_new(i) for i, _ in chunk]
+            for key, sample in zip(chunk, self._decode(prompts, sampling, seeds, caps)):
                 results[key] = sample
         return RolloutBatch.from_sequences(
             prompts=[fitted.token_ids[i] for i, _ in rows],
@@ -335,14 +339,22 @@ class MegatronEngine(RolloutEngine):
 
     @torch.no_grad()
     def _decode(
-        self, prompts: list[list[int]], sampling: SamplingParams, seeds: list[int] | None
+        self,
+        prompts: list[list[int]],
+        sampling: SamplingParams,
+        seeds: list[int] | None,
+        caps: list[int] | None = None,
     ) -> list[Sample]:
         """Generate one response per prompt row (`len(prompts)` ≤ max_batch_size).
 
+        caps: per row, the most new tokens (≤ `sampling.max_new_tokens`); a row that reaches
+            its cap stops there (finish reason "length") while the others decode on. Its
+            tokens are the uncapped row's first ones: a row's draws depend on its seed and
+            step only. None: `max_new_tokens` for every row.
         The loop issues no host sync except one `done.all()` per step when there are stop
-        tokens (and, in an expert group, the agreement on whether to go on); results come
-        back to the host once, at the end. With `record_routing`, each row's routing too
-        (module docstring).
+        tokens or caps (and, in an expert group, the agreement on whether to go on); results
+        come back to the host once, at the end. With `record_routing`, each row's routing
+        too (module docstring).
         """
         device = self._device
         b, r = len(prompts), sampling.max_new_tokens
@@ -361,6 +373,7 @@ class MegatronEngine(RolloutEngine):
         tokens, keep = tokens.to(device), keep.to(device)
         prompt_len = keep.sum(1)
         row_seeds = seed_tensor(seeds, device) if seeds is not None else None
+        row_caps = None if caps is None else torch.tensor(caps, dtype=torch.int64, device=device)
         session = self._sessions.get(b, p, r, self.model)
         # Sequence-first routing of every forward, `[columns, b, L, k]`: the prompt block's
         # P columns, then one per decode step (step t forwards response token t).
@@ -385,6 +398,9 @@ class MegatronEngine(RolloutEngine):
                 length += (~done).long()
                 if stop_ids:
                     done |= torch.isin(tok, stop)
+                if row_caps is not None:
+                    done |= length >= row_caps
+                if stop_ids or row_caps is not None:
                     if step == r - 1 or bool(done.all()):  # the one host sync per step
                         break
                 elif step == r - 1:

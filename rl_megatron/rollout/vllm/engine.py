@@ -707,6 +707,7 @@ class VllmEngine(RolloutEngine):
                 stop_ids,
                 sampling.prompt_seed(i),
                 calculate_log_probs=with_lp,
+                max_tokens=sampling.prompt_max_new(i),
             )
             for i in todo
         ]

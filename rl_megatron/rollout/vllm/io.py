@@ -23,10 +23,13 @@ def to_vllm_sampling_params(
     seed: int | None,
     *,
     calculate_log_probs: bool = True,
+    max_tokens: int | None = None,
 ) -> Any:
     """One vLLM `SamplingParams` for a prompt (its n samples get seed, seed+1, …).
 
     calculate_log_probs: ask for each sampled token's log-prob (`rollout.calculate_log_probs`).
+    max_tokens: this prompt's cap on new tokens (`SamplingParams.prompt_max_new(i)`); None:
+        `sampling.max_new_tokens`.
     """
     import vllm
 
@@ -36,7 +39,7 @@ def to_vllm_sampling_params(
         top_p=1.0 if sampling.greedy else sampling.top_p,
         # -1 disables top-k on every supported version (0.26 rejects 0).
         top_k=-1 if sampling.greedy or sampling.top_k == 0 else sampling.top_k,
-        max_tokens=sampling.max_new_tokens,
+        max_tokens=sampling.max_new_tokens if max_tokens is None else max_tokens,
         stop_token_ids=list(stop_token_ids),
         # Our stop ids already hold the EOS when wanted; vLLM's own EOS (none without a
         # tokenizer) must not add another rule.
