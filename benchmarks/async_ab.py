@@ -22,12 +22,13 @@ older policy's: this measures speed, which random weights at a 1e-6 learning rat
 change). The first `--warmup-rounds` fill the buffer (the asynchronous run's start-up).
 Both sides draw records from the trainer's one data stream.
 
-Staleness and the tail: a sample needs L / `rollout.partial.chunk_tokens` chunks (4 by
-default) and must finish within `rollout.max_staleness` + 1 phases, while a phase runs
-one chunk whenever the short groups fill the step; at `max_staleness: 1` the long samples
-are then restarted over and over and the asynchronous side trains a shorter mix than the
-sampler gives. The summary says so per side (`trained_response_length_mean`,
-`trained_at_max_length_fraction`, `restarted_samples`); `max_staleness=3` lets them finish.
+Staleness and the tail: a sample needs L / `rollout.partial.chunk_tokens` chunks and must
+finish within `rollout.max_staleness` + 1 phases, while a phase runs one chunk whenever the
+short groups fill the step. The default chunk (L / (max_staleness + 1)) lets the longest
+sample finish in time; with smaller chunks (this benchmark's first runs had L / 4 at
+staleness 1) the long samples were restarted over and over and the asynchronous side
+trained a shorter mix than the sampler gives. The summary says so per side
+(`trained_response_length_mean`, `trained_at_max_length_fraction`, `restarted_samples`).
 
 What is counted, the same on both sides: the tokens of the rows a step *trains on*
 (`rollout/num_samples` x (prompt + response mean length): the rows of the groups the

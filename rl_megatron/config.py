@@ -120,8 +120,12 @@ class PartialRolloutConfig:
     enable: bool = True
     # Tokens a sample may generate per engine call; between calls the step checks whether
     # it has its groups (all n samples of a record finished) and stops generating when it
-    # has. null: rollout.max_response_length / 4. Each call re-reads the sample's tokens
-    # so far as its prompt (prefix-cache hits on vLLM, under the same weights).
+    # has. null: rollout.max_response_length / (rollout.max_staleness + 1), rounded up:
+    # every phase runs at least one chunk of every unfinished sample, so a sample of the
+    # longest length then finishes within the staleness bound; with smaller chunks the
+    # longest samples are restarted again and again and never trained (a warning says so).
+    # Each call re-reads the sample's tokens so far as its prompt (prefix-cache hits on
+    # vLLM, under the same weights).
     chunk_tokens: int | None = None
     # Batches of records (data.train_batch_size each) in flight: the step trains on the
     # first batch's worth of groups that finish; the others go on in the next phase.
@@ -552,7 +556,8 @@ def _resolve_defaults(config: Config) -> None:
         # rollout_correction.threshold (2) on top of decoupled PPO-clip (DESIGN.md §7).
         correction.level = "token"
     if config.rollout.partial.chunk_tokens is None:
-        config.rollout.partial.chunk_tokens = max(1, config.rollout.max_response_length // 4)
+        r = config.rollout
+        r.partial.chunk_tokens = -(-r.max_response_length // (max(r.max_staleness, 0) + 1))
     if config.rollout.calculate_log_probs is None:
         # The behaviour policy's log-probs are what the correction's weights are made of.
         config.rollout.calculate_log_probs = config.algorithm.rollout_correction.level is not None

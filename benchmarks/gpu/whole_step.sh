@@ -180,12 +180,10 @@ step e2e_1.5b_l0 420 $TR1 benchmarks/trainer_bench.py --config yaml_configs/benc
 # Alone in a call (STEPS="async_ab_1.5b"). JSON written after every round.
 step async_ab_1.5b 560 $TR1 benchmarks/async_ab.py --config yaml_configs/bench_h200_e2e_1.5b.yaml \
   --steps-per-round 2 --rounds 4 --warmup-rounds 1 --out-json "$RES/async_ab_h200_1.5b_$TAG.json"
-# The same with rollout.max_staleness=3: at the default 1, a 1 024-token sample (4 chunks
-# of 256) must finish within 2 phases, and a phase runs one chunk as long as the short
-# groups fill the step, so long samples are restarted again and again and the async side
-# trains a shorter mix (the CPU smoke run: none of its trained rows at the maximum; the
-# JSON's trained_at_max_length_fraction and restarted_samples). With 3, a long sample
-# finishes in 4 phases. Alone in a call too.
+# The same with rollout.max_staleness=3 (chunks of 256 by default: ceil(1 024 / 4)): more
+# tokens may be two or three versions old, the phases stop earlier. (With chunks of 256 at
+# staleness 1, an earlier default, long samples restarted for ever: the CPU smoke run
+# trained none at the maximum; the default chunk now lets them finish.) Alone in a call.
 step async_ab_1.5b_s3 560 $TR1 benchmarks/async_ab.py --config yaml_configs/bench_h200_e2e_1.5b.yaml \
   --steps-per-round 2 --rounds 4 --warmup-rounds 1 \
   --out-json "$RES/async_ab_h200_1.5b_s3_$TAG.json" rollout.max_staleness=3

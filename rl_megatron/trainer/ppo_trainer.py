@@ -113,6 +113,18 @@ class PPOTrainer:
         self.partial = None
         if config.trainer.mode == "colocated_async":
             r = config.rollout
+            reach = r.partial.chunk_tokens * (r.max_staleness + 1)
+            if r.partial.enable and r.on_stale == "restart" and reach < r.max_response_length:
+                logger.warning(
+                    "rollout.partial.chunk_tokens=%d x (rollout.max_staleness=%d + 1) = %d < "
+                    "rollout.max_response_length=%d: a sample longer than %d tokens cannot "
+                    "finish within the staleness bound; it restarts and is never trained",
+                    r.partial.chunk_tokens,
+                    r.max_staleness,
+                    reach,
+                    r.max_response_length,
+                    reach,
+                )
             self.partial = PartialRollouts(
                 r.n,
                 r.max_response_length,

@@ -15,7 +15,10 @@ def test_sync_is_the_default_and_async_turns_the_correction_on():
     assert config.trainer.mode == "sync"
     assert config.algorithm.rollout_correction.level is None
     assert config.rollout.calculate_log_probs is False
-    assert config.rollout.partial.chunk_tokens == config.rollout.max_response_length // 4
+    # Chunks long enough for the longest sample to finish within the bound: 8 / (1 + 1).
+    assert config.rollout.partial.chunk_tokens == 4
+    staleness_2 = load_config(TINY, ONE_RANK + ["rollout.max_staleness=2"])
+    assert staleness_2.rollout.partial.chunk_tokens == 3  # ceil(8 / 3)
     config = load_config(TINY, ONE_RANK + ["trainer.mode=colocated_async"])
     validate(config, world_size=1)
     # Stale tokens need the behaviour policy's log-probs: token-level TIS at 2.
