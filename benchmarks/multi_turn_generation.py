@@ -93,7 +93,7 @@ def main() -> None:
             ("--samples", dict(type=int, default=1, help="trajectories per record (n)")),
             ("--turns", dict(type=int, default=3)),
             ("--obs-len", dict(type=int, default=8, help="tokens of each tool message")),
-            ("--env-workers", dict(type=int, default=32)),
+            ("--env-workers", dict(type=int, default=0, help="0: one per trajectory")),
             ("--warmup", dict(type=int, default=1)),
         )
     )

@@ -380,7 +380,10 @@ class EnvironmentConfig:
     # Seconds one call (start, step, close) may take; its worker process is killed past
     # it and the trajectory ends ("environment_error"). Below half of parallel.timeout_s.
     timeout_s: float = 60.0
-    max_concurrent: int = 32  # environment worker processes per rank at most
+    # Environment worker processes per rank at most; 0: one per trajectory in flight. A
+    # worker holds one trajectory's environment from start to close, so a smaller cap
+    # also caps how many trajectories generate at once (the rest wait for a worker).
+    max_concurrent: int = 0
     # An observation's text (its messages together) is cut to this many characters.
     max_observation_chars: int = 16384
 

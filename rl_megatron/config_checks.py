@@ -526,7 +526,11 @@ def _check_environment(config: Config) -> None:
         f"{env.timeout_s:g} must be below half of parallel.timeout_s={parallel_limit} (the "
         "other ranks wait for this rank's rollout at most parallel.timeout_s)",
     )
-    _require(env.max_concurrent >= 1, "environment.max_concurrent", "must be >= 1")
+    _require(
+        env.max_concurrent >= 0,
+        "environment.max_concurrent",
+        "must be >= 0 (0: one worker per trajectory)",
+    )
     _require(env.max_observation_chars >= 1, "environment.max_observation_chars", "must be >= 1")
     mt, r = config.rollout.multi_turn, config.rollout
     _require(mt.max_turns >= 1, "rollout.multi_turn.max_turns", f"must be >= 1, got {mt.max_turns}")

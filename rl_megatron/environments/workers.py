@@ -11,8 +11,10 @@ Why this shape (the spirit of `rewards/user_calls.py`, for stateful, slow user c
 
 * One trajectory per worker at a time: an environment that hangs, raises or kills its
   process ends its own trajectory only; the others keep their workers and their state.
-* At most `max_concurrent` workers per rank, reused after `close`: a start past that
-  waits in a queue (first come, first served) instead of forking without bound.
+* At most `max_concurrent` workers per rank (0: no cap, one per trajectory started),
+  reused after `close`: a start past the cap waits in a queue (first come, first served).
+  The cap is also a cap on the trajectories that generate at once: run 19 found 256
+  trajectories behind 32 workers decoding in eight thin waves (`waited` counts them).
 * Non-blocking: a driver multiplexing generation and environment calls submits calls and
   collects whatever is ready (`multiprocessing.connection.wait` over the pipes); a call
   past `timeout_s` has its worker killed (SIGKILL: a hung call ignores anything gentler)
@@ -67,7 +69,8 @@ class _Worker:
 
 
 class EnvironmentPool:
-    """Up to `max_concurrent` forked workers, each running one trajectory's environment."""
+    """Up to `max_concurrent` forked workers (0: no cap), each running one trajectory's
+    environment."""
 
     def __init__(
         self,
@@ -84,11 +87,11 @@ class EnvironmentPool:
                 `kwargs` once per trajectory, in the worker.
             name: how messages name it (`environment.function`).
             timeout_s: seconds one start/step/close may take (`environment.timeout_s`).
-            max_concurrent: workers at most (`environment.max_concurrent`).
+            max_concurrent: workers at most, 0 for no cap (`environment.max_concurrent`).
             max_observation_chars: an observation's message contents, all together, are
                 cut to this many characters (plus a mark saying how many were cut).
         """
-        if timeout_s <= 0 or max_concurrent < 1 or max_observation_chars < 1:
+        if timeout_s <= 0 or max_concurrent < 0 or max_observation_chars < 1:
             raise ValueError(f"bad pool limits {timeout_s=} {max_concurrent=}")
         self.factory, self.name, self.kwargs = factory, name, dict(kwargs or {})
         self.timeout_s, self.max_concurrent = float(timeout_s), int(max_concurrent)
@@ -100,6 +103,7 @@ class EnvironmentPool:
         self.errors = 0  # failed start/step calls, time-outs included
         self.timeouts = 0
         self.forks = 0
+        self.waited = 0  # starts that found every worker busy and the cap reached
 
     # ------------------------------------------------------------------ submitting calls
 
@@ -109,6 +113,7 @@ class EnvironmentPool:
             raise ValueError(f"trajectory {traj_id!r} already started")
         self._queue.append((traj_id, dict(sample)))
         self._dispatch()
+        self.waited += any(t == traj_id for t, _ in self._queue)
 
     def step(self, traj_id: Hashable, response: str) -> None:
         """Send the policy's turn; its Observation comes back from `ready`."""
@@ -182,7 +187,7 @@ class EnvironmentPool:
         while self._queue:
             worker = next((w for w in self._workers if w.traj_id is None and w.call is None), None)
             if worker is None:
-                if len(self._workers) >= self.max_concurrent:
+                if 0 < self.max_concurrent <= len(self._workers):
                     return
                 worker = self._fork()
             traj_id, sample = self._queue.popleft()

@@ -27,8 +27,6 @@ from rl_megatron.rollout.trajectory import ChatIncrements, IncrementError, Traje
 
 __all__ = ["MultiTurnSession", "Turn", "TurnBudget", "TurnGenerator", "run_trajectories"]
 
-_POLL_S = 0.002  # the wait on one source while the other has work in flight
-
 
 @dataclass
 class Turn:
@@ -227,15 +225,15 @@ def run_trajectories(
             return end(t, "context_length" if at_total else "turn_length")
         pool.step(t, text)
 
-    started, timeouts_before = time.monotonic(), pool.timeouts
+    started, timeouts_before, waited_before = time.monotonic(), pool.timeouts, pool.waited
     pool.seconds.clear()  # per trajectory index, of this call
     for t, sample in enumerate(s for s in samples for _ in range(n)):
         pool.start(t, sample)
     try:
         while live:
             env_busy, gen_busy = pool.pending > 0, bool(generating)
-            if env_busy:
-                for t, result in pool.ready(_POLL_S if gen_busy else 1.0):
+            if env_busy:  # no wait while the engine has work: its step is the pause
+                for t, result in pool.ready(0.0 if gen_busy else 1.0):
                     if t in live:
                         on_environment(t, result)
             if gen_busy:
@@ -251,7 +249,9 @@ def run_trajectories(
     wall_s = time.monotonic() - started
     for t, traj in enumerate(trajs):
         traj.env_seconds = float(pool.seconds.get(t, 0.0))
-    return trajs, _metrics(trajs, turn_count, pool.seconds, timeouts, env_metrics, wall_s)
+    metrics = _metrics(trajs, turn_count, pool.seconds, timeouts, env_metrics, wall_s)
+    metrics["multi_turn/waited_for_worker"] = float(pool.waited - waited_before)
+    return trajs, metrics
 
 
 def _metrics(

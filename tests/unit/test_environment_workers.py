@@ -190,13 +190,28 @@ def test_at_most_max_concurrent_workers_the_rest_queue():
     try:
         for i in range(5):
             pool.start(i, {"key": "ok"})
-        assert pool.pending == 5 and pool.forks == 2
+        assert pool.pending == 5 and pool.forks == 2 and pool.waited == 3
         first = collect(pool, 2)
         assert sorted(first) == [0, 1]
         assert pool.ready(0.3) == []  # the queue waits for a close
         pool.close(0)
         assert list(collect(pool, 1)) == [2]
         assert pool.forks == 2
+    finally:
+        pool.shutdown()
+
+
+def test_no_cap_forks_one_worker_per_trajectory_and_none_waits():
+    pool = EnvironmentPool(Counter, name="t", timeout_s=5.0, max_concurrent=0)
+    try:
+        for i in range(6):
+            pool.start(i, {"key": "ok"})
+        assert pool.forks == 6 and pool.waited == 0
+        assert sorted(collect(pool, 6)) == list(range(6))
+        pool.close(3)
+        assert pool.ready(0.5) == []  # the close's acknowledgement frees the worker
+        pool.start(6, {"key": "ok"})  # the freed worker is reused, not a seventh fork
+        assert list(collect(pool, 1)) == [6] and pool.forks == 6
     finally:
         pool.shutdown()
 

@@ -314,7 +314,7 @@ def test_multi_turn_config_defaults_and_budget():
         (["environment.timeout_s=0"], "environment.timeout_s: must be > 0, got 0"),
         (["environment.timeout_s=900", "parallel.timeout_s=1800"],
          "environment.timeout_s: 900 must be below half of parallel.timeout_s=1800"),
-        (["environment.max_concurrent=0"], "environment.max_concurrent: must be >= 1"),
+        (["environment.max_concurrent=-1"], "environment.max_concurrent: must be >= 0"),
         (["rollout.multi_turn.max_turns=0"], "rollout.multi_turn.max_turns: must be >= 1, got 0"),
         (["rollout.multi_turn.max_turn_tokens=10000"],
          "rollout.multi_turn.max_turn_tokens: 10000 must be in [1, rollout.max_response_length="),
