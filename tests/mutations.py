@@ -15,7 +15,7 @@ engine's routing record (routing replay), issue 21's engine sleep levels, batch
 padding and vLLM core loop, and issue 36's edges (non-finite values other than NaN, the
 dual clip engaged, routing replay's gate weights and sequence parallelism, dynamic
 sampling across replicas, the restricted unpickler), and issue 39's per-prompt caps on
-new tokens in both engines.
+new tokens in both engines, and issue 38's environment-worker cap.
 """
 
 from __future__ import annotations
@@ -713,6 +713,20 @@ MUTATIONS = [
         'kwargs["weights_only"] = True',
         'kwargs.setdefault("weights_only", True)',
         UNPICKLER,
+    ),
+    (
+        "environment pool: 0 read as a cap of none, not as no cap",
+        "rl_megatron/environments/workers.py",
+        "if 0 < self.max_concurrent <= len(self._workers):",
+        "if 0 <= self.max_concurrent <= len(self._workers):",
+        "tests/unit/test_environment_workers.py",
+    ),
+    (
+        "environment pool: queued starts not counted",
+        "rl_megatron/environments/workers.py",
+        "self.waited += any(t == traj_id for t, _ in self._queue)",
+        "self.waited += 0",
+        "tests/unit/test_environment_workers.py",
     ),
 ]
 

@@ -31,11 +31,6 @@ straight run (the counting test).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -43,6 +38,7 @@ import numpy as np
 import pytest
 
 from rl_megatron.config import load_config
+from tests.e2e.launches import kill_when, start_run
 from tests.e2e.test_launcher import ROOT, TINY
 from tests.e2e.test_training import _metrics, _train
 
@@ -192,36 +188,6 @@ def test_every_record_of_an_epoch_is_counted_once_at_every_checkpoint(straight):
     assert drawn == sum(s["buffer"]["draws"] for s in _async_state(straight, STEPS))
 
 
-def _start(run: Path, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    cmd += ["launch/ppo.py", "--config", TINY, f"trainer.output_dir={run}", *RUN]
-    with log.open("w") as out:
-        return subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-
-
-def _kill_when(
-    proc: subprocess.Popen, moment, what: str, delay: float, timeout: float = 300
-) -> None:
-    """SIGKILL the run's whole process group `delay` seconds after `moment()` is true."""
-    deadline = time.monotonic() + timeout
-    try:
-        while not moment():
-            if proc.poll() is not None:
-                raise AssertionError(f"run exited ({proc.returncode}) before {what}")
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no {what} within {timeout} s")
-            time.sleep(0.005)
-        time.sleep(delay)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-
-
 def _last_step(run: Path) -> int:
     path = run / "tiny_cpu" / "metrics.jsonl"
     lines = path.read_text().split("\n")[:-1] if path.exists() else []  # whole lines only
@@ -245,11 +211,11 @@ def test_kills_during_save_generation_and_update_resume_the_same_rows(straight, 
     ]
     for attempt, (what, moment, delay, resumes_from) in enumerate(moments):
         log = tmp_path / f"attempt_{attempt}.log"
-        proc = _start(run, log)
+        proc = start_run(run, *RUN, log=log)
         if moment is None:
             assert proc.wait(timeout=300) == 0, log.read_text()[-3000:]
         else:
-            _kill_when(proc, moment, what, delay)
+            kill_when(proc, moment, what, delay)
         out = log.read_text()
         if resumes_from is None:
             assert "resumed from" not in out

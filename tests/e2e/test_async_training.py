@@ -6,17 +6,12 @@ record of the data is trained at most once, also across a kill and a resume."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_launcher import ROOT, TINY
-from tests.e2e.test_training import _metrics, _train, _wait_for
+from tests.e2e.launches import kill_after_checkpoint, start_run
+from tests.e2e.test_training import _metrics, _train
 
 # Both loops with the same off-policy correction (the asynchronous default).
 CORRECTION = ["algorithm.rollout_correction.level=token"]
@@ -101,27 +96,7 @@ def test_partial_rollouts_stay_within_the_bound_and_resume_loses_no_record(tmp_p
     assert set(per_record.values()) == {4}, "a record was trained twice or split"
 
     killed = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    cmd += ["launch/ppo.py", "--config", TINY, f"trainer.output_dir={killed}", *common]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        _wait_for(killed / "tiny_cpu" / "checkpoints" / "step_00000003", proc, 300)
-        metrics = killed / "tiny_cpu" / "metrics.jsonl"
-        while metrics.read_text().count("\n") < 3 and proc.poll() is None:
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_after_checkpoint(start_run(killed, *common), killed / "tiny_cpu", 3)
     result = _train(killed, *common)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "resumed from" in result.stdout

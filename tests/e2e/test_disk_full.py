@@ -23,8 +23,9 @@ from pathlib import Path
 import pytest
 
 from rl_megatron.utils.disk_space import gigabytes
+from tests.e2e.launches import DIST_VARS
 from tests.e2e.test_launcher import ROOT, TINY
-from tests.e2e.test_run_safety import DIST_VARS, TWO_RANKS_SMALL, _finish, _free_port
+from tests.e2e.test_run_safety import TWO_RANKS_SMALL, _finish, _free_port
 
 SMALL = [
     *TWO_RANKS_SMALL,

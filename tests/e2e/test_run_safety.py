@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from rl_megatron.utils.run_lock import RunDirLock
+from tests.e2e.launches import DIST_VARS, start_run
 from tests.e2e.test_launcher import ROOT, TINY
 from tests.ports import reserve_port
 
-DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 # Two ranks of one replica each, two samples per prompt: the smallest run that trains.
 TWO_RANKS_SMALL = [
     "parallel.tp=1",
@@ -126,19 +126,8 @@ def _alive(pid: int) -> bool:
 def test_a_killed_launcher_leaves_no_rank_running(tmp_path):
     """SIGKILL to the torchrun agent alone (its ranks sit in sessions of their own, so
     nothing else reaches them): every rank is gone within seconds."""
-    env = {key: value for key, value in os.environ.items() if key not in DIST_VARS}
-    env["OMP_NUM_THREADS"] = "1"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    cmd += ["launch/ppo.py", "--config", TINY, f"trainer.output_dir={tmp_path}"]
-    cmd += ["trainer.total_steps=1000", "trainer.val_interval=0", "checkpoint.save_interval=0"]
-    agent = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
+    overrides = ["trainer.total_steps=1000", "trainer.val_interval=0", "checkpoint.save_interval=0"]
+    agent = start_run(tmp_path, *overrides, ranks=2)
     ranks: list[int] = []
     try:
         metrics = tmp_path / "tiny_cpu" / "metrics.jsonl"

@@ -11,13 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from rl_megatron.config import load_config
 from rl_megatron.data.synthetic import synthetic_dataset
+from tests.e2e.launches import kill_after_checkpoint, start_run
 from tests.e2e.test_launcher import ROOT, TINY, _run
 
 # Mean reward of the last steps minus that of the first steps must exceed this. A random
@@ -184,16 +184,6 @@ def test_dump_rollouts_writes_one_record_per_trajectory(tmp_path):
     assert not list(folder.glob("*.tmp"))
 
 
-def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"run exited ({proc.returncode}) before {path} appeared")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{path} did not appear within {timeout} s")
-        time.sleep(0.2)
-
-
 @pytest.mark.slow
 def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
     """6 steps straight vs 3 steps, SIGKILL, auto-resume, 3 more: same metrics at steps
@@ -205,28 +195,7 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
 
     # Same run, killed (SIGKILL, whole process group) once step 3's checkpoint exists.
     killed = tmp_path / "killed"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    cmd += ["launch/ppo.py", "--config", TINY, f"trainer.output_dir={killed}", *common]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
-    try:
-        _wait_for(killed / "tiny_cpu" / "checkpoints" / "step_00000003", proc, 300)
-        # Step 3's record follows its checkpoint (it carries the checkpoint's timing).
-        metrics = killed / "tiny_cpu" / "metrics.jsonl"
-        while metrics.read_text().count("\n") < 3 and proc.poll() is None:
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    kill_after_checkpoint(start_run(killed, *common), killed / "tiny_cpu", 3)
     first = _metrics(killed / "tiny_cpu")
     assert 3 <= len(first) < 6, f"killed run logged {len(first)} steps"
 
