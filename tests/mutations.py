@@ -714,6 +714,30 @@ MUTATIONS = [
         'kwargs.setdefault("weights_only", True)',
         UNPICKLER,
     ),
+    (
+        "sync verification: the bitwise compare lets a last-place difference pass",
+        "rl_megatron/resharding/verify.py",
+        "    differ = (a != b).nonzero()",
+        "    differ = ((a >> 1) != (b >> 1)).nonzero()",
+        "tests/unit/test_sync_verify.py::"
+        "test_full_verification_catches_one_changed_element_in_any_parameter",
+    ),
+    (
+        "sync verification: sample checks the same tensor of each kind every time",
+        "rl_megatron/resharding/verify.py",
+        "    chosen = {group[index % len(group)] for group in by_kind.values()}",
+        "    chosen = {group[0] for group in by_kind.values()}",
+        "tests/unit/test_sync_verify.py::"
+        "test_sample_covers_every_kind_each_time_and_every_parameter_in_turn",
+    ),
+    (
+        "sync verification: sample leaves out a kind (the norms)",
+        "rl_megatron/resharding/verify.py",
+        '    ("norm", ("norm",)),',
+        "",
+        "tests/unit/test_sync_verify.py::"
+        "test_sample_covers_every_kind_each_time_and_every_parameter_in_turn",
+    ),
 ]
 
 

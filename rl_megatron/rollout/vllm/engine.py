@@ -507,15 +507,24 @@ class VllmEngine(RolloutEngine):
         training: ParallelLayout,
         bucket_mb: float,
         group: dist.ProcessGroup | None = None,
+        verify_sync: str = "off",
+        verify_interval: int = 1,
     ) -> WeightSync:
         """Make the engine's one weight sync from a trainer at `training` (collective-free):
         a `WeightSync` into its own parameters (`target.VllmEngineTarget`), kept for the
-        engine's life with its plan, program and views."""
+        engine's life with its plan, program and views; with `verify_sync` (`rollout.*`)
+        it reads them back after its syncs (`verify.py`)."""
         from rl_megatron.resharding.weight_sync import WeightSync
         from rl_megatron.rollout.vllm.target import VllmEngineTarget
+        from rl_megatron.rollout.vllm.verify import verifier_for
 
         self.weight_sync = WeightSync(
-            VllmEngineTarget(self), info=info, training=training, bucket_mb=bucket_mb, group=group
+            VllmEngineTarget(self),
+            info=info,
+            training=training,
+            bucket_mb=bucket_mb,
+            group=group,
+            verifier=verifier_for(self, verify_sync, verify_interval),
         )
         return self.weight_sync
 
