@@ -738,6 +738,21 @@ MUTATIONS = [
         "tests/unit/test_sync_verify.py::"
         "test_sample_covers_every_kind_each_time_and_every_parameter_in_turn",
     ),
+    (
+        "repacked layouts: a quant method's replaced post-processing is trusted",
+        "rl_megatron/rollout/vllm/repacked.py",
+        '    if "process_weights_after_loading" in vars(method):',
+        "    if False:",
+        "tests/unit/test_vllm_repacked.py::"
+        "test_the_in_place_target_refuses_direct_and_falls_back_to_the_reload_with_auto",
+    ),
+    (
+        "repacked layouts: vLLM's record of the checkpoint format is not compared",
+        "rl_megatron/rollout/vllm/repacked.py",
+        "            if was is not None and (",
+        "            if False and (",
+        "tests/unit/test_vllm_repacked.py::test_a_quantized_method_and_a_changed_dtype_are_found",
+    ),
 ]
 
 

@@ -528,6 +528,16 @@ class VllmEngine(RolloutEngine):
         )
         return self.weight_sync
 
+    def use_layerwise_reload(self, why: str) -> None:
+        """Put every later update through vLLM's layerwise reload (its target found
+        parameters repacked after loading, `repacked.py`); `why` is raised if this vLLM
+        has none."""
+        try:
+            import vllm.model_executor.model_loader.reload  # noqa: F401
+        except ImportError:
+            raise ValueError(f"{why}; this vLLM has no layerwise reload") from None
+        self._layerwise = True
+
     def sync_from(self, model_chunks: Sequence[torch.nn.Module], version: int) -> SyncStats:
         """Reshard `model_chunks` (this rank's Megatron actor shards) into the engine."""
         if self.weight_sync is None:

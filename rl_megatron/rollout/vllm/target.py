@@ -19,6 +19,7 @@ from rl_megatron.resharding.layouts import GenerationLayout
 from rl_megatron.resharding.shards import check_tensors
 from rl_megatron.resharding.sources import ParameterOwners
 from rl_megatron.resharding.targets import ReshardTarget, config_mismatch
+from rl_megatron.rollout.vllm.repacked import refusal, repacked_parameters
 from rl_megatron.rollout.vllm.specs import vllm_specs
 
 
@@ -54,6 +55,8 @@ class VllmEngineTarget(ReshardTarget):
         self.model: torch.nn.Module = engine.llm.collective_rpc(_rpc_model)[0]
         reload = engine.args.weight_reload
         self.layerwise = current_platform.is_cpu() if reload == "auto" else reload == "layerwise"
+        if not self.layerwise:
+            self._check_in_place(reload, current_platform.device_type)
         self.buffers_params = self.layerwise
         self._names: set[str] = set()
         self._buffers: dict[str, torch.Tensor] = {}
@@ -69,6 +72,19 @@ class VllmEngineTarget(ReshardTarget):
         # The engine's model config and parallel settings never change for its life:
         # checked once per trainer model info.
         self._config_checked: tuple[HFModelInfo, list[str]] | None = None
+
+    def _check_in_place(self, reload: str, platform: str) -> None:
+        """Before the first sync: parameters vLLM repacked after loading (`repacked.py`)
+        cannot be written in place. With `auto` every update then goes through vLLM's
+        layerwise reload, which re-runs the processing; `direct` is refused in one line."""
+        found = repacked_parameters(self.model, platform)
+        if not found:
+            return
+        quantization = self.engine.llm.llm_engine.model_config.quantization
+        if reload == "direct":
+            raise ValueError(refusal(found, quantization))
+        self.engine.use_layerwise_reload(refusal(found, quantization))
+        self.layerwise = self.buffers_params = True
 
     # ---- shapes ----------------------------------------------------------------
 
