@@ -158,8 +158,10 @@ def test_an_honest_engine_passes_and_off_reads_nothing():
 def test_off_builds_no_verifier_for_vllm():
     from rl_megatron.rollout.vllm.verify import verifier_for
 
-    def never(*_):
-        raise AssertionError("read the engine")
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"off read the engine ({name})")
 
-    assert verifier_for(never, "off", 1) is None
-    assert isinstance(verifier_for(never, "sample", 3), SyncVerifier)
+    assert verifier_for(Untouchable(), "off", 1) is None
+    with pytest.raises(AssertionError, match="off read the engine"):
+        verifier_for(Untouchable(), "sample", 1)  # on: it does look at the engine
