@@ -4,11 +4,14 @@ Where vLLM keeps checkpoint-format parameters (the GPU build; unquantized CUDA l
 not post-processed) rows are written straight into them. Where it repacks weights after
 loading (the CPU build), each parameter is assembled in a buffer and handed, already
 sharded, to vLLM's layerwise reload, which re-runs the layer's post-processing once the
-layer is complete. Its parameter layout is `specs.vllm_specs`.
+layer is complete. Which parameters vLLM repacked is found when the target is built
+(`repacked.py`): with any, `auto` takes the reload too and `direct` is refused. Its
+parameter layout is `specs.vllm_specs`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +24,8 @@ from rl_megatron.resharding.sources import ParameterOwners
 from rl_megatron.resharding.targets import ReshardTarget, config_mismatch
 from rl_megatron.rollout.vllm.repacked import refusal, repacked_parameters
 from rl_megatron.rollout.vllm.specs import vllm_specs
+
+logger = logging.getLogger(__name__)
 
 
 def _rpc_model(worker: Any) -> torch.nn.Module:
@@ -83,7 +88,10 @@ class VllmEngineTarget(ReshardTarget):
         quantization = self.engine.llm.llm_engine.model_config.quantization
         if reload == "direct":
             raise ValueError(refusal(found, quantization))
-        self.engine.use_layerwise_reload(refusal(found, quantization))
+        why = refusal(found, quantization)
+        self.engine.use_layerwise_reload(why)
+        # Slower than writing in place (each layer re-processed): say so once, at build.
+        logger.warning("vLLM weight sync through the layerwise reload: %s", why)
         self.layerwise = self.buffers_params = True
 
     # ---- shapes ----------------------------------------------------------------
