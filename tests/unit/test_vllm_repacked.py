@@ -140,6 +140,25 @@ def test_the_in_place_target_refuses_direct_and_falls_back_to_the_reload_with_au
     assert not target.layerwise and engine.layerwise_because is None
 
 
+def test_experts_are_in_place_on_triton_only():
+    from vllm.model_executor.layers.fused_moe.oracle.unquantized import UnquantizedMoeBackend
+
+    class UnquantizedFusedMoEMethod:  # vLLM's class, by name, with the backend it chose
+        def __init__(self, backend):
+            self.unquantized_backend = backend
+
+    def experts(backend) -> list[str]:
+        model = torch.nn.Module()
+        model.experts = layer(UnquantizedFusedMoEMethod(backend), (2, 8, 4))
+        return [r.why for r in repacked_parameters(model, "cuda")]
+
+    assert experts(UnquantizedMoeBackend.TRITON) == []
+    assert experts(UnquantizedMoeBackend.FLASHINFER_CUTLASS) == [
+        "UnquantizedFusedMoEMethod shuffles it for the FlashInfer CUTLASS kernels"
+    ]
+    assert experts(None) != []
+
+
 def test_refusal_names_the_quantization_setting():
     model = tiny_model(Fp8LinearMethod())
     line = refusal(repacked_parameters(model, "cuda"), "fp8")

@@ -11,12 +11,12 @@ re-runs the processing (`target.VllmEngineTarget`), or be refused.
 Two signals, either one flags a parameter:
 
 * its layer's quant method is not one of those known to keep the checkpoint format on
-  this platform (`_keeps_checkpoint_format`), or the method's post-processing was replaced
+  this platform (`_post_processing`), or the method's post-processing was replaced
   on the object (a plugin, a patch): unknown post-processing is taken as repacking. This
   is what catches a same-shape repack (a square weight transposed), which no shape
   comparison can;
 * its shape, strides or dtype differ from what vLLM recorded of it before processing
-  (`restore_metadata` of vLLM's layerwise reload, where that exists): the storage changed.
+  (`restore_metadata` of vLLM's layerwise reload, 0.26 and 0.32): the storage changed.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 # Unquantized methods whose post-processing leaves the checkpoint format in place, except
-# on these platforms (vLLM 0.32 `linear.py`, `vocab_parallel_embedding.py`: the CPU build
+# on these platforms (vLLM 0.26 and 0.32 `linear.py`, `vocab_parallel_embedding.py`: the CPU build
 # packs for oneDNN, XPU may re-stride).
 _IN_PLACE_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 _REPACKING_PLATFORMS = ("cpu", "xpu")
@@ -51,12 +51,13 @@ def _post_processing(method: Any, platform: str) -> tuple[str, bool] | None:
     if name == "UnquantizedFusedMoEMethod":
         if platform in _REPACKING_PLATFORMS:
             return f"{name} packs it for the {platform} platform", True
+        # vLLM 0.26 and 0.32 both record the backend they chose (Triton by default on
+        # Hopper; FlashInfer first on Blackwell, whose CUTLASS layout swaps w1 and w3 in a
+        # tensor of the same shape). A method without one is not known to keep the format.
         backend = getattr(method, "unquantized_backend", None)
-        # vLLM 0.26 has no backend attribute; its Triton path ran bit-exact in place (GPU
-        # runs 9-12, RESULTS.md).
-        if backend is None or getattr(backend, "name", "") in _IN_PLACE_MOE_BACKENDS:
+        if getattr(backend, "name", None) in _IN_PLACE_MOE_BACKENDS:
             return None
-        return f"{name} shuffles it for the {backend.value} kernels", True
+        return f"{name} shuffles it for the {getattr(backend, 'value', backend)} kernels", True
     return f"{name} post-processes it", True
 
 
