@@ -43,6 +43,7 @@ def user_errors() -> tuple[type[Exception], ...]:
     from rl_megatron.checkpoint.training_state import CheckpointError
     from rl_megatron.data.datasets import DataError
     from rl_megatron.models.hf_config import HFConfigError
+    from rl_megatron.resharding.verify import SyncVerifyError
     from rl_megatron.rewards.registry import RewardError
     from rl_megatron.trainer.optimizer_step import NonFiniteUpdateError
     from rl_megatron.trainer.rollout_records import RecordWriteError
@@ -59,6 +60,7 @@ def user_errors() -> tuple[type[Exception], ...]:
         NonFiniteUpdateError,
         DiskFullError,  # a full disk: the run's own writes agree on it across ranks
         RecordWriteError,  # trainer.dump_rollouts' file could not be written (shared too)
+        SyncVerifyError,  # the engine's weights differ from those sent (every rank agrees)
     )
 
 

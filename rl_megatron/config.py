@@ -172,6 +172,10 @@ class RolloutConfig:
     # them from its logits and always reports them.
     calculate_log_probs: bool | None = None
     weight_sync_bucket_mb: int = 512  # transfer bucket for 3D resharding, MiB
+    # After a sync, read the engine's parameters back and compare them bitwise with what was
+    # sent (DESIGN.md §3): off, sample (one tensor of each kind, rotating) or full.
+    verify_sync: Literal["off", "sample", "full"] = "off"
+    verify_sync_interval: int = 1  # verify every N-th sync (when verify_sync is not off)
     # Further vllm.LLM arguments, passed as given (e.g. disable_custom_all_reduce: true,
     # compilation_config: {...}); the ones the trainer sets itself are refused here.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)

@@ -196,6 +196,7 @@ def _check_rollout(r: RolloutConfig, p: ParallelConfig, m: ModelConfig) -> None:
         f"model.max_position_embeddings={m.max_position_embeddings}",
     )
     _require(r.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb", "must be > 0")
+    _require(r.verify_sync_interval >= 1, "rollout.verify_sync_interval", "must be >= 1")
 
 
 def _check_context_parallel(config: Config) -> None:

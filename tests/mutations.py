@@ -727,6 +727,43 @@ MUTATIONS = [
         "self.waited += any(t == traj_id for t, _ in self._queue)",
         "self.waited += 0",
         "tests/unit/test_environment_workers.py",
+        "sync verification: the bitwise compare lets a last-place difference pass",
+        "rl_megatron/resharding/verify.py",
+        "    differ = (a != b).nonzero()",
+        "    differ = ((a >> 1) != (b >> 1)).nonzero()",
+        "tests/unit/test_sync_verify.py::"
+        "test_full_verification_catches_one_changed_element_in_any_parameter",
+    ),
+    (
+        "sync verification: sample checks the same tensor of each kind every time",
+        "rl_megatron/resharding/verify.py",
+        "    chosen = {group[index % len(group)] for group in by_kind.values()}",
+        "    chosen = {group[0] for group in by_kind.values()}",
+        "tests/unit/test_sync_verify.py::"
+        "test_sample_covers_every_kind_each_time_and_every_parameter_in_turn",
+    ),
+    (
+        "sync verification: sample leaves out a kind (the norms)",
+        "rl_megatron/resharding/verify.py",
+        '    ("norm", ("norm",)),',
+        "",
+        "tests/unit/test_sync_verify.py::"
+        "test_sample_covers_every_kind_each_time_and_every_parameter_in_turn",
+    ),
+    (
+        "repacked layouts: a quant method's replaced post-processing is trusted",
+        "rl_megatron/rollout/vllm/repacked.py",
+        '    if "process_weights_after_loading" in vars(method):',
+        "    if False:",
+        "tests/unit/test_vllm_repacked.py::"
+        "test_the_in_place_target_refuses_direct_and_falls_back_to_the_reload_with_auto",
+    ),
+    (
+        "repacked layouts: vLLM's record of the checkpoint format is not compared",
+        "rl_megatron/rollout/vllm/repacked.py",
+        "            if was is not None and (",
+        "            if False and (",
+        "tests/unit/test_vllm_repacked.py::test_a_quantized_method_and_a_changed_dtype_are_found",
     ),
 ]
 

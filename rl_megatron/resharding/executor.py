@@ -81,6 +81,7 @@ class SyncStats:
     begin_s: float = 0.0  # the target's begin and the ranks' agreement on it
     finish_s: float = 0.0  # the target's finish
     copies_replayed: bool = False  # the local copies were one CUDA graph replay a step
+    verify: Any = None  # `verify.VerifyStats` when this sync was verified (rollout.verify_sync)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -48,6 +48,7 @@ from rl_megatron.resharding.plan import ReshardPlan
 from rl_megatron.resharding.sources import SourceTable
 from rl_megatron.resharding.targets import ReshardTarget
 from rl_megatron.resharding.tensor_facts import TensorFacts
+from rl_megatron.resharding.verify import SyncVerifier, abort_on
 
 
 class WeightSync:
@@ -64,6 +65,9 @@ class WeightSync:
             (`copy_program.KeptViews`; None: when the tensors are on a GPU).
         measure_peak: record each sync's CUDA allocator peak above its start
             (`SyncStats.device_peak_extra_bytes`; benchmarks and tests; see `execute`).
+        verifier: reads the engine's parameters back after the syncs it is due on and
+            compares them with what was sent (`verify.py`, `rollout.verify_sync`); None
+            (`off`): nothing is read or allocated.
     """
 
     def __init__(
@@ -76,9 +80,10 @@ class WeightSync:
         group: dist.ProcessGroup | None = None,
         copy_graphs: bool | None = None,
         measure_peak: bool = False,
+        verifier: SyncVerifier | None = None,
     ) -> None:
         self.target, self.info, self.training, self.group = target, info, training, group
-        self.measure_peak = measure_peak
+        self.measure_peak, self.verifier = measure_peak, verifier
         self.version: int | None = None  # training step of the last complete sync
         self._sources = SourceTable(info)
         self._agreement = PlanAgreement(
@@ -136,6 +141,11 @@ class WeightSync:
         self.version = version
         stats.prepare_s, stats.begin_s, stats.finish_s = t1 - t0, t2 - t1, time.perf_counter() - t3
         stats.target_staging_bytes = self.target.staging_peak_bytes()
+        if self.verifier is not None and self.verifier.due():
+            stats.verify, problem = self.verifier.verify(plan, rank, sources, group=self.group)
+            if problem is not None:
+                self.version = None
+                abort_on(problem, self.target)  # raises: the run stops before generating
         return stats
 
     def _program_of(self, plan: ReshardPlan, rank: int) -> CopyProgram:

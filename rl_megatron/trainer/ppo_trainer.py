@@ -531,7 +531,14 @@ class PPOTrainer:
                 stats = self.engine.sync_from(self.roles.actor.model, version)
         if stats is None:
             return {}
-        return {
+        verified = {}
+        if stats.verify is not None:  # rollout.verify_sync, on this sync
+            verified = {
+                "sync/verify_s": stats.verify.verify_s,
+                "sync/verified_tensors": float(stats.verify.verified_tensors),
+                "sync/verified_bytes": float(stats.verify.verified_bytes),
+            }
+        return verified | {
             "reshard/bytes_received_gb": stats.bytes_received / 1e9,
             "reshard/bytes_sent_gb": stats.bytes_sent / 1e9,
             "reshard/prepare_s": stats.prepare_s,

@@ -102,6 +102,16 @@ def test_out_of_range_value():
     assert _error(TINY, ["rollout.top_p=1.5"]) == "rollout.top_p: must be in (0, 1], got 1.5"
 
 
+def test_verify_sync_keys():
+    assert _error(TINY, ["rollout.verify_sync_interval=0"]) == (
+        "rollout.verify_sync_interval: must be >= 1"
+    )
+    assert _error(TINY, ["rollout.verify_sync=some"]).startswith(
+        "rollout.verify_sync: 'some' is not one of off, sample, full"
+    )
+    assert load_config(TINY).rollout.verify_sync == "off"
+
+
 def test_grpo_needs_several_samples():
     assert _error(TINY, ["rollout.n=1"]).startswith("rollout.n: algorithm.adv_estimator=grpo")
 

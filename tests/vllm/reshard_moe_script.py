@@ -15,6 +15,7 @@ it (`WeightSync` → `VllmEngineTarget` → vLLM's layerwise reload); the name-b
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import traceback
@@ -110,6 +111,27 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     )
     res["full_gather"] = {**stats.as_dict(), **dump(engine.generate(prompts, greedy))}
     res["full_gather"]["params_differ"] = params_equal_to(loaded)
+    # rollout.verify_sync on the live MoE engine (reshard_script.py's check): the MoE's
+    # stacked experts and router among the kinds corrupted one at a time.
+    from tests.vllm.reshard_script import verification
+
+    engine.update_weights(sd_b, version=7)
+    engine.weight_sync = WeightSync(
+        VllmEngineTarget(engine), info=info, training=training, bucket_mb=spec["bucket_mb"]
+    )
+    res["verify"], version = verification(engine, actor, 8, prompts, greedy)
+    # Without leaving out what the CPU build repacks (its experts), the comparison would
+    # see the repacked experts differ from what was sent: the check refuses, never passes.
+    from rl_megatron.resharding.verify import SyncVerifier, SyncVerifyError
+    from rl_megatron.rollout.vllm.verify import engine_parameters
+
+    read = functools.partial(engine_parameters, engine)
+    engine.weight_sync.verifier = SyncVerifier("full", interval=1, read_engine=read)
+    try:
+        engine.sync_from(actor, version=version + 1)
+        res["verify"]["unfiltered"] = None
+    except SyncVerifyError as exc:
+        res["verify"]["unfiltered"] = str(exc)
     return res
 
 

@@ -16,6 +16,7 @@ baseline. Each rank writes `outdir/rank{r}.json`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import traceback
@@ -43,6 +44,54 @@ def dump(batch) -> dict[str, Any]:
             }
         )
     return {"rows": rows, "weight_version": batch.weight_version}
+
+
+def verification(engine, actor, version: int, prompts, greedy) -> tuple[dict[str, Any], int]:
+    """`rollout.verify_sync=full` on the live engine: an honest sync passes; then, for one
+    parameter of each kind the engine holds in the format sent, its storage in the engine
+    is changed by one unit in the last place right after the sync (as a mis-written
+    layout would leave it): the sync must stop naming it, and generation refuse."""
+    from rl_megatron.resharding.verify import SyncVerifier, SyncVerifyError, kind_of
+    from rl_megatron.rollout.vllm.verify import engine_parameters, repacked_storage, verifier_for
+
+    weight_sync = engine.weight_sync
+    weight_sync.verifier = verifier_for(engine, "full", 1)
+    stats = engine.sync_from(actor, version=version)
+    out: dict[str, Any] = {"honest": dataclasses.asdict(stats.verify), "caught": {}}
+    out["honest_rows"] = dump(engine.generate(prompts, greedy))["rows"]
+    plan = weight_sync.plan
+    specs = plan.targets[plan.local_rank(dist.get_rank())]
+    leave_out = repacked_storage(engine)  # held repacked: not comparable, not checked
+    out["repacked"] = sorted(leave_out)
+    held = engine_parameters(engine, leave_out)
+    readable = [s.name for s in specs if s.name in held and tuple(held[s.name].shape) == s.shape]
+    picks = {}
+    for name in readable:
+        picks.setdefault(kind_of(name), name)
+    bits = {2: torch.int16, 4: torch.int32}
+    for kind, name in sorted(picks.items()):
+        version += 1
+
+        def corrupted(name=name):
+            params = engine_parameters(engine, leave_out)
+            t = params[name]
+            t.reshape(-1).view(bits[t.element_size()])[t.numel() // 2] += 1
+            return params
+
+        weight_sync.verifier = SyncVerifier("full", interval=1, read_engine=corrupted)
+        try:
+            engine.sync_from(actor, version=version)
+            out["caught"][kind] = {"name": name, "error": None}
+            continue
+        except SyncVerifyError as exc:
+            out["caught"][kind] = {"name": name, "error": str(exc)}
+        try:
+            engine.generate(prompts, greedy)
+            out["caught"][kind]["refused"] = None
+        except RuntimeError as exc:
+            out["caught"][kind]["refused"] = str(exc)
+    weight_sync.verifier = None
+    return out, version
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -108,6 +157,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         )
         case["full_gather"] = {**stats.as_dict(), **dump(engine.generate(prompts, greedy))}
         res["layouts"].append(case)
+        if spec.get("verify") and [t, p] == spec["layouts"][-1]:
+            res["verify"], last = verification(engine, actor, version + 5, prompts, greedy)
+            version = last - 4  # the loop's step below goes past the versions it used
         version += 4
         ps.destroy_model_parallel()
 

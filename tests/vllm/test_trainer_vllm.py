@@ -94,6 +94,7 @@ def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
     overrides += [
         "algorithm.rollout_correction.level=sequence",  # asks vLLM for log-probs itself
         "algorithm.rollout_correction.rejection=[0.5, 2.0]",
+        "rollout.verify_sync=sample",  # each sync read back from vLLM and compared
     ]
     rows = run_trainer(tmp_path, nproc=2, steps=STEPS, overrides=overrides)
     for row in rows:
@@ -107,8 +108,11 @@ def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
         if row["step"] == 1:
             assert "reshard/bytes_received_gb" not in row
             assert "timing_parts_s/reshard/sync" not in row
+            assert "sync/verify_s" not in row
         else:
             assert row["reshard/bytes_received_gb"] > 0
+            assert row["sync/verified_tensors"] > 0 and row["sync/verified_bytes"] > 0, row
+            assert row["sync/verify_s"] > 0
             # The reshard phase, split into its parts (issue 21): they fit inside it, and
             # the sync's host-side pieces inside the sync. The KV cache wakes after it, in
             # a phase of its own.
@@ -129,6 +133,7 @@ def test_grpo_without_engine_log_probs(tmp_path):
     rows = run_trainer(tmp_path, nproc=2, steps=2, overrides=overrides, tied=True)
     for row in rows:
         assert not any(key.startswith("rollout/logprob_diff") for key in row), row
+        assert not any(key.startswith("sync/verif") for key in row), row  # off
         assert row["rollout/num_samples"] == 64 and row["rollout/response_length_mean"] > 0
         assert row["actor/grad_norm"] > 0
     # Step 2 generated from weights synced after step 1's update (each rank's TP shard is

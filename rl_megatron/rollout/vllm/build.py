@@ -61,6 +61,12 @@ def build(
     )
     # Each training data-parallel replica passes its own prompts.
     engine = VllmEngine(args, prompt_groups=[layout.replica_ranks(k) for k in range(layout.dp)])
-    engine.pair_with(info, layout, bucket_mb=r.weight_sync_bucket_mb)
+    engine.pair_with(
+        info,
+        layout,
+        bucket_mb=r.weight_sync_bucket_mb,
+        verify_sync=r.verify_sync,
+        verify_interval=r.verify_sync_interval,
+    )
     engine.sleep_level = r.sleep_level  # what it keeps while the roles train
     return engine

@@ -507,17 +507,36 @@ class VllmEngine(RolloutEngine):
         training: ParallelLayout,
         bucket_mb: float,
         group: dist.ProcessGroup | None = None,
+        verify_sync: str = "off",
+        verify_interval: int = 1,
     ) -> WeightSync:
         """Make the engine's one weight sync from a trainer at `training` (collective-free):
         a `WeightSync` into its own parameters (`target.VllmEngineTarget`), kept for the
-        engine's life with its plan, program and views."""
+        engine's life with its plan, program and views; with `verify_sync` (`rollout.*`)
+        it reads them back after its syncs (`verify.py`)."""
         from rl_megatron.resharding.weight_sync import WeightSync
         from rl_megatron.rollout.vllm.target import VllmEngineTarget
+        from rl_megatron.rollout.vllm.verify import verifier_for
 
         self.weight_sync = WeightSync(
-            VllmEngineTarget(self), info=info, training=training, bucket_mb=bucket_mb, group=group
+            VllmEngineTarget(self),
+            info=info,
+            training=training,
+            bucket_mb=bucket_mb,
+            group=group,
+            verifier=verifier_for(self, verify_sync, verify_interval),
         )
         return self.weight_sync
+
+    def use_layerwise_reload(self, why: str) -> None:
+        """Put every later update through vLLM's layerwise reload (its target found
+        parameters repacked after loading, `repacked.py`); `why` is raised if this vLLM
+        has none."""
+        try:
+            import vllm.model_executor.model_loader.reload  # noqa: F401
+        except ImportError:
+            raise ValueError(f"{why}; this vLLM has no layerwise reload") from None
+        self._layerwise = True
 
     def sync_from(self, model_chunks: Sequence[torch.nn.Module], version: int) -> SyncStats:
         """Reshard `model_chunks` (this rank's Megatron actor shards) into the engine."""

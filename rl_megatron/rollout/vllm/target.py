@@ -4,11 +4,14 @@ Where vLLM keeps checkpoint-format parameters (the GPU build; unquantized CUDA l
 not post-processed) rows are written straight into them. Where it repacks weights after
 loading (the CPU build), each parameter is assembled in a buffer and handed, already
 sharded, to vLLM's layerwise reload, which re-runs the layer's post-processing once the
-layer is complete. Its parameter layout is `specs.vllm_specs`.
+layer is complete. Which parameters vLLM repacked is found when the target is built
+(`repacked.py`): with any, `auto` takes the reload too and `direct` is refused. Its
+parameter layout is `specs.vllm_specs`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -19,7 +22,10 @@ from rl_megatron.resharding.layouts import GenerationLayout
 from rl_megatron.resharding.shards import check_tensors
 from rl_megatron.resharding.sources import ParameterOwners
 from rl_megatron.resharding.targets import ReshardTarget, config_mismatch
+from rl_megatron.rollout.vllm.repacked import refusal, repacked_parameters
 from rl_megatron.rollout.vllm.specs import vllm_specs
+
+logger = logging.getLogger(__name__)
 
 
 def _rpc_model(worker: Any) -> torch.nn.Module:
@@ -54,6 +60,8 @@ class VllmEngineTarget(ReshardTarget):
         self.model: torch.nn.Module = engine.llm.collective_rpc(_rpc_model)[0]
         reload = engine.args.weight_reload
         self.layerwise = current_platform.is_cpu() if reload == "auto" else reload == "layerwise"
+        if not self.layerwise:
+            self._check_in_place(reload, current_platform.device_type)
         self.buffers_params = self.layerwise
         self._names: set[str] = set()
         self._buffers: dict[str, torch.Tensor] = {}
@@ -69,6 +77,22 @@ class VllmEngineTarget(ReshardTarget):
         # The engine's model config and parallel settings never change for its life:
         # checked once per trainer model info.
         self._config_checked: tuple[HFModelInfo, list[str]] | None = None
+
+    def _check_in_place(self, reload: str, platform: str) -> None:
+        """Before the first sync: parameters vLLM repacked after loading (`repacked.py`)
+        cannot be written in place. With `auto` every update then goes through vLLM's
+        layerwise reload, which re-runs the processing; `direct` is refused in one line."""
+        found = repacked_parameters(self.model, platform)
+        if not found:
+            return
+        quantization = self.engine.llm.llm_engine.model_config.quantization
+        if reload == "direct":
+            raise ValueError(refusal(found, quantization))
+        why = refusal(found, quantization)
+        self.engine.use_layerwise_reload(why)
+        # Slower than writing in place (each layer re-processed): say so once, at build.
+        logger.warning("vLLM weight sync through the layerwise reload: %s", why)
+        self.layerwise = self.buffers_params = True
 
     # ---- shapes ----------------------------------------------------------------
 

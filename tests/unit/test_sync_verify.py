@@ -1,0 +1,167 @@
+"""Run-time verification of a weight sync (`resharding/verify.py`), without an engine.
+
+The engine is a `TensorStoreTarget` in vLLM's layout (one process, a one-rank gloo group,
+as tests/unit/test_reshard_caches.py); "reading it back" returns its tensors with one
+element changed by the smallest step (its bits + 1), as an engine that repacked or
+mis-wrote one parameter would hold. Every parameter of a dense and of an MoE model is
+corrupted in turn: the verification must name it, the element and both values, and the
+engine must refuse to generate (the target aborted). Bit-exact: any difference is caught.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rl_megatron.resharding.layouts import TrainingLayout, generation_layout_for
+from rl_megatron.resharding.plan import PlanKey, build_plan
+from rl_megatron.resharding.verify import (
+    SyncVerifier,
+    SyncVerifyError,
+    choose,
+    first_difference,
+    kind_of,
+    restricted_plan,
+)
+from rl_megatron.resharding.weight_sync import WeightSync
+from rl_megatron.rollout.vllm import specs as vllm_layout
+from tests.unit.test_reshard_caches import BUCKET_MB, Case, one_rank  # noqa: F401
+
+BITS = {2: torch.int16, 4: torch.int32}
+
+
+def nudged(t: torch.Tensor, flat: int) -> torch.Tensor:
+    """`t` with element `flat` moved by one unit in the last place."""
+    out = t.clone()
+    out.reshape(-1).view(BITS[t.element_size()])[flat] += 1
+    return out
+
+
+def names_of(case: Case) -> list[str]:
+    return [s.name for s in vllm_layout.vllm_specs(case.info, 1, 0, case.gen_vocab)]
+
+
+def test_first_difference_finds_one_bit_in_bf16_and_takes_nan_as_equal():
+    a = torch.randn(3, 5).to(torch.bfloat16)
+    assert first_difference(a, a.clone()) is None
+    b = nudged(a, 7)
+    index, have, sent = first_difference(b, a)
+    assert index == (1, 2)
+    assert (have, sent) == (b[1, 2].item(), a[1, 2].item()) and have != sent
+    nan = torch.full((2,), float("nan"))
+    assert first_difference(nan, nan.clone()) is None
+
+
+@pytest.mark.parametrize("model", ["llama_gqa", "qwen3_moe"])
+def test_sample_covers_every_kind_each_time_and_every_parameter_in_turn(model):
+    names = names_of(Case(model))
+    kinds = {kind_of(n) for n in names}
+    assert "other" not in kinds
+    want = {"attention_qkv", "attention_o", "embedding", "norm"}
+    want |= {"experts_w13", "experts_w2", "router"} if "moe" in model else {"mlp_gate_up"}
+    assert want <= kinds
+    seen: set[str] = set()
+    for index in range(len(names)):
+        chosen = choose(names, "sample", index)
+        assert sorted(kind_of(n) for n in chosen) == sorted(kinds)  # one of each kind
+        seen |= set(chosen)
+    assert seen == set(names)
+    assert choose(names, "full", 3) == names
+
+
+def test_a_restricted_plan_moves_only_the_chosen_rows():
+    case = Case("llama_gqa")
+    training = TrainingLayout(2, 1, 1)
+    gen = generation_layout_for(training, 1)
+    key = PlanKey(case.info, training, gen, vllm_layout.vllm_specs, case.train_vocab * 2,
+                  case.gen_vocab, 1 << 12, 4)  # fmt: skip
+    plan = build_plan(key)
+    chosen = {"model.layers.0.self_attn.qkv_proj.weight", "model.norm.weight"}
+    sub = restricted_plan(plan, chosen)
+    for rounds in sub.rounds:
+        for r in rounds:
+            moves = [*r.writes, *(m for ms in (*r.sends.values(), *r.recvs.values()) for m in ms)]
+            assert {m.dst_param for m in moves} <= chosen
+    # rank 0 receives from rank 1 exactly what rank 1 sends it
+    sent = [m for r in sub.rounds[1] for m in r.sends.get(0, [])]
+    got = [m for r in sub.rounds[0] for m in r.recvs.get(1, [])]
+    assert sent == got and sent
+    assert set(sub.writes[0]) == chosen
+
+
+def engine_reading(store, corrupt: str | None, flat: int = 0):
+    def read():
+        tensors = dict(store.tensors)
+        if corrupt is not None:
+            tensors[corrupt] = nudged(tensors[corrupt], flat)
+        return tensors
+
+    return read
+
+
+@pytest.mark.parametrize("model", ["llama_gqa", "qwen3_moe"])
+def test_full_verification_catches_one_changed_element_in_any_parameter(model):
+    case = Case(model)
+    store = case.store
+    for name in names_of(case):
+        flat = store.tensors[name].numel() // 2
+        verifier = SyncVerifier("full", interval=1, read_engine=engine_reading(store, name, flat))
+        weight_sync = WeightSync(store, info=case.info, training=case.training,
+                                 bucket_mb=BUCKET_MB, verifier=verifier)  # fmt: skip
+        with pytest.raises(SyncVerifyError) as err:
+            weight_sync.sync([case.chunk], version=1)
+        index = list(torch.unravel_index(torch.tensor(flat), store.tensors[name].shape))
+        assert f"engine parameter {name} differs" in str(err.value)
+        assert f"at index {[int(i) for i in index]}" in str(err.value)
+        assert store.version is None and weight_sync.version is None  # aborted
+
+
+@pytest.mark.parametrize("model", ["llama_gqa", "qwen3_moe"])
+def test_sample_verification_catches_a_changed_parameter_when_its_turn_comes(model):
+    case = Case(model)
+    names = names_of(case)
+    target = "model.layers.1.self_attn.o_proj.weight"
+    verifier = SyncVerifier("sample", interval=2, read_engine=engine_reading(case.store, target))
+    weight_sync = WeightSync(case.store, info=case.info, training=case.training,
+                             bucket_mb=BUCKET_MB, verifier=verifier)  # fmt: skip
+    turn = next(i for i in range(len(names)) if target in choose(names, "sample", i))
+    for sync in range(2 * turn):
+        stats = weight_sync.sync([case.chunk], version=sync)
+        if sync % 2:
+            assert stats.verify is None  # interval 2
+        else:
+            assert stats.verify.verified_tensors == len(choose(names, "sample", 0))
+            assert stats.verify.verified_bytes > 0
+    with pytest.raises(SyncVerifyError, match=target):
+        weight_sync.sync([case.chunk], version=2 * turn)
+
+
+def test_an_honest_engine_passes_and_off_reads_nothing():
+    case = Case("qwen3_moe")
+    reads = []
+
+    def read():
+        reads.append(1)
+        return case.store.tensors
+
+    verifier = SyncVerifier("full", interval=1, read_engine=read)
+    weight_sync = WeightSync(case.store, info=case.info, training=case.training,
+                             bucket_mb=BUCKET_MB, verifier=verifier)  # fmt: skip
+    stats = weight_sync.sync([case.chunk], version=1)
+    assert stats.verify.verified_tensors == len(names_of(case)) and len(reads) == 1
+    assert stats.verify.verified_bytes == sum(t.nbytes for t in case.store.tensors.values())
+    # off: the trainer's sync has no verifier, and its stats say nothing was verified
+    stats = case.weight_sync.sync([case.chunk], version=2)
+    assert case.weight_sync.verifier is None and stats.verify is None
+
+
+def test_off_builds_no_verifier_for_vllm():
+    from rl_megatron.rollout.vllm.verify import verifier_for
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"off read the engine ({name})")
+
+    assert verifier_for(Untouchable(), "off", 1) is None
+    with pytest.raises(AssertionError, match="off read the engine"):
+        verifier_for(Untouchable(), "sample", 1)  # on: it does look at the engine
