@@ -15,7 +15,7 @@ TRAINER_SET_LLM_ARGS = (
     "model", "tensor_parallel_size", "distributed_executor_backend", "load_format", "dtype",
     "gpu_memory_utilization", "seed", "enforce_eager", "enable_prefix_caching",
     "skip_tokenizer_init", "logprobs_mode", "enable_sleep_mode", "max_model_len",
-    "block_size", "enable_return_routed_experts",
+    "block_size", "enable_return_routed_experts", "quantization", "kv_cache_dtype",
 )  # fmt: skip
 
 
