@@ -615,3 +615,13 @@ def test_fp8_rollout_turns_token_level_tis_on_unless_set(monkeypatch):
     set_by_user = load_config(TINY, [*ONE_RANK, "rollout.quantization=fp8", f"{RC}.level=sequence"])
     assert set_by_user.algorithm.rollout_correction.level == "sequence"
     assert load_config(TINY, ONE_RANK).algorithm.rollout_correction.level is None
+
+
+def test_fp8_rollout_refuses_an_moe_actor(monkeypatch):
+    import rl_megatron.config_checks as checks
+
+    monkeypatch.setattr(checks, "_has_fp8_gpu", lambda: True)
+    config = load_config(TINY_MOE, ["rollout.engine=vllm", "rollout.quantization=fp8"])
+    validate(config, world_size=2)
+    with pytest.raises(ConfigError, match=r"^rollout\.quantization: fp8 with an MoE actor"):
+        check_engine_config(config)
