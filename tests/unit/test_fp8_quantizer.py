@@ -181,3 +181,17 @@ def test_wrong_engine_tensors_are_named():
         quantize_blockwise_(w, torch.empty(10, 10, dtype=FP8_DTYPE), torch.empty(2, 1), "x")
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         quantize_blockwise_(w, torch.empty(10, 10), torch.empty(1, 1), "x")
+
+
+def test_writes_through_strided_engine_tensors():
+    """Scales laid out column-major (as DeepGEMM re-lays them out on Hopper) and a weight
+    view with a row stride: every value lands at its logical place."""
+    w = random_weight((300, 130), torch.bfloat16, seed=6)
+    ref_q, ref_scale = reference_blockwise(w)
+    scale = torch.zeros(2, 3).t()  # logical (3, 2), column-major storage
+    out_storage = torch.zeros(300, 300, dtype=FP8_DTYPE)
+    out = out_storage[:, 20:150]  # row stride 300
+    quantize_blockwise_(w, out, scale, "w", chunk_bytes=1)
+    assert torch.equal(scale.view(torch.int32), ref_scale.view(torch.int32))
+    assert torch.equal(out.view(torch.uint8), ref_q.view(torch.uint8))
+    assert not out_storage[:, :20].float().any() and not out_storage[:, 150:].float().any()
