@@ -76,3 +76,19 @@ def test_the_vllm_build_pairs_its_sync_and_takes_the_sleep_level(monkeypatch, tm
     # A random init: vLLM builds from the config.json written for it, dummy weights.
     assert args.load_format == "dummy" and (Path(args.model) / "config.json").is_file()
     assert (args.tp, args.pad_token_id, args.seed) == (config.rollout.tp, 5, config.trainer.seed)
+
+
+@pytest.mark.parametrize("quantization, method", [(None, None), ("fp8", "fp8_per_block")])
+def test_the_vllm_build_asks_for_block_fp8(monkeypatch, tmp_path, quantization, method):
+    from rl_megatron.rollout.vllm import build
+
+    overrides = ["rollout.engine=vllm", f"trainer.output_dir={tmp_path}"]
+    if quantization:
+        overrides += [f"rollout.quantization={quantization}", "rollout.kv_cache_dtype=fp8"]
+    config = load_config(TINY, overrides)
+    monkeypatch.setattr(build, "VllmEngine", Recorder)
+    monkeypatch.setattr(build.dist, "barrier", lambda: None)
+    engine = build.build(config, "info", [], TOKENIZER, _groups(ParallelLayout(tp=2, pp=1, dp=2)))
+    (args,) = engine.args
+    assert args.quantization == method
+    assert args.kv_cache_dtype == ("fp8" if quantization else "auto")
