@@ -42,9 +42,10 @@ def standalone_sampling_params(args) -> Any:
     )
 
 
-def build_standalone(ckpt: Path, args) -> tuple[Any, dict[str, Any]]:
+def build_standalone(ckpt: Path, args, **extra: Any) -> tuple[Any, dict[str, Any]]:
     """The standalone `vllm.LLM` (its own engine-core process) and its start-up record:
-    `bench_vllm_standalone` times and shuts it down, `rollout_ab.py` keeps it alive."""
+    `bench_vllm_standalone` times and shuts it down, `rollout_ab.py` keeps it alive.
+    extra: further `vllm.LLM` arguments (`fp8_rollout.py`: quantization)."""
     import vllm
     import vllm.envs as envs
 
@@ -61,6 +62,7 @@ def build_standalone(ckpt: Path, args) -> tuple[Any, dict[str, Any]]:
         seed=0,
         skip_tokenizer_init=True,  # the random checkpoint has no tokenizer
         **shared_vllm_kwargs(args),
+        **extra,
     )
     if not torch.cuda.is_available():
         kwargs["enforce_eager"] = True  # as VllmEngine on CPU

@@ -176,6 +176,12 @@ class RolloutConfig:
     # sent (DESIGN.md §3): off, sample (one tensor of each kind, rotating) or full.
     verify_sync: Literal["off", "sample", "full"] = "off"
     verify_sync_interval: int = 1  # verify every N-th sync (when verify_sync is not off)
+    # Generate with FP8 weights (vLLM; GPUs of compute capability >= 8.9): fp8 = one
+    # float8_e4m3fn weight and a float32 scale per 128x128 block for every linear layer,
+    # quantized from the trainer's weights inside each sync (resharding/fp8.py). With it,
+    # algorithm.rollout_correction.level defaults to token (TIS, DESIGN.md §7). null: off.
+    quantization: Literal["fp8"] | None = None
+    kv_cache_dtype: Literal["auto", "fp8"] = "auto"  # vLLM's KV cache; fp8: half the bytes
     # Further vllm.LLM arguments, passed as given (e.g. disable_custom_all_reduce: true,
     # compilation_config: {...}); the ones the trainer sets itself are refused here.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -561,6 +567,10 @@ def _resolve_defaults(config: Config) -> None:
     if config.trainer.mode != "sync" and correction.level is None:
         # Stale tokens need the behaviour policy's log-probs: token-level truncated IS at
         # rollout_correction.threshold (2) on top of decoupled PPO-clip (DESIGN.md §7).
+        correction.level = "token"
+    if config.rollout.quantization is not None and correction.level is None:
+        # FP8 generation samples from another policy than the bf16 one trained: token-level
+        # truncated IS at threshold 2, which verl found necessary (DESIGN.md §7, "FP8 rollout").
         correction.level = "token"
     if config.rollout.partial.chunk_tokens is None:
         r = config.rollout

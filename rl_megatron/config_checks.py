@@ -197,6 +197,35 @@ def _check_rollout(r: RolloutConfig, p: ParallelConfig, m: ModelConfig) -> None:
     )
     _require(r.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb", "must be > 0")
     _require(r.verify_sync_interval >= 1, "rollout.verify_sync_interval", "must be >= 1")
+    _check_fp8(r)
+
+
+def _check_fp8(r: RolloutConfig) -> None:
+    """FP8 weights or KV cache: the vLLM engine on a GPU with FP8 units only."""
+    for key, on in (
+        ("rollout.quantization", r.quantization is not None),
+        ("rollout.kv_cache_dtype", r.kv_cache_dtype != "auto"),
+    ):
+        if not on:
+            continue
+        _require(
+            r.engine == "vllm",
+            key,
+            f"FP8 generation needs rollout.engine=vllm (the {r.engine} engine generates with "
+            "the trainer's weights); leave it out",
+        )
+        _require(
+            _has_fp8_gpu(),
+            key,
+            "fp8 needs a GPU of compute capability >= 8.9 (Ada, Hopper); this machine has "
+            "none (vLLM's CPU build has no FP8 kernels here: DESIGN.md §7); leave it out",
+        )
+
+
+def _has_fp8_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
 
 
 def _check_context_parallel(config: Config) -> None:

@@ -8,6 +8,7 @@
 #   STEPS="sync_ab_* e2e_1.5b*" bash benchmarks/gpu/whole_step.sh
 #   STEPS="e2e_8b" bash benchmarks/gpu/whole_step.sh  # alone: it needs most of a call
 #   STEPS="async_ab_1.5b" bash benchmarks/gpu/whole_step.sh  # alone too (issue 39)
+#   STEPS="fp8_rollout_8b" bash benchmarks/gpu/whole_step.sh  # alone too (issue 40)
 SUITE=whole_step
 source "$(dirname "$0")/common.sh"
 SHAPE_7B="--layers 32 --hidden 4096 --heads 32 --kv-heads 32 --ffn 11008 --vocab 32000"
@@ -154,6 +155,29 @@ step sync_ab_085b_l0 180 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 15 --s
   --profile-dir "$RES" --out-json "$RES/sync_ab_h200_085b_l0_$TAG.json"
 step sync_ab_7b_l0 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 --sleep-level 0 \
   --profile-dir "$RES" --out-json "$RES/sync_ab_h200_7b_l0_$TAG.json" actor.offload.optimizer=true
+
+# Issue 40: FP8 rollout (rollout.quantization: fp8, vLLM's fp8_per_block) against bf16 at
+# Llama-3.1-8B's shape (benchmarks/fp8_rollout.py): first the sync's quantization (every
+# linear weight quantized into fp8 + block scales vs a bf16 copy_, interleaved), then two
+# standalone engines of one random checkpoint, sampled, batch 256 x 1 024 new tokens,
+# interleaved rounds; target fp8 >= 1.3x bf16 tokens/s at the median (worst round >= 1.2x).
+# Not yet run; the limit is an estimate: checkpoint ~60 s, two 8B start-ups ~2 x 90 s, a
+# bf16 call ~30-40 s (1 024 decode steps at batch 256), (1 warm-up + 3) rounds x 2 calls
+# = ~300 s. Alone in a call (STEPS="fp8_rollout_8b"). JSON written after every part.
+SHAPE_8B="--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256"
+step fp8_rollout_8b 580 python3 benchmarks/fp8_rollout.py $SHAPE_8B --dtype bfloat16 \
+  --batches 256 --prompt-len 128 --max-new 1024 --repeats 3 --gpu-memory-utilization 0.4 \
+  --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
+  --out-json "$RES/fp8_rollout_h200_8b_$TAG.json"
+# The trainer's whole sync phase into an fp8 engine (staged per parameter, then quantized
+# on the device: resharding/fp8.py) and into a bf16 one, at the same 8B shape: two runs,
+# their medians compared (not interleaved: one trainer holds one engine). Estimates as
+# sync_ab_7b's; whether vLLM's online fp8 starts from dummy weights is untested.
+step sync_ab_8b_bf16 240 $TR1 benchmarks/sync_ab.py $SHAPE_8B --repeats 7 \
+  --out-json "$RES/sync_ab_h200_8b_bf16_$TAG.json" actor.offload.optimizer=true
+step sync_ab_8b_fp8 240 $TR1 benchmarks/sync_ab.py $SHAPE_8B --repeats 7 \
+  --out-json "$RES/sync_ab_h200_8b_fp8_$TAG.json" actor.offload.optimizer=true \
+  rollout.quantization=fp8
 
 # The dense 0.85B shape's whole tensors copied each way, with the graph the sync replays
 # (`sync_graph`: large pairs one copy_ each): the device side of the 0.85B sync.

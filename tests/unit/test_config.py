@@ -600,3 +600,38 @@ def test_router_replay_validates_with_either_engine(engine):
     # Both engines record the routing (vLLM's routed experts, the Megatron engine's hooks).
     config = load_config(TINY_MOE, ["actor.router_replay=true", f"rollout.engine={engine}"])
     validate(config, world_size=1)
+
+
+def test_fp8_rollout_is_refused_without_an_fp8_gpu(monkeypatch):
+    import rl_megatron.config_checks as checks
+
+    monkeypatch.setattr(checks, "_has_fp8_gpu", lambda: False)
+    for key in ("rollout.quantization=fp8", "rollout.kv_cache_dtype=fp8"):
+        message = _error(TINY, [key, "rollout.engine=vllm"])
+        assert message.startswith(key.split("=")[0] + ":") and "8.9" in message
+    message = _error(TINY, ["rollout.quantization=fp8", "rollout.engine=megatron"])
+    assert message.startswith("rollout.quantization:") and "rollout.engine=vllm" in message
+
+
+def test_fp8_rollout_turns_token_level_tis_on_unless_set(monkeypatch):
+    import rl_megatron.config_checks as checks
+
+    monkeypatch.setattr(checks, "_has_fp8_gpu", lambda: True)
+    config = load_config(TINY, [*ONE_RANK, "rollout.engine=vllm", "rollout.quantization=fp8"])
+    validate(config, world_size=1)
+    rc = config.algorithm.rollout_correction
+    assert (rc.level, rc.threshold) == ("token", 2.0)
+    assert config.rollout.calculate_log_probs is True  # the correction's weights need them
+    set_by_user = load_config(TINY, [*ONE_RANK, "rollout.quantization=fp8", f"{RC}.level=sequence"])
+    assert set_by_user.algorithm.rollout_correction.level == "sequence"
+    assert load_config(TINY, ONE_RANK).algorithm.rollout_correction.level is None
+
+
+def test_fp8_rollout_refuses_an_moe_actor(monkeypatch):
+    import rl_megatron.config_checks as checks
+
+    monkeypatch.setattr(checks, "_has_fp8_gpu", lambda: True)
+    config = load_config(TINY_MOE, ["rollout.engine=vllm", "rollout.quantization=fp8"])
+    validate(config, world_size=2)
+    with pytest.raises(ConfigError, match=r"^rollout\.quantization: fp8 with an MoE actor"):
+        check_engine_config(config)

@@ -22,8 +22,8 @@ class Recorder:
     def __init__(self, *args, **kwargs) -> None:
         self.args, self.kwargs, self.paired = args, kwargs, None
 
-    def pair_with(self, info, training, bucket_mb):
-        self.paired = (info, training, bucket_mb)
+    def pair_with(self, info, training, bucket_mb, **verify):
+        self.paired, self.verify = (info, training, bucket_mb), verify
 
 
 def _groups(layout: ParallelLayout) -> SimpleNamespace:
@@ -62,6 +62,8 @@ def test_the_vllm_build_pairs_its_sync_and_takes_the_sleep_level(monkeypatch, tm
             "rollout.engine=vllm",
             f"rollout.sleep_level={level}",
             "rollout.weight_sync_bucket_mb=64",
+            "rollout.verify_sync=sample",
+            "rollout.verify_sync_interval=3",
             f"trainer.output_dir={tmp_path}",
         ],
     )
@@ -72,7 +74,24 @@ def test_the_vllm_build_pairs_its_sync_and_takes_the_sleep_level(monkeypatch, tm
     (args,) = engine.args
     assert engine.kwargs == {"prompt_groups": [[0, 1], [2, 3]]}  # one per training replica
     assert engine.paired == ("info", layout, 64)
+    assert engine.verify == {"verify_sync": "sample", "verify_interval": 3}
     assert engine.sleep_level == level
     # A random init: vLLM builds from the config.json written for it, dummy weights.
     assert args.load_format == "dummy" and (Path(args.model) / "config.json").is_file()
     assert (args.tp, args.pad_token_id, args.seed) == (config.rollout.tp, 5, config.trainer.seed)
+
+
+@pytest.mark.parametrize("quantization, method", [(None, None), ("fp8", "fp8_per_block")])
+def test_the_vllm_build_asks_for_block_fp8(monkeypatch, tmp_path, quantization, method):
+    from rl_megatron.rollout.vllm import build
+
+    overrides = ["rollout.engine=vllm", f"trainer.output_dir={tmp_path}"]
+    if quantization:
+        overrides += [f"rollout.quantization={quantization}", "rollout.kv_cache_dtype=fp8"]
+    config = load_config(TINY, overrides)
+    monkeypatch.setattr(build, "VllmEngine", Recorder)
+    monkeypatch.setattr(build.dist, "barrier", lambda: None)
+    engine = build.build(config, "info", [], TOKENIZER, _groups(ParallelLayout(tp=2, pp=1, dp=2)))
+    (args,) = engine.args
+    assert args.quantization == method
+    assert args.kv_cache_dtype == ("fp8" if quantization else "auto")

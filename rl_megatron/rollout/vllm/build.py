@@ -21,6 +21,9 @@ from rl_megatron.models.hf_config import HFModelInfo, random_init_hf_config
 from rl_megatron.parallel import ParallelGroups
 from rl_megatron.rollout.vllm.engine import VllmEngine, VllmEngineArgs
 
+# rollout.quantization -> vLLM's online method (a bf16 checkpoint quantized at load).
+FP8_METHODS = {"fp8": "fp8_per_block"}
+
 
 def build(
     config: Config, info: HFModelInfo, actor_chunks: list, tokenizer: Any, groups: ParallelGroups
@@ -57,6 +60,11 @@ def build(
         calculate_log_probs=r.calculate_log_probs,
         return_routed_experts=config.actor.router_replay,
         pad_token_id=tokenizer.pad_token_id or 0,
+        # Block scales, not vLLM's per-tensor fp8: a block's scale is its own rows' (no
+        # amax reduced over the TP ranks inside every sync) and the weight keeps its
+        # [out, in] layout, so the sync quantizes each rank's shard where it lands.
+        quantization=FP8_METHODS[r.quantization] if r.quantization else None,
+        kv_cache_dtype=r.kv_cache_dtype,
         extra=dict(r.engine_kwargs),
     )
     # Each training data-parallel replica passes its own prompts.

@@ -15,7 +15,7 @@ TRAINER_SET_LLM_ARGS = (
     "model", "tensor_parallel_size", "distributed_executor_backend", "load_format", "dtype",
     "gpu_memory_utilization", "seed", "enforce_eager", "enable_prefix_caching",
     "skip_tokenizer_init", "logprobs_mode", "enable_sleep_mode", "max_model_len",
-    "block_size", "enable_return_routed_experts",
+    "block_size", "enable_return_routed_experts", "quantization", "kv_cache_dtype",
 )  # fmt: skip
 
 
@@ -50,6 +50,12 @@ def check_config(config: Config) -> None:
             "is false, but algorithm.rollout_correction needs the engine's log-probs; set it "
             "true or leave it out",
         )
+    _require(
+        not (r.quantization and m.num_experts),
+        "rollout.quantization",
+        "fp8 with an MoE actor: the sync fills vLLM's fp8 linear layers, not its fp8 "
+        "experts (3-D weights and scales) yet; leave it out",
+    )
     if m.num_experts:
         # Resharding fills vLLM's fused experts as vLLM splits them without expert
         # parallelism: every expert on every rank, its FFN split over rollout.tp.

@@ -153,6 +153,10 @@ class VllmEngineArgs:
     # with post-processing, needed where weights are repacked), "auto": layerwise on CPU.
     weight_reload: Literal["auto", "direct", "layerwise"] = "auto"
     pad_token_id: int | None = None  # pad id in RolloutBatch; None: config's or 0
+    # vLLM's `quantization` (None, or "fp8_per_block": float8 weights and one float32
+    # scale per 128x128 block, filled by the sync through resharding/fp8.py).
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # vLLM's KV-cache dtype ("auto": the model's; "fp8")
     extra: dict[str, Any] = field(default_factory=dict)  # further vllm.LLM kwargs
 
     def __post_init__(self) -> None:
@@ -437,6 +441,10 @@ class VllmEngine(RolloutEngine):
             kwargs["max_model_len"] = args.max_model_len
         if args.block_size is not None:
             kwargs["block_size"] = args.block_size
+        if args.quantization is not None:
+            kwargs["quantization"] = args.quantization
+        if args.kv_cache_dtype != "auto":
+            kwargs["kv_cache_dtype"] = args.kv_cache_dtype
         kwargs.update(args.extra)
         # The CPU build's TP groups talk through /dev/shm: per-run names, removed once mapped.
         with run_shm_names() if on_cpu else contextlib.nullcontext() as shm_ident:

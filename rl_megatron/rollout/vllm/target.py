@@ -7,6 +7,13 @@ sharded, to vLLM's layerwise reload, which re-runs the layer's post-processing o
 layer is complete. Which parameters vLLM repacked is found when the target is built
 (`repacked.py`): with any, `auto` takes the reload too and `direct` is refused. Its
 parameter layout is `specs.vllm_specs`.
+
+Where vLLM generates with FP8 weights (`rollout.quantization: fp8`, GPUs only), each
+linear layer holds a float8 `weight` and its float32 `weight_scale_inv` (one per 128x128
+block) instead of the checkpoint's bf16 weight: such a parameter is assembled in a
+staging buffer of the trainer's dtype, then quantized into both on its device
+(`resharding/fp8.py`), one parameter's buffer at a time. Those two are this target's to
+write, so the repack check leaves them out.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from typing import Any
 import torch
 
 from rl_megatron.models.hf_config import HFModelInfo, parse_hf_config
+from rl_megatron.resharding.fp8 import FP8_DTYPE, block_scale_shape, quantize_blockwise_
 from rl_megatron.resharding.layouts import GenerationLayout
 from rl_megatron.resharding.shards import check_tensors
 from rl_megatron.resharding.sources import ParameterOwners
@@ -30,6 +38,34 @@ logger = logging.getLogger(__name__)
 
 def _rpc_model(worker: Any) -> torch.nn.Module:
     return worker.model_runner.model
+
+
+FP8_SCALE = "weight_scale_inv"  # vLLM's name for a block-quantized weight's scales
+
+
+def fp8_weights(table: Mapping[str, torch.Tensor]) -> tuple[dict[str, str], list[str]]:
+    """vLLM's FP8 weights: (weight name -> its scales' name, one line per problem).
+
+    A problem is a layout the quantizer does not fill: scales missing, not float32 or not
+    one per 128x128 block of the `[out, in]` weight (vLLM repacked them for a kernel:
+    transposed, padded, or e8m0 scales on Blackwell's DeepGEMM). The sync refuses it.
+    """
+    pairs, problems = {}, []
+    for name, weight in table.items():
+        if weight.dtype != FP8_DTYPE:
+            continue
+        scale_name = name.removesuffix("weight") + FP8_SCALE
+        scale = table.get(scale_name)
+        want = block_scale_shape(tuple(weight.shape)) if weight.dim() == 2 else None
+        if scale is None or scale.dtype != torch.float32 or tuple(scale.shape) != want:
+            have = None if scale is None else (tuple(scale.shape), scale.dtype)
+            problems.append(
+                f"vLLM fp8 weight '{name}' {tuple(weight.shape)} has scales {have}, not "
+                f"float32 {want} (one per 128x128 block): a layout the sync cannot fill; "
+                "use rollout.quantization=null"
+            )
+        pairs[name] = scale_name
+    return pairs, problems
 
 
 def _plain_tensor_reads() -> Any:
@@ -52,17 +88,22 @@ class VllmEngineTarget(ReshardTarget):
     shard_specs = staticmethod(vllm_specs)
 
     def __init__(self, engine: Any) -> None:
-        from vllm.platforms import current_platform
-
         self.engine = engine
         self.layout = GenerationLayout(tp=engine.args.tp, world_size=engine.layout.world_size)
         # In-process (`external_launcher`): the RPC returns the model object itself.
         self.model: torch.nn.Module = engine.llm.collective_rpc(_rpc_model)[0]
         reload = engine.args.weight_reload
+        from vllm.platforms import current_platform
+
         self.layerwise = current_platform.is_cpu() if reload == "auto" else reload == "layerwise"
+        # FP8 weights are quantized once their last rows landed: the copy program then
+        # reports each parameter as it completes (no kept views, no copy graph).
+        has_fp8 = any(p.dtype == FP8_DTYPE for p in self.model.parameters())
         if not self.layerwise:
             self._check_in_place(reload, current_platform.device_type)
-        self.buffers_params = self.layerwise
+        if has_fp8:
+            self._fp8_dtype = engine.llm.llm_engine.model_config.dtype  # the trainer's
+        self.buffers_params = self.layerwise or has_fp8
         self._names: set[str] = set()
         self._buffers: dict[str, torch.Tensor] = {}
         self._pending: dict[torch.nn.Module, int] = {}  # bytes vLLM still holds per module
@@ -73,6 +114,9 @@ class VllmEngineTarget(ReshardTarget):
         # replaced a parameter object (its layerwise reload does; writes in place do not):
         # never written through a stale table, and no module-tree walk per sync.
         self._table: dict[str, torch.nn.Parameter] = {}
+        self._planned: dict[str, torch.nn.Parameter] = {}  # the table less fp8 scales
+        self._fp8: dict[str, str] = {}  # fp8 weight -> its scales (`fp8_weights`)
+        self._fp8_problems: list[str] = []
         self._owners: ParameterOwners | None = None
         # The engine's model config and parallel settings never change for its life:
         # checked once per trainer model info.
@@ -82,7 +126,10 @@ class VllmEngineTarget(ReshardTarget):
         """Before the first sync: parameters vLLM repacked after loading (`repacked.py`)
         cannot be written in place. With `auto` every update then goes through vLLM's
         layerwise reload, which re-runs the processing; `direct` is refused in one line."""
-        found = repacked_parameters(self.model, platform)
+        with _plain_tensor_reads():
+            fp8, _ = fp8_weights(dict(self.model.named_parameters()))
+        written_here = set(fp8) | set(fp8.values())  # quantized by this target, not vLLM
+        found = [r for r in repacked_parameters(self.model, platform) if r.name not in written_here]
         if not found:
             return
         quantization = self.engine.llm.llm_engine.model_config.quantization
@@ -101,10 +148,14 @@ class VllmEngineTarget(ReshardTarget):
         if self._owners is None or not self._owners.still_owned():
             self._table = dict(self.model.named_parameters())
             self._owners = ParameterOwners(self.model)
+            with _plain_tensor_reads():
+                self._fp8, self._fp8_problems = fp8_weights(self._table)
+            scales = set(self._fp8.values())
+            self._planned = {n: p for n, p in self._table.items() if n not in scales}
 
     def _shapes(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """vLLM parameter → (checkpoint-format shard shape, dtype)."""
-        params = self._table
+        params = self._planned
         if not self.layerwise:
             return {name: (tuple(p.shape), p.dtype) for name, p in params.items()}
         # Repacked weights lost their shape; vLLM recorded the checkpoint format.
@@ -131,8 +182,9 @@ class VllmEngineTarget(ReshardTarget):
         if self.layerwise:
             tensors: dict[str, Any] = {name: shape for name, (shape, _) in self._shapes().items()}
             return problems + check_tensors(shapes, tensors, "vLLM")
+        problems += self._fp8_problems
         with _plain_tensor_reads():
-            return problems + check_tensors(shapes, self._table, "vLLM")
+            return problems + check_tensors(shapes, self._planned, "vLLM")
 
     def _config_problems(self, info: HFModelInfo) -> list[str]:
         """The engine's config against the trainer's (both fixed: compared once per info)."""
@@ -163,20 +215,37 @@ class VllmEngineTarget(ReshardTarget):
 
     def writable(self, name: str) -> torch.Tensor:
         self._names.add(name)
+        if name in self._fp8:
+            return self._staging(name, self._table[name], self._fp8_dtype)
         if not self.layerwise:
             with _plain_tensor_reads():
                 return self._table[name].data
+        meta = self._table[name]  # on the meta device during a layerwise reload
+        return self._staging(name, meta, meta.dtype, device="cpu")
+
+    def _staging(
+        self, name: str, param: torch.Tensor, dtype: torch.dtype, device: Any = None
+    ) -> torch.Tensor:
+        """The buffer parameter `name` is assembled in (its checkpoint shape), made once."""
         buf = self._buffers.get(name)
         if buf is None:
-            meta = self._table[name]  # on the meta device during a layerwise reload
-            buf = torch.empty(meta.shape, dtype=meta.dtype)
+            with _plain_tensor_reads():
+                shape, where = param.shape, param.device if device is None else device
+            buf = torch.empty(shape, dtype=dtype, device=where)
             self._buffers[name] = buf
             self._live += buf.nbytes
             self._peak = max(self._peak, self._live)
         return buf
 
     def param_done(self, name: str) -> None:
-        if self.layerwise:
+        if name in self._fp8:
+            buf = self._buffers.pop(name)
+            with _plain_tensor_reads():
+                weight, scale = self._table[name].data, self._table[self._fp8[name]].data
+            quantize_blockwise_(buf, weight, scale, name)
+            self._live -= buf.nbytes
+            self._names.add(self._fp8[name])  # its scales are written too
+        elif self.layerwise:
             self._load_sharded(name, self._buffers.pop(name))
 
     def _load_sharded(self, name: str, shard: torch.Tensor) -> None:

@@ -15,7 +15,7 @@ import torch
 
 from rl_megatron.resharding.verify import SyncVerifier, VerifyMode
 from rl_megatron.rollout.vllm.repacked import repacked_parameters
-from rl_megatron.rollout.vllm.target import _rpc_model
+from rl_megatron.rollout.vllm.target import _plain_tensor_reads, _rpc_model, fp8_weights
 
 
 def _rpc_parameters(worker: Any) -> dict[str, torch.Tensor]:
@@ -36,12 +36,17 @@ def repacked_storage(engine: Any) -> frozenset[str]:
     """Parameters whose own storage vLLM repacked after loading (`repacked.py`): what they
     hold is the processed form of what was sent, not comparable bitwise, so the verifier
     leaves them out (counted `unreadable`). On the CPU build: every linear weight and the
-    experts; on a GPU with unquantized weights on the Triton kernels: none."""
+    experts; on a GPU with unquantized weights on the Triton kernels: none; with
+    `rollout.quantization: fp8`, the fp8 weights and scales."""
     from vllm.platforms import current_platform
 
     model = engine.llm.collective_rpc(_rpc_model)[0]
     found = repacked_parameters(model, current_platform.device_type)
-    return frozenset(r.name for r in found if r.storage)
+    # FP8 weights and their scales hold the quantized form of what was sent: left out
+    # too, until the verifier quantizes what it recomputes (not built yet).
+    with _plain_tensor_reads():
+        fp8, _ = fp8_weights(dict(model.named_parameters()))
+    return frozenset([r.name for r in found if r.storage] + [*fp8, *fp8.values()])
 
 
 def verifier_for(engine: Any, mode: VerifyMode, interval: int) -> SyncVerifier | None:
