@@ -715,6 +715,13 @@ MUTATIONS = [
         UNPICKLER,
     ),
     (
+        "sync verification: an FP8 weight compared as sent, not quantized",
+        "rl_megatron/resharding/verify.py",
+        "stored = form.encode(sent) if form is not None else {name: sent}",
+        "stored = {name: sent}",
+        "tests/unit/test_sync_verify.py",
+    ),
+    (
         "environment pool: 0 read as a cap of none, not as no cap",
         "rl_megatron/environments/workers.py",
         "if 0 < self.max_concurrent <= len(self._workers):",

@@ -105,7 +105,8 @@ def first_difference(
         return None
     flat = int(differ[0, 0])
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), engine.shape))
-    return index, engine.reshape(-1)[flat].item(), sent.reshape(-1)[flat].item()
+    value = lambda t: t.reshape(-1)[flat].to(torch.float32).item()  # noqa: E731 (fp8 too)
+    return index, value(engine), value(sent)
 
 
 def restricted_plan(plan: ReshardPlan, names: set[str]) -> ReshardPlan:
@@ -130,11 +131,29 @@ def restricted_plan(plan: ReshardPlan, names: set[str]) -> ReshardPlan:
     )
 
 
-class ScratchTarget(ReshardTarget):
-    """Fresh tensors (zeros) in the engine tensors' shapes and dtypes: what a sync sends."""
+@dataclasses.dataclass(frozen=True)
+class StoredForm:
+    """How the engine stores a parameter in another form than the one sent (vLLM's FP8
+    weights: the target quantizes what lands). The verifier encodes what it recomputes the
+    same way and compares the engine's tensors with that, bit for bit."""
 
-    def __init__(self, like: Mapping[str, torch.Tensor]) -> None:
-        self.tensors = {n: torch.zeros_like(t) for n, t in like.items()}
+    sent_dtype: torch.dtype  # the dtype the sync sends it in (the trainer's)
+    # what was sent -> the engine's tensors it becomes, by engine parameter name
+    encode: Callable[[torch.Tensor], Mapping[str, torch.Tensor]]
+
+
+class ScratchTarget(ReshardTarget):
+    """Fresh tensors (zeros) in the engine tensors' shapes and dtypes (or the dtype sent,
+    for a parameter stored in another form): what a sync sends."""
+
+    def __init__(
+        self, like: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype] | None = None
+    ) -> None:
+        dtypes = dtypes or {}
+        self.tensors = {
+            n: torch.zeros(t.shape, dtype=dtypes.get(n, t.dtype), device=t.device)
+            for n, t in like.items()
+        }
 
     def padded_vocab(self) -> int:  # pragma: no cover (never agreed on: the plan is given)
         raise NotImplementedError
@@ -173,6 +192,7 @@ class SyncVerifier:
         interval: verify every `interval`-th sync (`rollout.verify_sync_interval`).
         read_engine: the engine's own parameters on this rank, name → tensor, read through
             the engine (its package supplies it: `rollout/vllm/verify.py`).
+        forms: parameters the engine stores in another form than sent, by name.
     """
 
     def __init__(
@@ -181,10 +201,12 @@ class SyncVerifier:
         *,
         interval: int,
         read_engine: Callable[[], Mapping[str, torch.Tensor]],
+        forms: Mapping[str, StoredForm] | None = None,
     ) -> None:
         if mode not in ("sample", "full"):
             raise ValueError(f"rollout.verify_sync: no verifier for {mode!r}")
         self.mode, self.interval, self.read_engine = mode, interval, read_engine
+        self.forms = dict(forms or {})
         self.syncs = 0  # syncs seen
         self.verifications = 0  # verifications run (the sample's rotation)
 
@@ -223,20 +245,31 @@ class SyncVerifier:
         problem = None
         for chunk in self._chunks(plan, chosen):
             like = {n: engine[n] for n in chunk}
-            scratch = ScratchTarget(like)
+            dtypes = {n: self.forms[n].sent_dtype for n in chunk if n in self.forms}
+            scratch = ScratchTarget(like, dtypes)
             sub = restricted_plan(plan, set(chunk))
             execute(sub, compile_program(sub, local), rank, sources, scratch, group=group)
             for name in chunk:
-                stats.verified_tensors += 1
-                stats.verified_bytes += like[name].nbytes
-                diff = problem is None and first_difference(like[name], scratch.tensors[name])
-                if diff:
-                    index, have, sent = diff
-                    problem = (
-                        f"weight sync verification failed on rank {rank}: engine parameter "
-                        f"{name} differs from what the trainer sent at index {list(index)}: "
-                        f"engine {have!r}, sent {sent!r} (rollout.verify_sync)"
-                    )
+                sent = scratch.tensors[name]
+                form = self.forms.get(name)
+                stored = form.encode(sent) if form is not None else {name: sent}
+                for stored_name, expected in stored.items():
+                    stats.verified_tensors += 1
+                    stats.verified_bytes += engine[stored_name].nbytes
+                    diff = problem is None and first_difference(engine[stored_name], expected)
+                    if diff:
+                        index, have, want = diff
+                        how = (
+                            "what the trainer sent"
+                            if form is None
+                            else ("the trainer's weight quantized as the engine stores it")
+                        )
+                        problem = (
+                            f"weight sync verification failed on rank {rank}: engine "
+                            f"parameter {stored_name} differs from {how} at index "
+                            f"{list(index)}: engine {have!r}, sent {want!r} "
+                            "(rollout.verify_sync)"
+                        )
             del scratch, like
         failing = all_max([1 if problem else 0], group)[0]
         if failing and problem is None:

@@ -165,3 +165,48 @@ def test_off_builds_no_verifier_for_vllm():
     assert verifier_for(Untouchable(), "off", 1) is None
     with pytest.raises(AssertionError, match="off read the engine"):
         verifier_for(Untouchable(), "sample", 1)  # on: it does look at the engine
+
+
+@pytest.mark.parametrize("corrupt", [None, "weight", "weight_scale_inv"])
+def test_a_parameter_stored_as_fp8_is_compared_with_the_sent_weight_quantized(corrupt):
+    """vLLM's FP8 engines hold a linear weight as fp8 bytes and per-block scales (the
+    target quantizes what lands): the check quantizes what it recomputes the same way and
+    compares both tensors bitwise, naming the one that differs."""
+    from rl_megatron.resharding.fp8 import FP8_DTYPE, block_scale_shape, quantize_blockwise_
+    from rl_megatron.resharding.verify import StoredForm
+
+    case = Case("llama_gqa")
+    name = "model.layers.1.mlp.down_proj.weight"
+    scale_name = name.removesuffix("weight") + "weight_scale_inv"
+
+    def quantized(sent):
+        out = torch.empty(sent.shape, dtype=FP8_DTYPE)
+        scale = torch.empty(block_scale_shape(tuple(sent.shape)))
+        quantize_blockwise_(sent, out, scale, name)
+        return {name: out, scale_name: scale}
+
+    def read():
+        tensors = dict(case.store.tensors)
+        tensors.update(quantized(tensors[name]))  # what an honest FP8 target holds
+        if corrupt is not None:
+            key = name if corrupt == "weight" else scale_name
+            bits = {1: torch.uint8, 4: torch.int32}[tensors[key].element_size()]
+            tensors[key] = tensors[key].clone()
+            tensors[key].reshape(-1).view(bits)[1 if corrupt == "weight" else 0] += 1
+        return tensors
+
+    sent_dtype = case.store.tensors[name].dtype
+    verifier = SyncVerifier("full", interval=1, read_engine=read,
+                            forms={name: StoredForm(sent_dtype, quantized)})  # fmt: skip
+    weight_sync = WeightSync(case.store, info=case.info, training=case.training,
+                             bucket_mb=BUCKET_MB, verifier=verifier)  # fmt: skip
+    if corrupt is None:
+        stats = weight_sync.sync([case.chunk], version=1)
+        # the fp8 weight and its scales are each one verified tensor
+        assert stats.verify.verified_tensors == len(names_of(case)) + 1
+        return
+    with pytest.raises(SyncVerifyError) as err:
+        weight_sync.sync([case.chunk], version=1)
+    key = name if corrupt == "weight" else scale_name
+    assert f"engine parameter {key} differs from the trainer's weight quantized" in str(err.value)
+    assert f"at index {[0, 1] if corrupt == 'weight' else [0, 0]}" in str(err.value)

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from rl_megatron.resharding.verify import SyncVerifier, VerifyMode
+from rl_megatron.resharding.fp8 import FP8_DTYPE, block_scale_shape, quantize_blockwise_
+from rl_megatron.resharding.verify import StoredForm, SyncVerifier, VerifyMode
 from rl_megatron.rollout.vllm.repacked import repacked_parameters
 from rl_megatron.rollout.vllm.target import _plain_tensor_reads, _rpc_model, fp8_weights
 
@@ -36,17 +37,36 @@ def repacked_storage(engine: Any) -> frozenset[str]:
     """Parameters whose own storage vLLM repacked after loading (`repacked.py`): what they
     hold is the processed form of what was sent, not comparable bitwise, so the verifier
     leaves them out (counted `unreadable`). On the CPU build: every linear weight and the
-    experts; on a GPU with unquantized weights on the Triton kernels: none; with
-    `rollout.quantization: fp8`, the fp8 weights and scales."""
+    experts; on a GPU with unquantized weights on the Triton kernels: none. FP8 weights
+    are not among them: the target quantizes them, and so does the check (`fp8_forms`)."""
     from vllm.platforms import current_platform
 
     model = engine.llm.collective_rpc(_rpc_model)[0]
-    found = repacked_parameters(model, current_platform.device_type)
-    # FP8 weights and their scales hold the quantized form of what was sent: left out
-    # too, until the verifier quantizes what it recomputes (not built yet).
     with _plain_tensor_reads():
         fp8, _ = fp8_weights(dict(model.named_parameters()))
-    return frozenset([r.name for r in found if r.storage] + [*fp8, *fp8.values()])
+    written_here = set(fp8) | set(fp8.values())  # quantized by the target: `fp8_forms`
+    found = repacked_parameters(model, current_platform.device_type)
+    return frozenset(r.name for r in found if r.storage and r.name not in written_here)
+
+
+def fp8_forms(engine: Any, sent_dtype: torch.dtype) -> dict[str, StoredForm]:
+    """vLLM's FP8 weights as the target writes them: the sent weight quantized per block
+    (`resharding/fp8.py`) into the weight and its `weight_scale_inv`, compared bit for bit
+    (the quantizer is deterministic: the same bf16 rows give the same bytes)."""
+    model = engine.llm.collective_rpc(_rpc_model)[0]
+    with _plain_tensor_reads():
+        fp8, _ = fp8_weights(dict(model.named_parameters()))
+
+    def quantized(name: str, scale_name: str, sent: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = torch.empty(sent.shape, dtype=FP8_DTYPE, device=sent.device)
+        scale = torch.empty(block_scale_shape(tuple(sent.shape)), device=sent.device)
+        quantize_blockwise_(sent, out, scale, name)
+        return {name: out, scale_name: scale}
+
+    return {
+        name: StoredForm(sent_dtype, functools.partial(quantized, name, scale_name))
+        for name, scale_name in fp8.items()
+    }
 
 
 def verifier_for(engine: Any, mode: VerifyMode, interval: int) -> SyncVerifier | None:
@@ -54,6 +74,10 @@ def verifier_for(engine: Any, mode: VerifyMode, interval: int) -> SyncVerifier |
     if mode == "off":
         return None
     repacked = repacked_storage(engine)
+    sent_dtype = engine.llm.llm_engine.model_config.dtype  # the trainer's, as the target's
     return SyncVerifier(
-        mode, interval=interval, read_engine=functools.partial(engine_parameters, engine, repacked)
+        mode,
+        interval=interval,
+        read_engine=functools.partial(engine_parameters, engine, repacked),
+        forms=fp8_forms(engine, sent_dtype),
     )
