@@ -395,11 +395,6 @@ def _check_lora(config: Config) -> None:
         "would be sent the base weights without the adapters)",
     )
     _require(
-        not config.checkpoint.save_hf,
-        "checkpoint.save_hf",
-        "the HF export does not merge LoRA adapters yet; set it false with actor.lora.rank > 0",
-    )
-    _require(
         config.parallel.etp == 1
         or "linear_fc1" not in lora.target_modules
         and "linear_fc2" not in lora.target_modules

@@ -47,6 +47,7 @@ import contextlib
 import hashlib
 import math
 import re
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -83,6 +84,8 @@ class LoraAdapter(torch.nn.Module):
     ) -> None:
         super().__init__()
         self.mode, self.rank, self.scale = mode, rank, alpha / rank
+        # The adapted linear, held weakly (a module attribute would register it twice).
+        self.base = weakref.ref(base)
         self.enabled = True  # `adapters_disabled` turns the update off
         self.tp_group = base.tp_group
         expert_comm = bool(getattr(base, "explicit_expert_comm", False))
@@ -254,6 +257,15 @@ def adapter_param_ids(module: torch.nn.Module) -> frozenset[int]:
     return frozenset(
         id(p) for m in module.modules() if isinstance(m, LoraAdapter) for p in m.parameters()
     )
+
+
+def adapters_by_weight(module: torch.nn.Module) -> dict[int, LoraAdapter]:
+    """id(adapted base weight) → its adapter, for every adapter in `module`."""
+    return {
+        id(a.base().weight): a
+        for a in module.modules()
+        if isinstance(a, LoraAdapter) and a.base() is not None
+    }
 
 
 @contextlib.contextmanager

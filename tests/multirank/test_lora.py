@@ -9,6 +9,9 @@ CPU build has no sequence-parallel backward) and PP2 on the tiny Llama of test_r
   (c) after one PPO step every base tensor is bit-identical, every adapter tensor moved (A
       too: B is nonzero), only adapters have a gradient buffer, and the optimizer's state
       holds exactly the adapters' elements (summed over its DP shards);
+  (e) a base actor with W + (alpha/r)·B·A merged in by hand gives the adapted log-probs,
+      `merged_weight` equals that merge bit for bit, and so does the HF export
+      (`iter_hf_tensors`) of the LoRA actor, tensor by tensor, with no adapter in it;
   (d) the adapted log-probs equal TP1's (1e-4, test_roles' parity bound); the loss (1e-5 absolute) and grad norm (1e-4 relative) equal TP1's, and each adapter's
       update, gathered to its full shape, is within 1e-4 of its largest of TP1's (the
       tolerances and the Adam argument of test_roles: equal updates mean equal gradients).
@@ -117,6 +120,36 @@ def _norms_for_sequence_parallel() -> None:
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
+def _check_merge(root, batch, actor, moved, layout, sp) -> None:
+    """(e) W + (alpha/r)·B·A merged by hand into a plain base actor gives the adapted
+    log-probs (1e-5: fp32 summation order), and `merged_weight` is that merge bit for bit."""
+    from rl_megatron.checkpoint.hf_export import iter_hf_tensors
+    from rl_megatron.models.hf_config import load_hf_config
+    from rl_megatron.models.lora import LoraAdapter, merged_weight
+
+    base = _actor(root, lora=False, sp=sp)
+    for chunk, plain in zip(actor.model, base.model):
+        for name, a in chunk.module.named_modules():
+            if not isinstance(a, LoraAdapter):
+                continue
+            weight = plain.module.get_submodule(name.removesuffix("_lora")).weight
+            with torch.no_grad():
+                by_hand = weight + (ALPHA / RANK) * (a.lora_b @ a.lora_a)
+                assert torch.equal(merged_weight(weight, a), by_hand), f"{layout}: {name}"
+                weight.copy_(by_hand)
+    # The HF export merges on the fly: the LoRA actor exports the hand-merged weights.
+    info = load_hf_config(root / "llama")
+    mine = dict(iter_hf_tensors(actor.model, info, actor.groups))
+    theirs = dict(iter_hf_tensors(base.model, info, base.groups))
+    assert mine.keys() == theirs.keys() and not any("lora" in k for k in mine), layout
+    for name, tensor in theirs.items():
+        assert torch.equal(mine[name], tensor), f"{layout}: HF export of {name}"
+    err = base.forward_only(batch)["log_prob"] - moved
+    assert err[batch["response_mask"].bool()].abs().max() < 1e-5, (
+        f"{layout}: the merged model's log-probs differ"
+    )
+
+
 def _body(rank, world_size, root):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -150,6 +183,7 @@ def _body(rank, world_size, root):
             moved_tp1 = moved
         err = (moved - moved_tp1)[mask].abs().max().item()
         assert err < TOL, f"{layout}: adapted log-probs differ from TP1's by {err:.2e}"
+        _check_merge(root, batch, actor, moved, layout, sp)
         if sp:
             # The CPU build cannot run a sequence-parallel backward (megatron-core's
             # reduce-scatter allocates on CUDA there): the forward only.

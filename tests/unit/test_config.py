@@ -604,7 +604,6 @@ LORA = ["actor.lora.rank=8"]
         (LORA + ["actor.lora.target_modules=[q_proj]"], "actor.lora.target_modules: unknown"),
         (LORA + ["actor.lora.target_modules=[]"], "actor.lora.target_modules: must name"),
         (LORA + ["rollout.engine=vllm"], "actor.lora.rank: LoRA needs rollout.engine=megatron"),
-        (LORA + ["checkpoint.save_hf=true"], "checkpoint.save_hf: the HF export does not merge"),
         (LORA + ["actor.use_kl_loss=true", "actor.kl_loss_type=full"],
          "actor.kl_loss_type: full needs the reference's logits"),
     ],
