@@ -53,6 +53,7 @@ from collections.abc import Iterator, Sequence
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import (
     ensure_metadata_has_dp_cp_group,
     make_sharded_tensors_for_checkpoint,
@@ -77,10 +78,18 @@ class LoraAdapter(torch.nn.Module):
         mode: "column" or "row", how `base` splits over TP.
         rank, alpha, dropout: `actor.lora.*`.
         seed: the adapter's own seed (`apply_lora`: run seed and global name).
+        gated: `base` is a gated MLP's `linear_fc1` ([gate; up] rows per TP shard).
     """
 
     def __init__(
-        self, base: torch.nn.Module, mode: str, rank: int, alpha: float, dropout: float, seed: int
+        self,
+        base: torch.nn.Module,
+        mode: str,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        seed: int,
+        gated: bool = False,
     ) -> None:
         super().__init__()
         self.mode, self.rank, self.scale = mode, rank, alpha / rank
@@ -94,6 +103,8 @@ class LoraAdapter(torch.nn.Module):
         self.communicate = tp > 1 and not expert_comm
         self.sequence_parallel = bool(base.sequence_parallel) and self.communicate
         self.dropout_p = dropout
+        # fc1 of a gated MLP holds [gate; up] per TP shard: B's rows too (checkpoint layout).
+        self.gated = gated
         out_local, in_local = base.weight.shape
         in_full = in_local * tp if mode == "row" else in_local
         weight = base.weight
@@ -147,12 +158,12 @@ class LoraAdapter(torch.nn.Module):
         return F.linear(h, self.lora_b) * self.scale
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
-        """dist_checkpointing view: the split factor sharded on TP like the base weight."""
+        """dist_checkpointing view: the split factor sharded on TP like the base weight, so
+        a checkpoint holds the same global tensors at any TP (fc1's B as [gate; up], as
+        megatron-core's MLP stores fc1's weight)."""
         metadata = ensure_metadata_has_dp_cp_group(metadata)
         split = {"lora_b": 0} if self.mode == "column" else {"lora_a": 1}
-        if not self.communicate:
-            split = {}
-        return make_sharded_tensors_for_checkpoint(
+        out = make_sharded_tensors_for_checkpoint(
             self.state_dict(prefix="", keep_vars=True),
             prefix,
             split,
@@ -160,6 +171,11 @@ class LoraAdapter(torch.nn.Module):
             tp_group=self.tp_group,
             dp_cp_group=metadata["dp_cp_group"],
         )
+        if self.gated:
+            key = f"{prefix}lora_b"
+            singleton = metadata.get("singleton_local_shards", False)
+            out[key] = apply_swiglu_sharded_factory(out[key], sharded_offsets, singleton)
+        return out
 
 
 def _add_update(adapter: LoraAdapter):
@@ -236,7 +252,10 @@ def apply_lora(
                     f"megatron-core's {expected.__name__}; LoRA needs the local layer spec "
                     "(Transformer Engine linears are not adapted yet)"
                 )
-            adapter = LoraAdapter(module, mode, rank, alpha, dropout, _adapter_seed(seed, key))
+            gated = name == "linear_fc1" and module.config.gated_linear_unit
+            adapter = LoraAdapter(
+                module, mode, rank, alpha, dropout, _adapter_seed(seed, key), gated
+            )
             chunk.get_submodule(parent_path).add_module(name + SUFFIX, adapter)
             module.register_forward_hook(_add_update(adapter))
             adapters.append(adapter)

@@ -12,6 +12,8 @@ CPU build has no sequence-parallel backward) and PP2 on the tiny Llama of test_r
   (e) a base actor with W + (alpha/r)·B·A merged in by hand gives the adapted log-probs,
       `merged_weight` equals that merge bit for bit, and so does the HF export
       (`iter_hf_tensors`) of the LoRA actor, tensor by tensor, with no adapter in it;
+  (f) each layout's dist_checkpointing save loads into TP1 with the same adapter tensors,
+      bit for bit (the split factor's global layout is the same at any TP);
   (d) the adapted log-probs equal TP1's (1e-4, test_roles' parity bound); the loss (1e-5 absolute) and grad norm (1e-4 relative) equal TP1's, and each adapter's
       update, gathered to its full shape, is within 1e-4 of its largest of TP1's (the
       tolerances and the Adam argument of test_roles: equal updates mean equal gradients).
@@ -151,6 +153,7 @@ def _check_merge(root, batch, actor, moved, layout, sp) -> None:
 
 
 def _body(rank, world_size, root):
+    from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -209,12 +212,51 @@ def _body(rank, world_size, root):
         adapter_numel = sum(p.numel() for n, p in params if id(p) in adapter_ids)
         assert total.item() == adapter_numel, f"{layout}: optimizer state {total} elements"
         # (d) this layout's step, for the comparison with TP1 after the spawn.
-        update = {k: v - start[k] for k, v in _gathered(actor, tp).items()}
+        after = _gathered(actor, tp)
+        update = {k: v - start[k] for k, v in after.items()}
+        dist_checkpointing.save(_sharded(actor), str(_fresh(root / f"ckpt_{layout}")))
         if tp_rank == 0 and ps.get_data_parallel_rank() == 0:
             out = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **update}
+            torch.save(
+                after, root / f"after_{layout}_stage{ps.get_pipeline_model_parallel_rank()}.pt"
+            )
             torch.save(out, root / f"{layout}_stage{ps.get_pipeline_model_parallel_rank()}.pt")
         torch.distributed.barrier()
+    # (f) each layout's checkpoint loads into TP1 with the adapters it saved, bit for bit:
+    # B sharded like the weight's rows (fc1 as [gate; up]), A like the input's columns.
     ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1, order=MEGATRON_RANK_ORDER)
+    model_parallel_cuda_manual_seed(0)
+    actor = _actor(root, lora=True)
+    for tp, pp, sp in LAYOUTS:
+        if sp:
+            continue
+        layout = f"tp{tp}pp{pp}sp{int(sp)}"
+        loaded = dist_checkpointing.load(_sharded(actor), str(root / f"ckpt_{layout}"))
+        saved = {}
+        for stage in range(pp):
+            saved.update(torch.load(root / f"after_{layout}_stage{stage}.pt"))
+        # At TP1·PP1 the local layer index is the global one.
+        chunk = loaded["chunk0"]
+        got = {f"{n}.{leaf}": chunk[f"decoder.layers.{n}.lora_{leaf}"]
+               for n in _adapters(actor) for leaf in ("a", "b")}  # fmt: skip
+        assert got.keys() == saved.keys()
+        for key, value in saved.items():
+            assert torch.equal(got[key], value), f"{layout} checkpoint: {key}"
+    ps.destroy_model_parallel()
+
+
+def _sharded(role) -> dict:
+    out = {}
+    for i, chunk in enumerate(role.model):
+        sd = chunk.module.sharded_state_dict()
+        out[f"chunk{i}"] = {k: v for k, v in sd.items() if "_extra_state" not in k}
+    return out
+
+
+def _fresh(path):
+    path.mkdir(exist_ok=True)
+    return path
 
 
 def _load(root, tp, pp, sp) -> dict:
