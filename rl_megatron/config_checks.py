@@ -386,6 +386,12 @@ def _check_lora(config: Config) -> None:
             "full needs the reference's logits beside the actor's, but with actor.lora.rank > 0 "
             "the reference is the actor with its adapters disabled; use k3",
         )
+    _require(
+        not config.parallel.sequence_parallel,
+        "parallel.sequence_parallel",
+        "a LoRA actor takes megatron-core's local layer spec (models/lora.py), whose norms "
+        "do not take sequence parallelism; set it false with actor.lora.rank > 0",
+    )
     # Until the weight sync merges the adapters (issue 41, 3a), only an engine that
     # generates with the actor's own modules sees them.
     _require(

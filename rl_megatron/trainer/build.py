@@ -158,6 +158,13 @@ def build_roles(
     act, cr, ref = config.actor, config.critic, config.reference
     # Recompute only matters where activations are kept for a backward: the trained roles.
     actor_extra = {**extra, **act.recompute.transformer_config()}
+    if act.lora.rank > 0:
+        # Adapters wrap megatron-core's own linears: TE's fused layer-norm linear hides the
+        # normalised input an adapter needs, so a LoRA actor takes the local layer spec
+        # (same checkpoint keys) and one MLP per expert.
+        actor_extra["use_te"] = False
+        if m.num_experts:
+            actor_extra["moe_grouped_gemm"] = False
     critic_extra = {**extra, **cr.recompute.transformer_config()}
     if m.hf_path is not None:
         actor_chunks = build_actor(m.hf_path, layout, **actor_extra)

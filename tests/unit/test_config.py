@@ -612,6 +612,12 @@ def test_lora_config_errors_name_the_key(overrides, message):
     assert _error(TINY, overrides).startswith(message)
 
 
+def test_lora_refuses_sequence_parallelism():
+    overrides = LORA + ["parallel.tp=2", "rollout.tp=2", "parallel.sequence_parallel=true"]
+    message = _error(TINY, overrides, world_size=2)
+    assert message.startswith("parallel.sequence_parallel: a LoRA actor takes"), message
+
+
 def test_lora_config_validates():
     config = load_config(TINY, ONE_RANK + LORA + ["actor.use_kl_loss=true"])
     validate(config, world_size=1)
