@@ -37,8 +37,9 @@ Dropout (on the adapter's input only) draws from megatron's model-parallel RNG w
 input is split over TP (row-parallel, or sequence parallel), from the default RNG where it is
 replicated, so the replicated r-wide activation stays identical on every TP rank.
 
-Transformer Engine's linears are not adapted yet (the fused layer-norm linear hides the
-normalised input the adapter needs): `apply_lora` refuses them in one line.
+Transformer Engine's linears are not adapted (the fused layer-norm linear hides the
+normalised input the adapter needs): `apply_lora` refuses them in one line, and the trainer
+builds a LoRA actor on the local layer spec (`trainer/build.py`).
 """
 
 from __future__ import annotations
