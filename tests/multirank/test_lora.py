@@ -1,22 +1,24 @@
 """LoRA on the actor (`models/lora.py`): exactness against the base, what trains, layouts agree.
 
-One 2-rank spawn walks TP1·DP2, TP2, TP2 with sequence parallelism (forward only: the
-CPU build has no sequence-parallel backward) and PP2 on the tiny Llama of test_roles (fp32). In each:
+One 2-rank spawn walks TP1·DP2, TP2, TP2 with sequence parallelism (forward only: the CPU
+build has no sequence-parallel backward) and PP2 on the tiny Llama of test_roles (fp32).
+In each:
   (a) the LoRA actor with B = 0 gives the base actor's log-probs bit for bit;
   (b) with B perturbed (the same full B in every layout, sliced like the base weight's rows)
       the log-probs move, and with the adapters disabled — and through `BaseReference`, the
       reference of a LoRA run — they are the base's again, bit for bit;
-  (c) after one PPO step every base tensor is bit-identical, every adapter tensor moved (A
+  (c) the adapted log-probs equal TP1's (1e-4, test_roles' parity bound);
+  (d) a base actor with W + (alpha/r)·B·A merged in by hand gives the adapted log-probs
+      (1e-5), `merged_weight` equals that merge bit for bit, and so does the HF export
+      (`iter_hf_tensors`) of the LoRA actor, tensor by tensor, with no adapter in it;
+  (e) after one PPO step every base tensor is bit-identical, every adapter tensor moved (A
       too: B is nonzero), only adapters have a gradient buffer, and the optimizer's state
       holds exactly the adapters' elements (summed over its DP shards);
-  (e) a base actor with W + (alpha/r)·B·A merged in by hand gives the adapted log-probs,
-      `merged_weight` equals that merge bit for bit, and so does the HF export
-      (`iter_hf_tensors`) of the LoRA actor, tensor by tensor, with no adapter in it;
-  (f) each layout's dist_checkpointing save loads into TP1 with the same adapter tensors,
-      bit for bit (the split factor's global layout is the same at any TP);
-  (d) the adapted log-probs equal TP1's (1e-4, test_roles' parity bound); the loss (1e-5 absolute) and grad norm (1e-4 relative) equal TP1's, and each adapter's
+  (f) the loss (1e-5 absolute) and grad norm (1e-4 relative) equal TP1's, and each adapter's
       update, gathered to its full shape, is within 1e-4 of its largest of TP1's (the
-      tolerances and the Adam argument of test_roles: equal updates mean equal gradients).
+      tolerances and the Adam argument of test_roles: equal updates mean equal gradients);
+  (g) each layout's dist_checkpointing save loads into TP1 with the same adapter tensors,
+      bit for bit (the split factor's global layout is the same at any TP).
 """
 
 from __future__ import annotations
@@ -183,16 +185,17 @@ def _body(rank, world_size, root):
         ref = BaseReference(actor, micro_batch_size=2).forward_only(batch)["log_prob"]
         assert torch.equal(ref, base_lp), f"{layout}: reference is not the base"
         assert torch.equal(actor.forward_only(batch)["log_prob"], moved), "left disabled"
+        # (c) the same adapted policy in every layout.
         if tp == 1 and pp == 1:
             moved_tp1 = moved
         err = (moved - moved_tp1)[mask].abs().max().item()
         assert err < TOL, f"{layout}: adapted log-probs differ from TP1's by {err:.2e}"
-        _check_merge(root, batch, actor, moved, layout, sp)
+        _check_merge(root, batch, actor, moved, layout, sp)  # (d)
         if sp:
             # The CPU build cannot run a sequence-parallel backward (megatron-core's
             # reduce-scatter allocates on CUDA there): the forward only.
             continue
-        # (c) one step: only adapters change, only they have buffers and optimizer state.
+        # (e) one step: only adapters change, only they have buffers and optimizer state.
         adapter_ids = {id(p) for a in _adapters(actor).values() for p in a.parameters()}
         params = [(n, p) for c in actor.model for n, p in c.module.named_parameters()]
         before = {n: p.detach().clone() for n, p in params}
@@ -212,7 +215,7 @@ def _body(rank, world_size, root):
         torch.distributed.all_reduce(total, group=ps.get_data_parallel_group())
         adapter_numel = sum(p.numel() for n, p in params if id(p) in adapter_ids)
         assert total.item() == adapter_numel, f"{layout}: optimizer state {total} elements"
-        # (d) this layout's step, for the comparison with TP1 after the spawn.
+        # (f) this layout's step, for the comparison with TP1 after the spawn.
         after = _gathered(actor, tp)
         update = {k: v - start[k] for k, v in after.items()}
         dist_checkpointing.save(_sharded(actor), str(_fresh(root / f"ckpt_{layout}")))
@@ -223,7 +226,7 @@ def _body(rank, world_size, root):
             )
             torch.save(out, root / f"{layout}_stage{ps.get_pipeline_model_parallel_rank()}.pt")
         torch.distributed.barrier()
-    # (f) each layout's checkpoint loads into TP1 with the adapters it saved, bit for bit:
+    # (g) each layout's checkpoint loads into TP1 with the adapters it saved, bit for bit:
     # B sharded like the weight's rows (fc1 as [gate; up]), A like the input's columns.
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1, order=MEGATRON_RANK_ORDER)
