@@ -13,7 +13,8 @@ In each:
       (`iter_hf_tensors`) of the LoRA actor, tensor by tensor, with no adapter in it;
   (e) after one PPO step every base tensor is bit-identical, every adapter tensor moved (A
       too: B is nonzero), only adapters have a gradient buffer, and the optimizer's state
-      holds exactly the adapters' elements (summed over its DP shards);
+      holds exactly the adapters' elements (summed over its DP shards); at TP1 three more
+      steps on the same batch lower its loss (the adapters' gradient descends);
   (f) the loss (1e-5 absolute) and grad norm (1e-4 relative) equal TP1's, and each adapter's
       update, gathered to its full shape, is within 1e-4 of its largest of TP1's (the
       tolerances and the Adam argument of test_roles: equal updates mean equal gradients);
@@ -225,6 +226,10 @@ def _body(rank, world_size, root):
                 after, root / f"after_{layout}_stage{ps.get_pipeline_model_parallel_rank()}.pt"
             )
             torch.save(out, root / f"{layout}_stage{ps.get_pipeline_model_parallel_rank()}.pt")
+        if tp == 1 and pp == 1:
+            # The adapters' gradient descends: more steps on the same batch lower its loss.
+            again = [actor.train_step(_dp_rows(batch), _ppo_loss)["loss"] for _ in range(3)]
+            assert again[-1] < metrics["loss"] - 1e-3, f"loss {metrics['loss']} -> {again}"
         torch.distributed.barrier()
     # (g) each layout's checkpoint loads into TP1 with the adapters it saved, bit for bit:
     # B sharded like the weight's rows (fc1 as [gate; up]), A like the input's columns.
