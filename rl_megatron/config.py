@@ -306,6 +306,22 @@ class RecomputeConfig:
 
 
 @dataclass
+class LoraConfig:
+    # LoRA adapters on the actor (models/lora.py): y = base(x) + (alpha/rank)·B(A(dropout(x))),
+    # only A and B trained, the base frozen; the reference is then the actor with its
+    # adapters disabled (no second model).
+    rank: int = 0  # r, the adapters' inner width; 0 = off (full fine-tuning)
+    alpha: float = 16.0  # the adapter output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapter's input only, in [0, 1)
+    # megatron-core module names: linear_qkv (HF q/k/v_proj), linear_proj (o_proj),
+    # linear_fc1 (gate/up_proj), linear_fc2 (down_proj); in an MoE layer linear_fc1 / fc2
+    # are also each expert's (experts.{e}.gate/up_proj, down_proj).
+    target_modules: list[str] = field(
+        default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+    )
+
+
+@dataclass
 class ActorConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     mini_batch_size: int = 8  # sequences per optimizer step (global)
@@ -330,6 +346,7 @@ class ActorConfig:
     # Routing replay (R3) for MoE actors: the engine records each token's experts and the
     # actor's old-log-prob and training forwards route them there (DESIGN.md §7).
     router_replay: bool = False
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 @dataclass

@@ -48,6 +48,7 @@ def validate(config: Config, world_size: int) -> ParallelLayout:
     _check_algorithm(config)
     _check_data(config.data, config.trainer)
     _check_router_replay(config)
+    _check_lora(config)
     if config.model.num_experts:
         _require(
             not config.checkpoint.save_hf or p.ep == 1,
@@ -382,6 +383,61 @@ def _check_router_replay(config: Config) -> None:
         "actor.recompute",
         "routing replay needs the MoE layers kept for the backward (no full recompute, no "
         "mlp / moe modules), or set actor.router_replay false",
+    )
+
+
+LORA_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def _check_lora(config: Config) -> None:
+    """`actor.lora`: its ranges, and what the adapters cannot be combined with yet."""
+    lora = config.actor.lora
+    _require(lora.rank >= 0, "actor.lora.rank", f"must be >= 0 (0 = off), got {lora.rank}")
+    _require(lora.alpha > 0, "actor.lora.alpha", f"must be > 0, got {lora.alpha}")
+    _require(0 <= lora.dropout < 1, "actor.lora.dropout", f"must be in [0, 1), got {lora.dropout}")
+    unknown = sorted(set(lora.target_modules) - set(LORA_MODULES))
+    _require(
+        not unknown,
+        "actor.lora.target_modules",
+        f"unknown module(s) {unknown}; choose from {list(LORA_MODULES)} (megatron-core names)",
+    )
+    _require(bool(lora.target_modules), "actor.lora.target_modules", "must name a module")
+    if lora.rank == 0:
+        return
+    a = config.algorithm
+    # The reference is the actor with its adapters off: one model, so never both at once.
+    for key, full in (
+        ("algorithm.kl_penalty", a.use_kl_in_reward and a.kl_penalty == "full"),
+        ("actor.kl_loss_type", config.actor.use_kl_loss and config.actor.kl_loss_type == "full"),
+    ):
+        _require(
+            not full,
+            key,
+            "full needs the reference's logits beside the actor's, but with actor.lora.rank > 0 "
+            "the reference is the actor with its adapters disabled; use k3",
+        )
+    _require(
+        not config.parallel.sequence_parallel,
+        "parallel.sequence_parallel",
+        "a LoRA actor takes megatron-core's local layer spec (models/lora.py), whose norms "
+        "do not take sequence parallelism; set it false with actor.lora.rank > 0",
+    )
+    # Until the weight sync merges the adapters (issue 41, 3a), only an engine that
+    # generates with the actor's own modules sees them.
+    _require(
+        config.rollout.engine == "megatron",
+        "actor.lora.rank",
+        f"LoRA needs rollout.engine=megatron for now (rollout.engine={config.rollout.engine} "
+        "would be sent the base weights without the adapters)",
+    )
+    _require(
+        config.parallel.etp == 1
+        or "linear_fc1" not in lora.target_modules
+        and "linear_fc2" not in lora.target_modules
+        or not config.model.num_experts,
+        "actor.lora.target_modules",
+        f"LoRA on experts split over parallel.etp={config.parallel.etp} ranks is not built; "
+        "use etp=1 or leave linear_fc1/linear_fc2 out",
     )
 
 

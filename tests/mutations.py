@@ -43,9 +43,46 @@ DP_ALGORITHMS = (
     "tests/multirank/test_algorithms_dp.py::test_dp_whitening_and_global_loss_normalisation"
 )
 UNPICKLER = "tests/unit/test_checkpoint_integrity.py"
+LORA = "rl_megatron/models/lora.py"
+LORA_TEST = "tests/multirank/test_lora.py::test_lora_across_layouts"
 
 # (name, file, exact text, replacement, the test that must fail)
 MUTATIONS = [
+    (
+        "LoRA scale inverted (rank/alpha)",
+        LORA,
+        "self.mode, self.rank, self.scale = mode, rank, alpha / rank",
+        "self.mode, self.rank, self.scale = mode, rank, rank / alpha",
+        LORA_TEST,
+    ),
+    (
+        "LoRA B not zero at init",
+        LORA,
+        "self.lora_b = torch.nn.Parameter(torch.zeros(out_local, rank, **kw))",
+        "self.lora_b = torch.nn.Parameter(torch.full((out_local, rank), 1e-3, **kw))",
+        LORA_TEST,
+    ),
+    (
+        "LoRA adapters_disabled does not disable",
+        LORA,
+        "        a.enabled = False",
+        "        a.enabled = True",
+        LORA_TEST,
+    ),
+    (
+        "LoRA merge without the scale",
+        LORA,
+        "adapter.lora_a.to(weight.dtype)) * adapter.scale",
+        "adapter.lora_a.to(weight.dtype))",
+        LORA_TEST,
+    ),
+    (
+        "LoRA row-parallel partial sums not reduced over TP",
+        LORA,
+        "h = tensor_parallel.reduce_from_tensor_model_parallel_region(h, group=group)",
+        "h = h",
+        LORA_TEST,
+    ),
     (
         "old log-probs replaced by the new (ratio 1)",
         TRAINER,

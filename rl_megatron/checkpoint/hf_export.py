@@ -41,6 +41,7 @@ from rl_megatron.checkpoint.hf_loader import (
 )
 from rl_megatron.models.families import family
 from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.models.lora import LoraAdapter, adapters_by_weight, merged_weight
 from rl_megatron.parallel import ParallelGroups
 from rl_megatron.utils.disk_space import DiskFullError, disk_full_cause, no_space_line
 
@@ -285,6 +286,7 @@ class _Schedule:
 
     rules: list[hm.Rule]
     local: dict[tuple, torch.nn.Parameter]  # this stage's parameters by order key
+    adapters: dict[tuple, LoraAdapter]  # LoRA adapters of some of them, merged on export
     order: list[tuple[tuple, int, str]]  # (order key, owning stage, dtype name), HF order
     tp_group: dist.ProcessGroup
     etp_group: dist.ProcessGroup | None  # an expert's rows are split over it (MoE)
@@ -314,10 +316,15 @@ def _schedule(
     pp_group = groups.pp
     rules = hm.rules_for(info, head)
     local: dict[tuple, torch.nn.Parameter] = {}
+    adapters: dict[tuple, LoraAdapter] = {}
     for chunk in model_chunks:
+        by_weight = adapters_by_weight(unwrap(chunk))
         for rule, layer, param in iter_rule_params(unwrap(chunk), rules):
             if rule.export:
-                local[_order_key(rules.index(rule), layer, rule.megatron)] = param
+                key = _order_key(rules.index(rule), layer, rule.megatron)
+                local[key] = param
+                if id(param) in by_weight:
+                    adapters[key] = by_weight[id(param)]
     # Which stage owns which parameter (any PP / VPP split) and its dtype (a model may keep
     # e.g. fp32 norms beside bf16 weights), known to every rank of the PP group.
     per_stage: list = [None] * pp_group.size()
@@ -329,6 +336,7 @@ def _schedule(
     return _Schedule(
         rules,
         local,
+        adapters,
         order,
         groups.tp,
         groups.etp if info.is_moe else None,
@@ -366,7 +374,11 @@ def _iter_scheduled(plan: _Schedule, info: HFModelInfo) -> Iterator[tuple[str, t
         rule, layer = plan.rules[key[-2]], key[-1]
         if stage == plan.pp_rank:
             group = plan.etp_group if rule.expert is not None else plan.tp_group
-            shards = _gather_tp(plan.local[key], rule, group)
+            param = plan.local[key]
+            if key in plan.adapters:
+                # W + (alpha/r)·B·A of this shard: one temporary at a time, never a model copy.
+                param = merged_weight(param, plan.adapters[key])
+            shards = _gather_tp(param, rule, group)
             if plan.tp_rank != 0:
                 continue
             for hf_name, tensor in hm.megatron_to_hf(rule, layer, shards, info):

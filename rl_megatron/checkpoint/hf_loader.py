@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from rl_megatron.checkpoint import hf_mapping as hm
 from rl_megatron.models.hf_config import HFModelInfo
+from rl_megatron.models.lora import adapter_param_ids
 from rl_megatron.parallel import ParallelLayout
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -140,13 +141,17 @@ def iter_rule_params(
 ) -> Iterator[tuple[hm.Rule, int | None, torch.nn.Parameter]]:
     """Yield (rule, global layer or None, parameter) for each parameter of a model chunk.
 
-    Parameters whose rule name is in `skip` are left out; any other parameter no rule
-    covers raises a one-line MappingError.
+    Parameters whose rule name is in `skip` are left out, and so are LoRA adapters (no HF
+    weight of their own: `models/lora.py`); any other parameter no rule covers raises a
+    one-line MappingError.
     """
     by_name = {rule.megatron: rule for rule in rules}
     to_global = global_layer_fn(chunk) if hasattr(chunk, "decoder") else None
     to_expert = global_expert_fn(chunk)
+    adapters = adapter_param_ids(chunk)
     for name, param in chunk.named_parameters():
+        if id(param) in adapters:
+            continue
         canonical, layer = hm.canonical_param_name(name, to_global, to_expert, by_name)
         if canonical in skip:
             continue

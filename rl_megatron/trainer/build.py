@@ -32,9 +32,11 @@ from rl_megatron.models.hf_config import (
     parse_hf_config,
     random_init_hf_config,
 )
+from rl_megatron.models.lora import apply_lora
 from rl_megatron.parallel import ParallelGroups, ParallelLayout
 from rl_megatron.rollout import engines
 from rl_megatron.rollout.engine import RolloutEngine
+from rl_megatron.trainer.base_reference import BaseReference
 from rl_megatron.trainer.roles import MegatronRole
 
 DTYPES = {short: getattr(torch, name) for short, name in DTYPE_NAMES.items()}
@@ -108,7 +110,7 @@ def model_info(config: Config) -> HFModelInfo:
 class Roles:
     actor: MegatronRole
     critic: MegatronRole | None
-    reference: MegatronRole | None
+    reference: MegatronRole | BaseReference | None  # BaseReference: the LoRA actor's base
     reward_model: MegatronRole | None
 
     def trainable(self) -> dict[str, MegatronRole]:
@@ -156,15 +158,34 @@ def build_roles(
     act, cr, ref = config.actor, config.critic, config.reference
     # Recompute only matters where activations are kept for a backward: the trained roles.
     actor_extra = {**extra, **act.recompute.transformer_config()}
+    if act.lora.rank > 0:
+        # Adapters wrap megatron-core's own linears: TE's fused layer-norm linear hides the
+        # normalised input an adapter needs, so a LoRA actor takes the local layer spec
+        # (same checkpoint keys) and one MLP per expert.
+        actor_extra["use_te"] = False
+        if m.num_experts:
+            actor_extra["moe_grouped_gemm"] = False
     critic_extra = {**extra, **cr.recompute.transformer_config()}
     if m.hf_path is not None:
         actor_chunks = build_actor(m.hf_path, layout, **actor_extra)
     else:
         actor_chunks = _random_chunks(config, info, layout, False, actor_extra)
+    if act.lora.rank > 0:
+        # Adapters before DDP, so only they get grad buffers and optimizer state.
+        lora = act.lora
+        apply_lora(
+            actor_chunks,
+            rank=lora.rank,
+            alpha=lora.alpha,
+            dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            seed=config.trainer.seed,
+        )
     temperature = config.rollout.temperature or 1.0
 
     reference = None
-    if ref.enable:
+    # With LoRA the frozen base is the reference: made from the actor below, not built.
+    if ref.enable and act.lora.rank == 0:
         if m.hf_path is not None:
             ref_chunks = build_reference(m.hf_path, layout, **extra)
         else:
@@ -232,6 +253,8 @@ def build_roles(
         offload=act.offload,
         router_replay=act.router_replay,
     )
+    if ref.enable and act.lora.rank > 0:
+        reference = BaseReference(actor, ref.micro_batch_size)
     return Roles(actor, critic, reference, reward_model)
 
 

@@ -635,3 +635,36 @@ def test_fp8_rollout_refuses_an_moe_actor(monkeypatch):
     validate(config, world_size=2)
     with pytest.raises(ConfigError, match=r"^rollout\.quantization: fp8 with an MoE actor"):
         check_engine_config(config)
+
+
+LORA = ["actor.lora.rank=8"]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor.lora.rank=-1"], "actor.lora.rank: must be >= 0"),
+        (LORA + ["actor.lora.alpha=0"], "actor.lora.alpha: must be > 0"),
+        (LORA + ["actor.lora.dropout=1.0"], "actor.lora.dropout: must be in [0, 1)"),
+        (LORA + ["actor.lora.target_modules=[q_proj]"], "actor.lora.target_modules: unknown"),
+        (LORA + ["actor.lora.target_modules=[]"], "actor.lora.target_modules: must name"),
+        (LORA + ["rollout.engine=vllm"], "actor.lora.rank: LoRA needs rollout.engine=megatron"),
+        (LORA + ["actor.use_kl_loss=true", "actor.kl_loss_type=full"],
+         "actor.kl_loss_type: full needs the reference's logits"),
+    ],
+)  # fmt: skip
+def test_lora_config_errors_name_the_key(overrides, message):
+    assert _error(TINY, overrides).startswith(message)
+
+
+def test_lora_refuses_sequence_parallelism():
+    overrides = LORA + ["parallel.tp=2", "rollout.tp=2", "parallel.sequence_parallel=true"]
+    message = _error(TINY, overrides, world_size=2)
+    assert message.startswith("parallel.sequence_parallel: a LoRA actor takes"), message
+
+
+def test_lora_config_validates():
+    config = load_config(TINY, ONE_RANK + LORA + ["actor.use_kl_loss=true"])
+    validate(config, world_size=1)
+    assert config.actor.lora.rank == 8 and config.reference.enable
+    assert load_config(TINY, ONE_RANK).actor.lora.rank == 0  # off by default
