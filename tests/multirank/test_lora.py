@@ -36,6 +36,7 @@ from tests.multirank.test_roles import (
     _make_checkpoint,
     _optim,
     _ppo_loss,
+    _sharded,
 )
 from tests.spawn import require_ranks, run_on_ranks
 
@@ -253,14 +254,6 @@ def _body(rank, world_size, root):
         for key, value in saved.items():
             assert torch.equal(got[key], value), f"{layout} checkpoint: {key}"
     ps.destroy_model_parallel()
-
-
-def _sharded(role) -> dict:
-    out = {}
-    for i, chunk in enumerate(role.model):
-        sd = chunk.module.sharded_state_dict()
-        out[f"chunk{i}"] = {k: v for k, v in sd.items() if "_extra_state" not in k}
-    return out
 
 
 def _fresh(path):
