@@ -22,10 +22,16 @@ from pathlib import Path
 
 import torch
 
-from rl_megatron.checkpoint.hf_loader import CheckpointError
-from rl_megatron.checkpoint.hf_mapping import MappingError
-from rl_megatron.models.hf_config import HFConfigError
-from rl_megatron.utils.disk_space import DiskFullError
+from rl_megatron.utils.warning_filters import install as install_warning_filters
+
+# Before the imports below, which import megatron-core: its notices about our set-up (no
+# apex, no Transformer Engine) would surround a tool's one-line error.
+install_warning_filters()
+
+from rl_megatron.checkpoint.hf_loader import CheckpointError  # noqa: E402
+from rl_megatron.checkpoint.hf_mapping import MappingError  # noqa: E402
+from rl_megatron.models.hf_config import HFConfigError  # noqa: E402
+from rl_megatron.utils.disk_space import DiskFullError  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 META_FILE = "rl_megatron.json"
@@ -138,9 +144,6 @@ def run_cli(
     reported by the rank that hit it, with its rank. `cleanup` removes partial output,
     after any failure of `convert`. Internal errors keep their traceback.
     """
-    from rl_megatron.utils.warning_filters import install
-
-    install()  # megatron-core's notices about our set-up (no apex) would surround the line
     rank, size = world()
     try:
         plan = preflight()
