@@ -9,6 +9,7 @@
 #   STEPS="e2e_8b" bash benchmarks/gpu/whole_step.sh  # alone: it needs most of a call
 #   STEPS="async_ab_1.5b" bash benchmarks/gpu/whole_step.sh  # alone too (issue 39)
 #   STEPS="fp8_rollout_8b" bash benchmarks/gpu/whole_step.sh  # alone too (issue 40)
+#   STEPS="lora_8b_full" ..., then STEPS="lora_8b_rank8" ...  # each alone (issue 41)
 SUITE=whole_step
 source "$(dirname "$0")/common.sh"
 SHAPE_7B="--layers 32 --hidden 4096 --heads 32 --kv-heads 32 --ffn 11008 --vocab 32000"
@@ -222,6 +223,19 @@ HOST_MEMORY_PID=$!
 step e2e_8b 580 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_8b.yaml \
   --algorithms grpo --no-plain --warmup-steps 1 --steps 1 \
   --out-json "$RES/e2e_h200_8b_$TAG.json"
+# Issue 41: LoRA (rank 8 on qkv, o, gate/up, down) against full fine-tuning at the 8B
+# shape: the actor update's seconds (timing_s/update_actor) and peak memory
+# (memory_gb/update_actor_peak), one warm-up and two timed steps each. Both generate with
+# the Megatron engine (a LoRA actor needs it until the vLLM sync merges adapters) and a
+# small batch (4 prompts x 8, one optimizer step of 32 rows), so the update is what differs.
+# Not run yet; ~200-300 s each, estimated from e2e_8b's phases. Each alone in a call.
+LORA_8B="rollout.engine=megatron rollout.engine_kwargs={} data.train_batch_size=4 actor.mini_batch_size=32"
+step lora_8b_full 580 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_8b.yaml \
+  --algorithms grpo --no-plain --warmup-steps 1 --steps 2 \
+  --out-json "$RES/lora_h200_8b_full_$TAG.json" $LORA_8B
+step lora_8b_rank8 580 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_8b.yaml \
+  --algorithms grpo --no-plain --warmup-steps 1 --steps 2 \
+  --out-json "$RES/lora_h200_8b_rank8_$TAG.json" $LORA_8B actor.lora.rank=8
 kill $HOST_MEMORY_PID 2>/dev/null
 
 # vLLM's recorded routing against transformers' router on the same tokens (issue 19).
