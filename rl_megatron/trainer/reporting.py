@@ -50,13 +50,33 @@ def batch_stats(
     return stats
 
 
+# The phases that train on the step's batch (forward-only passes included): what
+# `perf/train_tokens_per_s_per_device` divides by. Generation is `timing_s/generate`.
+TRAINING_PHASES = ("old_log_probs", "reference", "values", "update_critic", "update_actor")
+
+
 def throughput(metrics: dict[str, float], info: HFModelInfo, ppo_epochs: int) -> dict[str, float]:
-    """Tokens per second per device over the step, and the actor update's MFU."""
+    """Tokens per second per device over the step, over its generation and over its
+    training phases apart (the two sides an asynchronous run overlaps or interleaves), and
+    the actor update's MFU."""
     # num_samples is summed over DP: the global count of sequences this step.
     seq = metrics["rollout/prompt_length_mean"] + metrics["rollout/response_length_mean"]
     tokens = metrics["rollout/num_samples"] * seq
     step_s = sum(v for k, v in metrics.items() if k.startswith("timing_s/"))
-    out = {"perf/tokens_per_s_per_device": tokens / max(step_s, 1e-9) / dist.get_world_size()}
+    world = dist.get_world_size()
+    out = {"perf/tokens_per_s_per_device": tokens / max(step_s, 1e-9) / world}
+    # Generated: what this step's generation sampled (asynchronous runs count their own,
+    # carried and restarted samples included); else the responses trained on.
+    generated = metrics.get(
+        "async/generated_tokens",
+        metrics["rollout/num_samples"] * metrics["rollout/response_length_mean"],
+    )
+    generate_s = metrics.get("timing_s/generate", 0.0)
+    if generate_s > 0:
+        out["perf/generate_tokens_per_s_per_device"] = generated / generate_s / world
+    train_s = sum(metrics.get(f"timing_s/{phase}", 0.0) for phase in TRAINING_PHASES)
+    if train_s > 0:
+        out["perf/train_tokens_per_s_per_device"] = tokens / train_s / world
     peak = device_peak_tflops()
     update_s = metrics.get("timing_s/update_actor", 0.0)
     if peak and update_s > 0:

@@ -289,3 +289,34 @@ def test_rollout_correction_builds_the_actors_batch_only():
     actor, _ = ex.rollout_correction(batch, rejection_only)
     assert "rollout_is_weights" not in actor
     assert actor["response_mask"].tolist() == [[0, 0, 0], [1, 1, 0]]
+
+
+def test_throughput_splits_generation_from_training(monkeypatch):
+    """Per device: the step's tokens over the step, the generated tokens over generation,
+    the trained tokens over the training phases only (not reward, sync or checkpoint)."""
+    from rl_megatron.trainer import reporting
+
+    monkeypatch.setattr(reporting.dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(reporting, "device_peak_tflops", lambda: None)
+    m = {
+        "rollout/num_samples": 8.0,  # global
+        "rollout/prompt_length_mean": 6.0,
+        "rollout/response_length_mean": 4.0,
+        "timing_s/reshard": 1.0,
+        "timing_s/generate": 2.0,
+        "timing_s/reward": 3.0,
+        "timing_s/old_log_probs": 0.5,
+        "timing_s/reference": 0.5,
+        "timing_s/update_actor": 3.0,
+    }
+    out = reporting.throughput(m, info=None, ppo_epochs=1)
+    assert out["perf/tokens_per_s_per_device"] == pytest.approx(8 * 10 / 10.0 / 2)
+    assert out["perf/generate_tokens_per_s_per_device"] == pytest.approx(8 * 4 / 2.0 / 2)
+    assert out["perf/train_tokens_per_s_per_device"] == pytest.approx(8 * 10 / 4.0 / 2)
+    # An asynchronous step generated what its own counter says (carried samples too).
+    out = reporting.throughput({**m, "async/generated_tokens": 100.0}, None, 1)
+    assert out["perf/generate_tokens_per_s_per_device"] == pytest.approx(100 / 2.0 / 2)
+    # No training phase timed (a step that skipped its update): no figure, not a division by 0.
+    untrained = {k: v for k, v in m.items() if k not in (
+        "timing_s/old_log_probs", "timing_s/reference", "timing_s/update_actor")}  # fmt: skip
+    assert "perf/train_tokens_per_s_per_device" not in reporting.throughput(untrained, None, 1)
