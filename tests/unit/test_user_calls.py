@@ -91,11 +91,19 @@ def test_a_hung_call_is_stopped_at_its_limit_and_the_next_call_works(worker, act
 @pytest.mark.parametrize(
     ("action", "how"), [("exit", "exit code 3"), ("segfault", "killed by SIGSEGV")]
 )
-def test_a_call_that_kills_its_worker_is_an_error_and_the_next_call_works(worker, action, how):
-    with pytest.raises(CallError) as info:
-        worker("0", {"do": action})
-    assert str(info.value) == f"the reward worker process died during the call ({how})"
-    assert worker.restarts == 1 and worker("1", {}) == 1.0
+def test_a_call_that_kills_its_worker_is_an_error_and_the_next_call_works(action, how):
+    # Late in the whole suite (twice this session, in `make test` runs) the segfault was
+    # seen only after LIMIT and read as a time-out; alone it takes ~10 ms (75 ms from a
+    # process holding 3 GiB: the pipe ends once the kernel has torn down the worker's copy
+    # of it). Not pinned down further. This test is about the death: a wide limit.
+    worker = TimedWorker(behaves, "my_rewards:behaves", timeout_s=30.0)
+    try:
+        with pytest.raises(CallError) as info:
+            worker("0", {"do": action})
+        assert str(info.value) == f"the reward worker process died during the call ({how})"
+        assert worker.restarts == 1 and worker("1", {}) == 1.0
+    finally:
+        worker.close()
 
 
 def test_error_score_policy_counts_hangs_crashes_and_garbage(worker):
