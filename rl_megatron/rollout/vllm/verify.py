@@ -33,29 +33,36 @@ def engine_parameters(
     return {n: t for n, t in params.items() if n not in leave_out}
 
 
+def _model_and_fp8(engine: Any) -> tuple[torch.nn.Module, dict[str, str]]:
+    """vLLM's model on this rank and its FP8 weights (weight name -> its scales' name)."""
+    model = engine.llm.collective_rpc(_rpc_model)[0]
+    with _plain_tensor_reads():
+        fp8, _ = fp8_weights(dict(model.named_parameters()))
+    return model, fp8
+
+
+def _repacked(model: torch.nn.Module, fp8: dict[str, str]) -> frozenset[str]:
+    from vllm.platforms import current_platform
+
+    written_here = set(fp8) | set(fp8.values())  # quantized by the target: `fp8_forms`
+    found = repacked_parameters(model, current_platform.device_type)
+    return frozenset(r.name for r in found if r.storage and r.name not in written_here)
+
+
 def repacked_storage(engine: Any) -> frozenset[str]:
     """Parameters whose own storage vLLM repacked after loading (`repacked.py`): what they
     hold is the processed form of what was sent, not comparable bitwise, so the verifier
     leaves them out (counted `unreadable`). On the CPU build: every linear weight and the
     experts; on a GPU with unquantized weights on the Triton kernels: none. FP8 weights
     are not among them: the target quantizes them, and so does the check (`fp8_forms`)."""
-    from vllm.platforms import current_platform
-
-    model = engine.llm.collective_rpc(_rpc_model)[0]
-    with _plain_tensor_reads():
-        fp8, _ = fp8_weights(dict(model.named_parameters()))
-    written_here = set(fp8) | set(fp8.values())  # quantized by the target: `fp8_forms`
-    found = repacked_parameters(model, current_platform.device_type)
-    return frozenset(r.name for r in found if r.storage and r.name not in written_here)
+    return _repacked(*_model_and_fp8(engine))
 
 
-def fp8_forms(engine: Any, sent_dtype: torch.dtype) -> dict[str, StoredForm]:
-    """vLLM's FP8 weights as the target writes them: the sent weight quantized per block
-    (`resharding/fp8.py`) into the weight and its `weight_scale_inv`, compared bit for bit
-    (the quantizer is deterministic: the same bf16 rows give the same bytes)."""
-    model = engine.llm.collective_rpc(_rpc_model)[0]
-    with _plain_tensor_reads():
-        fp8, _ = fp8_weights(dict(model.named_parameters()))
+def fp8_forms(fp8: dict[str, str], sent_dtype: torch.dtype) -> dict[str, StoredForm]:
+    """vLLM's FP8 weights (`fp8`: weight -> scales) as the target writes them: the sent
+    weight quantized per block (`resharding/fp8.py`) into the weight and its
+    `weight_scale_inv`, compared bit for bit (the quantizer is deterministic: the same bf16
+    rows give the same bytes)."""
 
     def quantized(name: str, scale_name: str, sent: torch.Tensor) -> dict[str, torch.Tensor]:
         out = torch.empty(sent.shape, dtype=FP8_DTYPE, device=sent.device)
@@ -73,11 +80,11 @@ def verifier_for(engine: Any, mode: VerifyMode, interval: int) -> SyncVerifier |
     """The engine's sync verifier for `rollout.verify_sync` (None when `off`: no reads)."""
     if mode == "off":
         return None
-    repacked = repacked_storage(engine)
+    model, fp8 = _model_and_fp8(engine)  # read once, at build
     sent_dtype = engine.llm.llm_engine.model_config.dtype  # the trainer's, as the target's
     return SyncVerifier(
         mode,
         interval=interval,
-        read_engine=functools.partial(engine_parameters, engine, repacked),
-        forms=fp8_forms(engine, sent_dtype),
+        read_engine=functools.partial(engine_parameters, engine, _repacked(model, fp8)),
+        forms=fp8_forms(fp8, sent_dtype),
     )
