@@ -34,6 +34,7 @@ from rl_megatron.resharding.layouts import (
 )
 from rl_megatron.rollout.engines import check_engine_config
 from rl_megatron.utils import warning_filters
+from rl_megatron.utils.console import print_line
 from rl_megatron.utils.logging import format_config, get_logger
 from rl_megatron.utils.run_lock import run_dir_lock
 
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, HFConfigError) as exc:
         # Every rank sees the same config error; one line from rank 0 is enough.
         if env.rank == 0:
-            print(f"config error: {exc}", file=sys.stderr)
+            print_line(f"config error: {exc}")
         return 2
     # Every rank filters the warning noise it raises itself (before megatron-core loads).
     warning_filters.install(config.logging.level)
@@ -106,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _run(args, config, layout, env, log)
     except RendezvousError as exc:  # the ranks never met: one line per rank, no traceback
-        print(f"error: {exc}", file=sys.stderr, flush=True)
+        print_line(f"error: {exc}")
         return 2
 
 
@@ -125,7 +126,7 @@ def _run(args: argparse.Namespace, config, layout: ParallelLayout, env, log) -> 
         # One run per run directory (utils/run_lock.py); every rank learns the refusal.
         if lock.refusal:
             if env.rank == 0:
-                print(f"error: {lock.refusal}", file=sys.stderr, flush=True)
+                print_line(f"error: {lock.refusal}")
             return 2
         if run.layout.cp > 1:
             # The Megatron engine (config_checks refuses vLLM with cp): every CP rank
@@ -137,7 +138,7 @@ def _run(args: argparse.Namespace, config, layout: ParallelLayout, env, log) -> 
         full = _start_run_dir(config, log) if env.rank == 0 else None
         if _shared(full):  # every rank learns it: none waits in a later collective
             if env.rank == 0:
-                print(f"error: {full}", file=sys.stderr, flush=True)
+                print_line(f"error: {full}")
             return 2
         if env.rank == 0:
             print(format_layout_table(rows, generation))
@@ -161,7 +162,7 @@ def _run(args: argparse.Namespace, config, layout: ParallelLayout, env, log) -> 
             # Raised on every rank alike (inputs are read everywhere; reward failures are
             # shared before raising): one line from rank 0, nothing half-written.
             if env.rank == 0:
-                print(f"error: {exc}", file=sys.stderr, flush=True)
+                print_line(f"error: {exc}")
             return 2
     return 0
 

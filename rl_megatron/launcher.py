@@ -43,6 +43,8 @@ from torch.distributed.elastic.rendezvous.api import RendezvousError  # noqa: E4
 from torch.distributed.run import parse_args  # noqa: E402
 from torch.distributed.run import run as torchrun_run  # noqa: E402
 
+from rl_megatron.utils.console import print_line  # noqa: E402
+
 if _USER_CPP_LOG_LEVEL is None:
     del os.environ["TORCH_CPP_LOG_LEVEL"]
 else:
@@ -230,15 +232,13 @@ def main(argv: list[str] | None = None) -> int:
             exc.failures, lambda failure: stderr_destination(failure.local_rank, args)
         )
         for line in lines:
-            print(line, file=sys.stderr, flush=True)
+            print_line(line)
         return code
     except RendezvousError as exc:
-        print(
+        print_line(
             f"error: node {socket.gethostname()}: no rendezvous with the other nodes at "
             f"{args.rdzv_endpoint} within join_timeout={join_timeout(args.rdzv_conf)} s "
-            f"({describe(exc)}); check that every node started and can reach that address",
-            file=sys.stderr,
-            flush=True,
+            f"({describe(exc)}); check that every node started and can reach that address"
         )
         return REFUSAL_EXIT_CODE
     return 0

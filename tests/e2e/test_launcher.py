@@ -143,7 +143,8 @@ if what == "refuse":
     sys.exit(2)
 if what == "refuse_together":  # both lines printed before either rank exits
     here = os.path.dirname(os.path.abspath(__file__))
-    print(f"error: refused on rank {rank}", file=sys.stderr, flush=True)
+    sys.stderr.write(f"error: refused on rank {rank}\\n")  # one write, as print_line
+    sys.stderr.flush()
     open(os.path.join(here, f"refused.{rank}"), "w").close()
     while sum(name.startswith("refused.") for name in os.listdir(here)) < 2:
         time.sleep(0.05)

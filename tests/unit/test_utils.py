@@ -370,3 +370,24 @@ def test_close_peaks_outside_its_phase_is_a_clear_error():
         timer.close_peaks("update_actor")
         with pytest.raises(RuntimeError, match="not open"):
             timer.close_peaks("update_actor")  # twice
+
+
+def test_print_line_writes_the_line_and_its_newline_at_once():
+    """Two ranks on one console under PYTHONUNBUFFERED interleaved `print`'s two writes
+    ("error: …error: …"); one write per line keeps each whole."""
+    from rl_megatron.utils.console import print_line
+
+    class Recorder:
+        def __init__(self):
+            self.writes = []
+            self.flushed = 0
+
+        def write(self, text):
+            self.writes.append(text)
+
+        def flush(self):
+            self.flushed += 1
+
+    stream = Recorder()
+    print_line("error: refused on rank 1", stream)
+    assert stream.writes == ["error: refused on rank 1\n"] and stream.flushed == 1
