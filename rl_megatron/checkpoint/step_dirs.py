@@ -16,6 +16,10 @@ Names a directory may have under the checkpoint root:
                                 then its files, so a kill during the removal never leaves a
                                 complete-looking checkpoint with files missing.
 
+A LoRA role's frozen base copy (`lora_base.py`) follows the same protocol one level down:
+`lora_base/actor` complete, `lora_base/actor.tmp-<token>` being written, `.old-` / `.del-`
+as above.
+
 Start-up (`remove_leftovers`, before a run writes anything): `.tmp-` and `.del-` directories
 of an earlier run are deleted, a step's lone `.old-` copy is put back; the same for the HF
 export folders (`hf/.step_XXXXXXXX.partial`, `.aside-<token>`, `.deleting`: see
@@ -45,6 +49,8 @@ PARTIAL = re.compile(r"^step_\d{8}\.(tmp|old|del)-[0-9a-f]+$")
 # the new folder being written, the old one moved aside, one being deleted, the staged source.
 HF_PARTIAL = re.compile(r"^\.step_\d{8}\.(partial|deleting)$|^\.source\.tmp$")
 HF_ASIDE = re.compile(r"^\.(step_\d{8})\.aside-[0-9a-f]+$")
+BASE_DIR = "lora_base"  # LoRA roles' base copies, beside the step folders (lora_base.py)
+BASE_PARTIAL = re.compile(r"^(\w+)\.(tmp|old|del)-[0-9a-f]+$")
 
 
 def complete(root: Path) -> list[tuple[int, Path]]:
@@ -89,6 +95,17 @@ def remove_leftovers(checkpoints: Path, hf: Path) -> list[str]:
             if PARTIAL.match(path.name) and path.is_dir():
                 delete(path)
                 done.append(f"removed {path}")
+    base = checkpoints / BASE_DIR
+    for path in sorted(base.iterdir()) if base.is_dir() else ():
+        found = BASE_PARTIAL.match(path.name)
+        if not found or not path.is_dir():
+            continue
+        if found.group(2) == "old" and not (base / found.group(1)).exists():
+            os.rename(path, base / found.group(1))  # a kill between commit's two renames
+            done.append(f"put back {base / found.group(1)} (from {path.name})")
+        else:
+            delete(path)
+            done.append(f"removed {path}")
     if hf.is_dir():
         for path in sorted(hf.iterdir()):
             aside = HF_ASIDE.match(path.name)

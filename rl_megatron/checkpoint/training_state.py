@@ -95,7 +95,7 @@ import torch.distributed as dist
 from megatron.core import dist_checkpointing
 from torch.distributed.checkpoint import CheckpointException
 
-from rl_megatron.checkpoint import integrity, step_dirs
+from rl_megatron.checkpoint import integrity, lora_base, step_dirs
 from rl_megatron.checkpoint.hf_export import HF_AUX_FILES
 from rl_megatron.checkpoint.hf_loader import CheckpointError as BaseCheckpointError
 from rl_megatron.checkpoint.hf_loader import unwrap
@@ -168,6 +168,9 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.group = group
         self.optimizer_sharding = optimizer_sharding
+        # LoRA role → (its base copy under this root, the copy manifest's entry): the copy
+        # this manager wrote, or resumed from; written once per run (`lora_base.py`).
+        self._base_copies: dict[str, tuple[Path, integrity.Entry]] = {}
 
     # ---- save ---------------------------------------------------------------------------
 
@@ -177,6 +180,7 @@ class CheckpointManager:
         roles: Mapping[str, Any],
         trainer_state: dict,
         sidecar: Mapping[str, dict] | None = None,
+        hf_bases: Mapping[str, str | None] | None = None,
     ) -> Path:
         """Write `roles`, this rank's RNG and `trainer_state` as checkpoint `step`; collective.
 
@@ -188,6 +192,10 @@ class CheckpointManager:
                 controller, ...); returned by `load`.
             sidecar: role name → content of `<role>/rl_megatron.json` (checkpoints_tools'
                 fields); its `source`, an HF directory, also supplies `<role>/hf/`.
+            hf_bases: role name → the HF folder its frozen base was built from, for roles
+                with LoRA adapters (`lora_base.py`): their step folders hold the adapters
+                only and reference that folder; a LoRA role not named here gets a base copy
+                under `lora_base/`, written at the first save of this manager.
         Returns the final checkpoint directory.
         """
         started = time.perf_counter()
@@ -208,10 +216,15 @@ class CheckpointManager:
         tmp = self._make_tmp(final, needed)
         self._writing = (final, needed)  # what a full-disk line names (`_full_line`)
         try:
+            bases = self._lora_bases(final, roles, hf_bases or {})
             files = {}  # the step level's manifest (rank 0): RNG files, each role's manifest
             for name in sorted(roles):
+                part, extra = "all", (sidecar or {}).get(name)
+                if name in bases:  # the tools learn where the base is (and refuse without it)
+                    part = "adapters"
+                    extra = extra and {**extra, "lora_base": bases[name]}
                 with _on_device(roles[name]):
-                    entry = self._save_role(tmp / name, roles[name], (sidecar or {}).get(name))
+                    entry = self._save_role(tmp / name, roles[name], extra, part)
                 if entry is not None:
                     files[f"{name}/{MANIFEST_FILE}"] = entry
             rng, full = _catch_full(
@@ -229,7 +242,7 @@ class CheckpointManager:
                     "step": step,
                     "layout": layout.record(),
                     "roles": {
-                        name: _role_meta(role, self.optimizer_sharding)
+                        name: _role_meta(role, self.optimizer_sharding, bases.get(name))
                         for name, role in roles.items()
                     },
                     "trainer_state": json.loads(state_text),
@@ -260,11 +273,13 @@ class CheckpointManager:
         at their dtype plus, with an optimizer, 12 bytes each (fp32 master weights and two
         Adam moments), counted once per model-parallel shard."""
         local = 0
-        for role in roles.values():
+        for name, role in roles.items():
             params = [p for chunk in role.model for p in chunk.parameters()]
+            if lora_base.has_adapters(role) and name in self._base_copies:
+                params = [p for p in params if p.requires_grad]  # the base is not rewritten
             local += sum(p.numel() * p.element_size() for p in params)
-            if role.optimizer is not None:
-                local += 12 * sum(p.numel() for p in params)
+            if role.optimizer is not None:  # a frozen LoRA base has none
+                local += 12 * sum(p.numel() for p in params if p.requires_grad)
         replicas = layout.grad_dp  # the ranks holding the same shard: dp·cp
         estimate = sum(self._gather(local)) // max(replicas, 1)
         previous = None
@@ -312,12 +327,18 @@ class CheckpointManager:
             raise DiskFullError(box[1])
         return box[0]
 
-    def _save_role(self, role_dir: Path, role: Any, sidecar: dict | None) -> dict | None:
+    def _save_role(
+        self, role_dir: Path, role: Any, sidecar: dict | None, part: str = "all"
+    ) -> dict | None:
         """One role as a dist_checkpointing directory (+ sidecar files and the manifest on
-        rank 0); returns the manifest's own entry on rank 0, None elsewhere."""
+        rank 0); returns the manifest's own entry on rank 0, None elsewhere.
+
+        part: "all"; "adapters" (a LoRA role's step folder: adapters and optimizer state);
+            "base" (its base copy: the frozen weights, no optimizer).
+        """
         _, full = _catch_full(role_dir.mkdir) if self._is_leader() else (None, None)
         self._written(full and self._full_line())
-        state = _sharded_state(role, self.optimizer_sharding, is_loading=False)
+        state = _sharded_state(role, self.optimizer_sharding, is_loading=False, part=part)
         strategy = InProcessSaveStrategy()  # hashes this rank's files as it writes them
         try:
             dist_checkpointing.save(state, str(role_dir), sharded_strategy=strategy)
@@ -342,6 +363,56 @@ class CheckpointManager:
             entry, full = _catch_full(finish)
         self._written(full and self._full_line())
         return entry
+
+    def _lora_bases(
+        self, final: Path, roles: Mapping[str, Any], hf_bases: Mapping[str, str | None]
+    ) -> dict[str, dict]:
+        """Role → the base record its step folder keeps (`lora_base.py`), for every role
+        with LoRA adapters; writes the base copies not yet written or resumed from by this
+        manager (collective). The records are complete on rank 0, which writes them."""
+        bases = {}
+        for name in sorted(roles):
+            if not lora_base.has_adapters(roles[name]):
+                continue
+            if hf_bases.get(name) is not None:
+                leader = self._is_leader()
+                bases[name] = lora_base.hf_record(hf_bases[name]) if leader else {"kind": "hf"}
+                continue
+            if name not in self._base_copies:
+                with _on_device(roles[name]):
+                    self._base_copies[name] = self._write_base_copy(name, roles[name])
+            copy, manifest = self._base_copies[name]
+            bases[name] = lora_base.copy_record(final, copy, manifest)
+        return bases
+
+    def _write_base_copy(self, name: str, role: Any) -> tuple[Path, integrity.Entry]:
+        """`role`'s frozen base as `lora_base/<name>/` (collective): written under a `.tmp-`
+        name and renamed into place (`step_dirs.commit`), so it is complete or absent.
+        Returns its folder and its manifest's entry (on every rank)."""
+        final = self.root / lora_base.BASE_DIR / name
+        box: list = [None]
+        if self._is_leader():
+            box[0] = final.with_name(f"{name}.tmp-{uuid.uuid4().hex[:12]}")
+            _, full = _catch_full(lambda: box[0].parent.mkdir(parents=True, exist_ok=True))
+            if full is not None:
+                box[0] = None
+        dist.broadcast_object_list(box, src=self._leader_rank(), group=self.group)
+        if box[0] is None:
+            raise DiskFullError(self._full_line())
+        tmp = box[0]
+        try:
+            self._written(None)  # the leader's mkdir is visible to every rank from here
+            entry = self._save_role(tmp, role, None, part="base")
+        except DiskFullError:
+            if self._is_leader() and tmp.exists():
+                step_dirs.delete(tmp)
+            raise
+        if self._is_leader():
+            step_dirs.commit(tmp, final)
+            log.info("LoRA base of %s: %s (written once per run)", name, final)
+        box = [entry]
+        dist.broadcast_object_list(box, src=self._leader_rank(), group=self.group)
+        return final, box[0]
 
     def _cleanup(self, keep: Path) -> None:
         """Delete leftovers of interrupted saves and complete checkpoints past `keep_last`."""
@@ -378,6 +449,7 @@ class CheckpointManager:
         *,
         allow_reshard: bool = False,
         verify: bool = True,
+        hf_bases: Mapping[str, str | None] | None = None,
     ) -> tuple[int, dict]:
         """Restore `roles` (weights, optimizer, step_count) and this rank's RNG; collective.
 
@@ -389,6 +461,9 @@ class CheckpointManager:
                 is then not restored.
             verify: check every file against the manifests before reading any (a share of
                 the bytes per rank); refuses a checkpoint saved without them.
+            hf_bases: as for `save`: the HF folders this run built LoRA roles' bases from.
+                A LoRA role saved adapters-only gets its base first (the run's copy, or
+                the HF folder it was built from, fingerprint compared), then its adapters.
         Returns (step, trainer_state). Raises `CheckpointError` (the same on every rank) for
         a missing, incomplete or corrupt checkpoint, a missing role or a layout mismatch.
         """
@@ -433,31 +508,82 @@ class CheckpointManager:
         except ValueError as exc:
             problem = problem or str(exc)
         self._agree(problem)
+        copies = self._lora_copies(path, meta, roles, hf_bases or {}, verify)
         for name in names:
+            saved = meta["roles"][name]
             with _on_device(roles[name]):
-                self._load_role(path / name, roles[name], meta["roles"][name])
+                if name in copies:  # the frozen base before the adapters trained on it
+                    self._load_role(copies[name], roles[name], saved, part="base")
+                part = "adapters" if saved.get("base") else "all"
+                self._load_role(path / name, roles[name], saved, part=part)
+            if name in copies and copies[name].parent == (self.root / lora_base.BASE_DIR).resolve():
+                self._base_copies[name] = (copies[name], saved["base"]["manifest"])
         if rng is not None:
             restore_rng(*rng)
         elif self._is_leader():
             log.warning("%s: saved at layout %s; RNG streams not restored", path, meta["layout"])
         return meta["step"], meta["trainer_state"]
 
-    def _load_role(self, role_dir: Path, role: Any, role_meta: dict) -> None:
-        """Weights, optimizer state and step count of one role; errors agreed by all ranks."""
+    def _lora_copies(
+        self,
+        path: Path,
+        meta: dict,
+        roles: Mapping[str, Any],
+        hf_bases: Mapping[str, str | None],
+        verify: bool,
+    ) -> dict[str, Path]:
+        """Role → the base copy to load before its adapters, for the roles `path` stores
+        adapters-only; every base checked against this run's (rank 0) and, with `verify`,
+        each copy's bytes against its manifest (a share per rank). Collective."""
+        box: list = [{}, {}, None]
+        if self._is_leader():
+            try:
+                for name in sorted(roles):
+                    record = meta["roles"][name].get("base")
+                    if record is None:
+                        continue  # saved whole: no adapters, or before adapters-only saves
+                    if not lora_base.has_adapters(roles[name]):
+                        raise CheckpointError(
+                            f"{path / name}: holds LoRA adapters only, but this run's {name} "
+                            f"has none; resume with the actor.lora settings it was saved with"
+                        )
+                    copy = lora_base.base_source(path, record, hf_bases.get(name), name)
+                    if copy is not None:
+                        box[0][name] = copy
+                        box[1][name] = lora_base.read_copy_files(copy) if verify else {}
+                        check_indexes(copy.parent, [copy.name])
+            except BaseCheckpointError as exc:
+                box[2] = str(exc)
+        dist.broadcast_object_list(box, src=self._leader_rank(), group=self.group)
+        copies, files, problem = box
+        self._agree(problem)
+        rank, size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        for name in sorted(copies) if verify else ():
+            self._agree(integrity.verify_share(copies[name], files[name], rank, size))
+        return copies
+
+    def _load_role(self, role_dir: Path, role: Any, role_meta: dict, part: str = "all") -> None:
+        """Weights, optimizer state and step count of one role; errors agreed by all ranks.
+
+        part: as `_save_role`'s: "adapters" (and the optimizer state) or "base" (weights
+            only) of a LoRA role saved adapters-only; the other part is left as it is.
+        """
         problem = None
-        sharding = role_meta["optimizer"]
+        sharding = role_meta["optimizer"] if part != "base" else None
+        optimizer = role.optimizer if part != "base" else None
         try:
-            if sharding is None and role.optimizer is not None:
+            if sharding is None and optimizer is not None:
                 raise CheckpointError(f"{role_dir}: holds no optimizer state (a frozen role?)")
             # no_grad: megatron-core 0.16.1's dp_reshardable loader copies into fp32 master
             # weights that are views of the (grad-requiring) parameters, outside no_grad.
             with torch.no_grad():
-                state = _sharded_state(role, sharding, is_loading=True)
+                state = _sharded_state(role, sharding, is_loading=True, part=part)
                 with restricted_loading():  # no code runs from the checkpoint's pickles
                     loaded = dist_checkpointing.load(state, str(role_dir))
                 for key, chunk in zip(_model_keys(role), role.model):
-                    unwrap(chunk).load_state_dict(loaded[key], strict=True)
-                if role.optimizer is not None:
+                    # Part of a LoRA role: the keys asked for are exactly the ones loaded.
+                    unwrap(chunk).load_state_dict(loaded[key], strict=part == "all")
+                if optimizer is not None:
                     with tolerate_missing_adam_step(role.optimizer):
                         role.optimizer.load_state_dict(loaded["optimizer"])
                     restore_adam_steps(role.optimizer, loaded["optimizer"])
@@ -561,12 +687,17 @@ def _model_keys(role: Any) -> list[str]:
     return ["model"] if len(role.model) == 1 else [f"model{i}" for i in range(len(role.model))]
 
 
-def _sharded_state(role: Any, sharding: str | None, *, is_loading: bool) -> dict:
-    """The role's sharded state dict: model chunks and, if it trains, its optimizer."""
+def _sharded_state(role: Any, sharding: str | None, *, is_loading: bool, part: str = "all") -> dict:
+    """The role's sharded state dict: model chunks and, if it trains, its optimizer.
+
+    part: "all", or a LoRA role's "adapters" (with the optimizer, whose parameters they
+        are) or "base" (the frozen weights, no optimizer): `lora_base.part_of`.
+    """
     state = {
-        key: unwrap(chunk).sharded_state_dict() for key, chunk in zip(_model_keys(role), role.model)
+        key: lora_base.part_of(unwrap(chunk).sharded_state_dict(), chunk, part)
+        for key, chunk in zip(_model_keys(role), role.model)
     }
-    if role.optimizer is not None:
+    if role.optimizer is not None and part != "base":
         ensure_adam_state(role.optimizer)
         # As Megatron-LM: no optimizer-index prefix, so the keys do not depend on chaining.
         metadata = {"distrib_optim_sharding_type": sharding, "chained_optim_avoid_prefix": True}
@@ -577,14 +708,18 @@ def _sharded_state(role: Any, sharding: str | None, *, is_loading: bool) -> dict
     return state
 
 
-def _role_meta(role: Any, sharding: str) -> dict:
-    """What `load` needs to know about a saved role beyond its tensors."""
-    return {
+def _role_meta(role: Any, sharding: str, base: dict | None) -> dict:
+    """What `load` needs to know about a saved role beyond its tensors; `base`: a LoRA
+    role's base record (its step folder holds the adapters only), else none is kept."""
+    meta = {
         "step_count": role.step_count,
         "vpp": len(role.model),
         "optimizer": sharding if role.optimizer is not None else None,
         "dtype": role_dtype(role),  # model.dtype: the optimizer state loads only at it
     }
+    if base is not None:
+        meta["base"] = base
+    return meta
 
 
 @contextlib.contextmanager

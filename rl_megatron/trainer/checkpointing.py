@@ -46,15 +46,23 @@ class RunCheckpoints:
         self.manager, self.config = manager, config
         self._roles: dict[str, Any] = {}
         self._sidecars: dict[str, dict] = {}
+        self._hf_bases: dict[str, str] = {}
         self._states: dict[str, Checkpointable] = {}
 
-    def register_role(self, name: str, role, sidecar: dict | None = None) -> None:
+    def register_role(
+        self, name: str, role, sidecar: dict | None = None, hf_base: str | None = None
+    ) -> None:
         """A trainable role: weights, optimizer state and step count, sharded; `sidecar`
-        is its `rl_megatron.json` (`sidecars`)."""
+        is its `rl_megatron.json` (`sidecars`). `hf_base`: for a role with LoRA adapters,
+        the HF folder its frozen base was built from (`model.hf_path`), which its
+        checkpoints reference; without one they reference a copy written once per run
+        (`checkpoint/lora_base.py`)."""
         self._check_new(name)
         self._roles[name] = role
         if sidecar is not None:
             self._sidecars[name] = sidecar
+        if hf_base is not None:
+            self._hf_bases[name] = hf_base
 
     def register(self, name: str, owner: Checkpointable) -> None:
         """An object whose `state_dict()` (JSON-serialisable, the same on every rank) is
@@ -73,7 +81,9 @@ class RunCheckpoints:
         logs where the checkpoint went.
         """
         states = {name: owner.state_dict() for name, owner in self._states.items()}
-        return self.manager.save(step, self._roles, states, sidecar=self._sidecars)
+        return self.manager.save(
+            step, self._roles, states, sidecar=self._sidecars, hf_bases=self._hf_bases
+        )
 
     def resume(self, logger: logging.Logger) -> int | None:
         """Continue from `checkpoint.resume_from`, or the run's newest checkpoint (auto).
@@ -92,7 +102,11 @@ class RunCheckpoints:
         if path is None:
             return None
         step, states = self.manager.load(
-            path, self._roles, allow_reshard=c.allow_reshard, verify=c.verify
+            path,
+            self._roles,
+            allow_reshard=c.allow_reshard,
+            verify=c.verify,
+            hf_bases=self._hf_bases,
         )
         missing = sorted(set(self._states) - set(states))
         if missing:

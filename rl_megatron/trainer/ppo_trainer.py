@@ -106,7 +106,9 @@ class PPOTrainer:
         for name, role in roles.trainable().items():
             head = "value" if role.value_head else "lm"
             sidecar = checkpointing.sidecar(config, info, head, run.layout)
-            self.checkpoints.register_role(name, role, sidecar)
+            # A LoRA actor's checkpoints reference its frozen base instead of holding it.
+            lora_base = config.model.hf_path if name == "actor" else None
+            self.checkpoints.register_role(name, role, sidecar, hf_base=lora_base)
         # trainer.mode: colocated_async: groups in flight across steps (partial rollouts).
         # Each replica then draws records at its own pace: its data position is its own,
         # saved with its buffer.
