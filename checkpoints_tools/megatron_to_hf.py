@@ -52,6 +52,7 @@ from rl_megatron.checkpoint.hf_export import (  # noqa: E402
 )
 from rl_megatron.checkpoint.hf_loader import CheckpointError  # noqa: E402
 from rl_megatron.models.hf_config import load_hf_config  # noqa: E402
+from rl_megatron.models.lora import SUFFIX  # noqa: E402
 
 PROG = "megatron_to_hf"
 COMMON_FILE = "common.pt"  # megatron-core's name for it (dist_checkpointing COMMON_STATE_FNAME)
@@ -130,8 +131,33 @@ def preflight(args: argparse.Namespace):
         raise CheckpointError(f"{args.ckpt}: no dist_checkpointing metadata.json")
     index = safe_metadata.read_metadata(args.ckpt)  # restricted: no code runs from it
     safe_metadata.check_index_files(args.ckpt, index)  # missing / truncated .distcp files
+    check_no_adapters(args.ckpt, meta, _stored_tensors(index))
     check_common_file(args.ckpt)
     return meta, info, _params(args.ckpt, info, meta, index), files
+
+
+def check_no_adapters(ckpt: Path, meta: dict, stored: dict) -> None:
+    """Refuse a LoRA actor's checkpoint in one line: the name table has no rule for its
+    adapters, so they would be dropped, and a step folder saved adapters-only has no base
+    weights at all (they are in the folder its sidecar's `lora_base` names)."""
+    adapters = sorted(k for k in stored if f"{SUFFIX}." in k)
+    if not adapters:
+        return
+    fix = (
+        "merging adapters into their base is not supported here yet; the trainer exports "
+        "the merged actor with checkpoint.save_hf=true"
+    )
+    base = meta.get("lora_base")
+    if base:
+        where = Path(base["path"])  # a copy's path is relative to the step folder
+        where = where if base["kind"] == "hf" else (ckpt.parent / where).resolve()
+        raise CheckpointError(
+            f"{ckpt}: a LoRA step folder: it holds the adapters ({adapters[0]}, ...) but not "
+            f"the base weights, which are in {where} ({base['kind']}); {fix}"
+        )
+    raise CheckpointError(
+        f"{ckpt}: holds LoRA adapters ({adapters[0]}, ...), which this export would drop; {fix}"
+    )
 
 
 def check_common_file(ckpt: Path) -> None:

@@ -22,6 +22,9 @@ On disk, one directory per saved step:
                             the sidecar (when given) and the HF config / tokenizer files of
                             its `source`, so `megatron_to_hf.py --ckpt step_.../actor` exports.
       critic/ ...
+      (a LoRA role: its folder holds the adapters and their optimizer state only; the
+      frozen base is referenced from `trainer_state.json`: the HF folder it was built
+      from, or `checkpoints/lora_base/<role>/`, written once per run: `lora_base.py`)
       rng/rank_00000.safetensors, rng/rank_00000.json
                             each rank's RNG states (torch CPU, CUDA, Megatron's tracker as
                             tensors; python `random` / numpy as JSON) and its coordinates.

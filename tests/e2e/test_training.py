@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from rl_megatron.checkpoint.safe_metadata import read_metadata
 from rl_megatron.config import load_config
 from rl_megatron.data.synthetic import synthetic_dataset
 from tests.e2e.launches import kill_after_checkpoint, start_run
@@ -197,12 +198,28 @@ def test_resume_after_kill_matches_uninterrupted_run(tmp_path):
     "checkpoint differed from the uninterrupted run's, the metrics equal; not yet explained"
 )
 def test_resume_after_kill_with_lora(tmp_path):
-    """The same with LoRA adapters and a KL loss (reference = the base): the checkpoint holds
-    the frozen base beside the adapters and their optimizer state, and resumes exactly."""
-    _check_resume_after_kill(tmp_path, "actor.lora.rank=8", "actor.use_kl_loss=true")
+    """The same with LoRA adapters and a KL loss (reference = the base): each step folder
+    holds the adapters and their optimizer state only, the frozen base is one copy per run
+    (`checkpoints/lora_base/`, not rewritten by the resumed run), and it resumes exactly."""
+    inodes = _check_resume_after_kill(tmp_path, "actor.lora.rank=8", "actor.use_kl_loss=true")
+    base = "tiny_cpu/checkpoints/lora_base/actor"
+    assert inodes["after the kill"] == inodes["after the resume"], inodes  # written once
+    for run in ("straight", "killed"):
+        step = tmp_path / run / "tiny_cpu/checkpoints/step_00000006"
+        record = json.loads((step / "trainer_state.json").read_text())["roles"]["actor"]["base"]
+        assert record["kind"] == "copy" and record["path"] == "../lora_base/actor"
+        keys = sorted(read_metadata(step / "actor").state_dict_metadata)
+        model = [k for k in keys if not k.startswith("optimizer.")]
+        assert model and all("_lora." in k for k in model), model
+    # The base copies are the same bytes too: with the step folders, the whole model.
+    names = sorted(p.name for p in (tmp_path / "straight" / base).glob("*.distcp"))
+    assert len(names) == 4
+    for name in names:
+        a, b = (tmp_path / run / base / name for run in ("straight", "killed"))
+        assert a.read_bytes() == b.read_bytes(), f"{base}/{name} differs"
 
 
-def _check_resume_after_kill(tmp_path, *extra: str) -> None:
+def _check_resume_after_kill(tmp_path, *extra: str) -> dict:
     common = ["trainer.total_steps=6", "trainer.val_interval=0", "checkpoint.save_interval=3"]
     common += extra
     straight = tmp_path / "straight"
@@ -214,6 +231,8 @@ def _check_resume_after_kill(tmp_path, *extra: str) -> None:
     kill_after_checkpoint(start_run(killed, *common), killed / "tiny_cpu", 3)
     first = _metrics(killed / "tiny_cpu")
     assert 3 <= len(first) < 6, f"killed run logged {len(first)} steps"
+    base = killed / "tiny_cpu/checkpoints/lora_base/actor"  # a LoRA run's base copy
+    inodes = {"after the kill": base.stat().st_ino if base.exists() else None}
 
     result = _train(killed, *common)  # auto-resumes from the newest checkpoint
     assert result.returncode == 0, result.stderr[-3000:]
@@ -242,6 +261,8 @@ def _check_resume_after_kill(tmp_path, *extra: str) -> None:
     for name in files:
         a, b = (straight / final / name).read_bytes(), (killed / final / name).read_bytes()
         assert a == b, f"{name}: final actor state differs after the resume"
+    inodes["after the resume"] = base.stat().st_ino if base.exists() else None
+    return inodes
 
 
 @pytest.mark.slow

@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +42,7 @@ from tests.spawn import run_on_ranks
 
 MODULES = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
 B = 4
+TOOL = Path(__file__).resolve().parents[2] / "checkpoints_tools" / "megatron_to_hf.py"
 
 
 def _lora_actor(hf: Path, seed: int):
@@ -117,6 +120,17 @@ def _check_layout_on_disk(run: Path) -> None:
         assert record["kind"] == "copy" and record["path"] == "../lora_base/actor"
         sidecar = json.loads((folder / "rl_megatron.json").read_text())
         assert sidecar["lora_base"] == record
+    # The export tool refuses the step folder in one line naming where the base is.
+    result = subprocess.run(
+        [sys.executable, str(TOOL), "--ckpt", str(folder), "--out", str(run / "hf_out")],
+        cwd=TOOL.parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    lines = [line for line in result.stderr.splitlines() if line.startswith("megatron_to_hf: ")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert "LoRA step folder" in lines[0], lines
+    assert f"{(run / 'lora_base/actor').resolve()} (copy)" in lines[0], lines
+    assert not (run / "hf_out").exists()
 
 
 def _body(rank: int, world_size: int, root: Path, hf: Path) -> None:
@@ -127,7 +141,12 @@ def _body(rank: int, world_size: int, root: Path, hf: Path) -> None:
 
     _setup(2)
     roles = _lora_actor(hf, seed=0)
-    sidecar = {"actor": {"format_version": 1, "head": "lm", "dtype": "fp32", "source": str(hf)}}
+    sidecar = {
+        "actor": {
+            **{"format_version": 1, "head": "lm", "dtype": "fp32", "padded_vocab_size": 128},
+            "source": str(hf),
+        }
+    }
     run = root / "run"
     manager = CheckpointManager(run)
     _train(roles)

@@ -223,8 +223,8 @@ def _doomed_body(rank: int, world_size: int, root: Path, hf: Path, markers: Path
     manager.save(1, roles, _trainer_state(1))
     save_role = ts.CheckpointManager._save_role
 
-    def stall(self, role_dir, role, sidecar):
-        save_role(self, role_dir, role, sidecar)
+    def stall(self, role_dir, role, sidecar, *part):
+        save_role(self, role_dir, role, sidecar, *part)
         (markers / f"stalled{rank}").touch()
         time.sleep(KILL_TIMEOUT_S)
 
