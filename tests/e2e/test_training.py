@@ -213,7 +213,7 @@ def test_resume_after_kill_with_lora(tmp_path):
         assert model and all("_lora." in k for k in model), model
     # The base copies are the same bytes too: with the step folders, the whole model.
     names = sorted(p.name for p in (tmp_path / "straight" / base).glob("*.distcp"))
-    assert len(names) == 4
+    assert len(names) == 2  # one per TP rank: the DP replicas' identical shards go once
     for name in names:
         a, b = (tmp_path / run / base / name for run in ("straight", "killed"))
         assert a.read_bytes() == b.read_bytes(), f"{base}/{name} differs"
