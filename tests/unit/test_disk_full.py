@@ -191,3 +191,24 @@ def test_prepare_on_a_full_disk_is_one_line(tmp_path, capsys, monkeypatch, suffi
     assert captured.out == ""
     assert source.read_bytes() == before
     assert sorted(p.name for p in out.parent.iterdir()) == []  # no output, no .partial
+
+
+def test_start_up_completes_or_removes_a_lora_base_copy(tmp_path):
+    """A LoRA run's base copy (`checkpoints/lora_base/<role>`) follows the step folders'
+    protocol: a copy being written is removed, one moved aside by a killed re-write is put
+    back where it has no successor, and removed where it has one."""
+    ckpts = tmp_path / "checkpoints"
+    base = ckpts / step_dirs.BASE_DIR
+    (base / "actor.tmp-0123456789ab").mkdir(parents=True)
+    (base / "actor.old-0123456789ab").mkdir()
+    (base / "actor.old-0123456789ab" / "manifest.json").write_text("{}")
+    (base / "critic").mkdir()
+    (base / "critic.old-0123456789ab").mkdir()
+
+    done = step_dirs.remove_leftovers(ckpts, tmp_path / "hf")
+
+    assert sorted(p.name for p in base.iterdir()) == ["actor", "critic"]
+    assert (base / "actor" / "manifest.json").read_text() == "{}"
+    assert f"removed {base / 'actor.tmp-0123456789ab'}" in done
+    assert len(done) == 3, done
+    assert step_dirs.remove_leftovers(ckpts, tmp_path / "hf") == []

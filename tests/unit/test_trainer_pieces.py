@@ -227,14 +227,16 @@ class _Directory:
     def __init__(self) -> None:
         self.saved: dict = {}
 
-    def save(self, step, roles, states, sidecar=None):
+    def save(self, step, roles, states, sidecar=None, hf_bases=None):
         self.saved = {"step": step, "roles": dict(roles), "states": states, "sidecar": sidecar}
+        self.saved["hf_bases"] = hf_bases
 
     def latest(self):
         return "step_dir" if self.saved else None
 
-    def load(self, path, roles, allow_reshard=False, verify=True):
+    def load(self, path, roles, allow_reshard=False, verify=True, hf_bases=None):
         assert (allow_reshard, verify) == (False, True) and set(roles) == set(self.saved["roles"])
+        assert hf_bases == self.saved["hf_bases"]  # a LoRA role's base, checked at resume
         return self.saved["step"], self.saved["states"]
 
 
@@ -246,7 +248,8 @@ def test_run_checkpoints_save_and_restore_what_owners_registered():
     directory, role = _Directory(), object()
     counter = _Counter()
     checkpoints = RunCheckpoints(directory, CheckpointConfig())
-    checkpoints.register_role("actor", role, sidecar={"head": "lm"})
+    checkpoints.register_role("actor", role, sidecar={"head": "lm"}, hf_base="/models/base")
+    checkpoints.register_role("critic", object())
     checkpoints.register("counter", counter)
     with pytest.raises(ValueError, match="'counter' is registered twice"):
         checkpoints.register("counter", _Counter())
@@ -254,6 +257,7 @@ def test_run_checkpoints_save_and_restore_what_owners_registered():
     checkpoints.save(3)
     assert directory.saved["states"] == {"counter": {"value": 7}}
     assert directory.saved["sidecar"] == {"actor": {"head": "lm"}}
+    assert directory.saved["hf_bases"] == {"actor": "/models/base"}
     counter.value = 0
     assert checkpoints.resume(logging.getLogger("test")) == 3 and counter.value == 7
     # State registered now but absent from the checkpoint: refused, not left at its start.
