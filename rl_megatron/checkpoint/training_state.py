@@ -215,7 +215,7 @@ class CheckpointManager:
         # rank raises the same DiskFullError, the `.tmp-` directory is removed and the
         # previous checkpoint stays as it was (`_written`).
         layout = roles_layout(roles)
-        needed = self._expected_bytes(roles, layout)
+        needed = self._expected_bytes(roles, layout, hf_bases or {})
         tmp = self._make_tmp(final, needed)
         self._writing = (final, needed)  # what a full-disk line names (`_full_line`)
         try:
@@ -270,16 +270,20 @@ class CheckpointManager:
             raise
         return final
 
-    def _expected_bytes(self, roles: Mapping[str, Any], layout: ParallelLayout) -> int:
+    def _expected_bytes(
+        self, roles: Mapping[str, Any], layout: ParallelLayout, hf_bases: Mapping[str, Any]
+    ) -> int:
         """About what checkpoint `step` will take on disk (collective), for the full-disk line:
         the newest complete checkpoint's size, or (the first save) each role's parameters
         at their dtype plus, with an optimizer, 12 bytes each (fp32 master weights and two
-        Adam moments), counted once per model-parallel shard."""
+        Adam moments), counted once per model-parallel shard. A LoRA role counts its adapters
+        and their state, and its base only where this save writes the base copy."""
         local = 0
         for name, role in roles.items():
             params = [p for chunk in role.model for p in chunk.parameters()]
-            if lora_base.has_adapters(role) and name in self._base_copies:
-                params = [p for p in params if p.requires_grad]  # the base is not rewritten
+            base_stored = name in self._base_copies or hf_bases.get(name) is not None
+            if lora_base.has_adapters(role) and base_stored:
+                params = [p for p in params if p.requires_grad]  # the base is not written
             local += sum(p.numel() * p.element_size() for p in params)
             if role.optimizer is not None:  # a frozen LoRA base has none
                 local += 12 * sum(p.numel() for p in params if p.requires_grad)
