@@ -407,8 +407,7 @@ class CheckpointManager:
         if box[0] is None:
             raise DiskFullError(self._full_line())
         tmp = box[0]
-        try:
-            self._written(None)  # the leader's mkdir is visible to every rank from here
+        try:  # the broadcast above ordered the leader's mkdir before every rank's write
             entry = self._save_role(tmp, role, None, part="base")
         except DiskFullError:
             if self._is_leader() and tmp.exists():
