@@ -382,8 +382,13 @@ class CheckpointManager:
             if not lora_base.has_adapters(roles[name]):
                 continue
             if hf_bases.get(name) is not None:
-                leader = self._is_leader()
-                bases[name] = lora_base.hf_record(hf_bases[name]) if leader else {"kind": "hf"}
+                bases[name], problem = {"kind": "hf"}, None
+                if self._is_leader():  # a folder gone since the start: agreed, not a hang
+                    try:
+                        bases[name] = lora_base.hf_record(hf_bases[name])
+                    except (BaseCheckpointError, OSError) as exc:
+                        problem = f"{hf_bases[name]}: the LoRA base ({_first_line(exc)})"
+                self._agree(problem)
                 continue
             if name not in self._base_copies:
                 with _on_device(roles[name]):
@@ -560,6 +565,8 @@ class CheckpointManager:
                         check_indexes(copy.parent, [copy.name])
             except BaseCheckpointError as exc:
                 box[2] = str(exc)
+            except Exception as exc:  # never leave the other ranks waiting in the broadcast
+                box[2] = f"{path}: the LoRA base cannot be checked ({_first_line(exc)})"
         dist.broadcast_object_list(box, src=self._leader_rank(), group=self.group)
         copies, files, problem = box
         self._agree(problem)
