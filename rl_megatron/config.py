@@ -315,7 +315,8 @@ class LoraConfig:
     dropout: float = 0.0  # dropout on the adapter's input only, in [0, 1)
     # megatron-core module names: linear_qkv (HF q/k/v_proj), linear_proj (o_proj),
     # linear_fc1 (gate/up_proj), linear_fc2 (down_proj); in an MoE layer linear_fc1 / fc2
-    # are also each expert's (experts.{e}.gate/up_proj, down_proj).
+    # are also each expert's (experts.{e}.gate/up_proj, down_proj); output_layer (lm_head,
+    # untied only) lets a randomly initialised model's frozen head be adapted too.
     target_modules: list[str] = field(
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     )

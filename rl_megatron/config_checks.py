@@ -386,7 +386,7 @@ def _check_router_replay(config: Config) -> None:
     )
 
 
-LORA_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
 
 
 def _check_lora(config: Config) -> None:
@@ -404,6 +404,19 @@ def _check_lora(config: Config) -> None:
     _require(bool(lora.target_modules), "actor.lora.target_modules", "must name a module")
     if lora.rank == 0:
         return
+    if "output_layer" in lora.target_modules:
+        _require(
+            len(lora.target_modules) > 1,
+            "actor.lora.target_modules",
+            "output_layer needs a layer module beside it (the other pipeline stages would "
+            "have nothing to train)",
+        )
+        _require(
+            not config.model.tie_word_embeddings,
+            "actor.lora.target_modules",
+            "output_layer is tied to the input embedding (model.tie_word_embeddings); "
+            "merging an adapter into it would change the embedding too",
+        )
     a = config.algorithm
     # The reference is the actor with its adapters off: one model, so never both at once.
     for key, full in (

@@ -50,6 +50,10 @@ def _train(tmp_path: Path, *overrides: str, ranks: int = 4, timeout: int = 600):
         ("grpo", []),
         # PPO with a critic (GAE); λ < 1 so the critic's values shape the advantages.
         ("gae", ["algorithm.lam=0.95"]),
+        # LoRA rank 8 (tiny_cpu.yaml adapts the LM head too: a random model's frozen head
+        # caps its logits); its engine samples through the head's hook (logits gathered
+        # over TP), its trainer log-probs through `head_weight`: the diff check below.
+        ("grpo", ["actor.lora.rank=8"]),
     ],
 )
 def test_reward_improves(tmp_path, estimator, extra):

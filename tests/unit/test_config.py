@@ -651,6 +651,11 @@ LORA = ["actor.lora.rank=8"]
         (LORA + ["rollout.engine=vllm"], "actor.lora.rank: LoRA needs rollout.engine=megatron"),
         (LORA + ["actor.use_kl_loss=true", "actor.kl_loss_type=full"],
          "actor.kl_loss_type: full needs the reference's logits"),
+        (LORA + ["actor.lora.target_modules=[output_layer]"],
+         "actor.lora.target_modules: output_layer needs a layer module beside it"),
+        (LORA + ["actor.lora.target_modules=[linear_qkv,output_layer]",
+                 "model.tie_word_embeddings=true"],
+         "actor.lora.target_modules: output_layer is tied to the input embedding"),
     ],
 )  # fmt: skip
 def test_lora_config_errors_name_the_key(overrides, message):
