@@ -176,6 +176,12 @@ class RolloutConfig:
     # sent (DESIGN.md §3): off, sample (one tensor of each kind, rotating) or full.
     verify_sync: Literal["off", "sample", "full"] = "off"
     verify_sync_interval: int = 1  # verify every N-th sync (when verify_sync is not off)
+    # After each training step's sync, sample this many fixed prompts (the first held-out
+    # ones) with a fixed seed and log the engine-vs-trainer log-prob mismatch on them
+    # (sync_probe/*: mean, p99, max of |d|, mean exp|d|; rollout/sync_probe.py). 0: off.
+    sync_probe_prompts: int = 0
+    # New tokens per probe prompt (<= max_response_length); null: 32 or max_response_length.
+    sync_probe_tokens: int | None = None
     # Generate with FP8 weights (vLLM; GPUs of compute capability >= 8.9): fp8 = one
     # float8_e4m3fn weight and a float32 scale per 128x128 block for every linear layer,
     # quantized from the trainer's weights inside each sync (resharding/fp8.py). With it,
@@ -593,9 +599,14 @@ def _resolve_defaults(config: Config) -> None:
     if config.rollout.partial.chunk_tokens is None:
         r = config.rollout
         r.partial.chunk_tokens = -(-r.max_response_length // (max(r.max_staleness, 0) + 1))
+    if config.rollout.sync_probe_tokens is None:
+        config.rollout.sync_probe_tokens = min(32, config.rollout.max_response_length)
     if config.rollout.calculate_log_probs is None:
         # The behaviour policy's log-probs are what the correction's weights are made of.
-        config.rollout.calculate_log_probs = config.algorithm.rollout_correction.level is not None
+        config.rollout.calculate_log_probs = (
+            config.algorithm.rollout_correction.level is not None
+            or config.rollout.sync_probe_prompts > 0  # the probe compares them
+        )
 
 
 def save_resolved(config: Config, run_dir: Path) -> Path:

@@ -198,6 +198,19 @@ def _check_rollout(r: RolloutConfig, p: ParallelConfig, m: ModelConfig) -> None:
     )
     _require(r.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb", "must be > 0")
     _require(r.verify_sync_interval >= 1, "rollout.verify_sync_interval", "must be >= 1")
+    _require(r.sync_probe_prompts >= 0, "rollout.sync_probe_prompts", "must be >= 0 (0 = off)")
+    _require(
+        r.sync_probe_prompts == 0 or 1 <= r.sync_probe_tokens <= r.max_response_length,
+        "rollout.sync_probe_tokens",
+        f"must be in [1, rollout.max_response_length={r.max_response_length}], "
+        f"got {r.sync_probe_tokens}",
+    )
+    _require(
+        r.sync_probe_prompts == 0 or r.calculate_log_probs is not False,
+        "rollout.sync_probe_prompts",
+        "the probe compares the engine's log-probs with the trainer's; "
+        "rollout.calculate_log_probs is false",
+    )
     _check_fp8(r)
 
 

@@ -637,6 +637,27 @@ def test_fp8_rollout_refuses_an_moe_actor(monkeypatch):
         check_engine_config(config)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.sync_probe_prompts=-1"], "rollout.sync_probe_prompts: must be >= 0"),
+        (["rollout.sync_probe_prompts=2", "rollout.sync_probe_tokens=9"],
+         "rollout.sync_probe_tokens: must be in [1, rollout.max_response_length=8], got 9"),
+        (["rollout.sync_probe_prompts=2", "rollout.calculate_log_probs=false"],
+         "rollout.sync_probe_prompts: the probe compares the engine's log-probs"),
+    ],
+)  # fmt: skip
+def test_sync_probe_config_errors_name_the_key(overrides, message):
+    assert _error(TINY, overrides).startswith(message)
+
+
+def test_sync_probe_asks_the_engine_for_log_probs():
+    config = load_config(TINY, ONE_RANK + ["rollout.sync_probe_prompts=2"])
+    validate(config, world_size=1)
+    assert config.rollout.calculate_log_probs is True
+    assert load_config(TINY, ONE_RANK).rollout.calculate_log_probs is False  # off: not needed
+
+
 LORA = ["actor.lora.rank=8"]
 
 

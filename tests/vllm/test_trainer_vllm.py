@@ -95,10 +95,14 @@ def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
         "algorithm.rollout_correction.level=sequence",  # asks vLLM for log-probs itself
         "algorithm.rollout_correction.rejection=[0.5, 2.0]",
         "rollout.verify_sync=sample",  # each sync read back from vLLM and compared
+        "rollout.sync_probe_prompts=3",  # and its log-probs on a fixed batch
+        "rollout.sync_probe_tokens=4",
     ]
     rows = run_trainer(tmp_path, nproc=2, steps=STEPS, overrides=overrides)
     for row in rows:
         assert row["rollout/logprob_diff_max"] < 1e-3, row["rollout/logprob_diff_max"]
+        assert 0 < row["sync_probe/tokens"] <= 3 * 4, row  # one replica (PP 2)
+        assert row["sync_probe/logprob_diff_max"] < 1e-3, row["sync_probe/logprob_diff_max"]
         assert abs(row["rollout_corr/is_weight_mean"] - 1.0) < 1e-2, row
         assert row["rollout_corr/rejected_seq_frac"] == 0.0
         assert 0 <= row["rollout/mismatch_kl_k3"] < 1e-4
