@@ -84,6 +84,27 @@ MUTATIONS = [
         LORA_TEST,
     ),
     (
+        "LoRA head: log-probs from the hidden states ignore its adapter",
+        "rl_megatron/models/chunked_logprobs.py",
+        "    return head_weight(gpt, gpt.output_layer.weight)",
+        "    return gpt.output_layer.weight",
+        LORA_TEST,
+    ),
+    (
+        "LoRA head: A's gradient not summed over TP in the chunked log-probs",
+        LORA,
+        "        lora_a = tensor_parallel.copy_to_tensor_model_parallel_region(",
+        "        lora_a = (lambda t, group: t)(",
+        LORA_TEST,
+    ),
+    (
+        "sync probe compares the engine with itself",
+        "rl_megatron/rollout/sync_probe.py",
+        "    diff = (trainer_log_prob.double() - engine_log_prob.double())[valid].abs().cpu()",
+        "    diff = (engine_log_prob.double() - engine_log_prob.double())[valid].abs().cpu()",
+        "tests/unit/test_sync_probe.py",
+    ),
+    (
         "old log-probs replaced by the new (ratio 1)",
         TRAINER,
         'mb["old_log_prob"],',
