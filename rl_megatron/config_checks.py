@@ -448,14 +448,8 @@ def _check_lora(config: Config) -> None:
         "a LoRA actor takes megatron-core's local layer spec (models/lora.py), whose norms "
         "do not take sequence parallelism; set it false with actor.lora.rank > 0",
     )
-    # Until the weight sync merges the adapters (issue 41, 3a), only an engine that
-    # generates with the actor's own modules sees them.
-    _require(
-        config.rollout.engine == "megatron",
-        "actor.lora.rank",
-        f"LoRA needs rollout.engine=megatron for now (rollout.engine={config.rollout.engine} "
-        "would be sent the base weights without the adapters)",
-    )
+    # rollout.engine=vllm is sent the merged weights W + (alpha/r)·B·A by the weight sync
+    # (resharding/lora_merge.py), FP8 engines included: their target quantizes what lands.
     _require(
         config.parallel.etp == 1
         or "linear_fc1" not in lora.target_modules

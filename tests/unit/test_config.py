@@ -669,7 +669,6 @@ LORA = ["actor.lora.rank=8"]
         (LORA + ["actor.lora.dropout=1.0"], "actor.lora.dropout: must be in [0, 1)"),
         (LORA + ["actor.lora.target_modules=[q_proj]"], "actor.lora.target_modules: unknown"),
         (LORA + ["actor.lora.target_modules=[]"], "actor.lora.target_modules: must name"),
-        (LORA + ["rollout.engine=vllm"], "actor.lora.rank: LoRA needs rollout.engine=megatron"),
         (LORA + ["actor.use_kl_loss=true", "actor.kl_loss_type=full"],
          "actor.kl_loss_type: full needs the reference's logits"),
         (LORA + ["actor.lora.target_modules=[output_layer]"],
@@ -694,3 +693,17 @@ def test_lora_config_validates():
     validate(config, world_size=1)
     assert config.actor.lora.rank == 8 and config.reference.enable
     assert load_config(TINY, ONE_RANK).actor.lora.rank == 0  # off by default
+
+
+@pytest.mark.parametrize("quantization", ["null", "fp8"])
+def test_lora_config_validates_with_vllm(monkeypatch, quantization):
+    """The vLLM weight sync sends the merged weights (resharding/lora_merge.py); an FP8
+    engine quantizes what lands, merged or not."""
+    import rl_megatron.config_checks as checks
+
+    monkeypatch.setattr(checks, "_has_fp8_gpu", lambda: True)
+    overrides = [*ONE_RANK, *LORA, "rollout.engine=vllm", f"rollout.quantization={quantization}"]
+    config = load_config(TINY, overrides)
+    validate(config, world_size=1)
+    check_engine_config(config)
+    assert config.actor.lora.rank == 8 and config.rollout.engine == "vllm"
