@@ -45,6 +45,7 @@ DP_ALGORITHMS = (
 UNPICKLER = "tests/unit/test_checkpoint_integrity.py"
 LORA = "rl_megatron/models/lora.py"
 LORA_TEST = "tests/multirank/test_lora.py::test_lora_across_layouts"
+LORA_SYNC_TEST = "tests/multirank/test_lora_sync.py"
 
 # (name, file, exact text, replacement, the test that must fail)
 MUTATIONS = [
@@ -829,6 +830,27 @@ MUTATIONS = [
         "            if was is not None and (",
         "            if False and (",
         "tests/unit/test_vllm_repacked.py::test_a_quantized_method_and_a_changed_dtype_are_found",
+    ),
+    (
+        "LoRA weight sync: the base weights sent, adapters not merged",
+        "rl_megatron/resharding/lora_merge.py",
+        "        if not adapters:\n",
+        "        if True:\n",
+        LORA_SYNC_TEST,
+    ),
+    (
+        "LoRA weight sync: a merged sync keeps its copy views (the merges held between syncs)",
+        "rl_megatron/resharding/weight_sync.py",
+        "        views = self._views if sources is table else None",
+        "        views = self._views",
+        LORA_SYNC_TEST,
+    ),
+    (
+        "LoRA weight sync: the verifier compares the engine with the unmerged weights",
+        "rl_megatron/resharding/weight_sync.py",
+        "self.verifier.verify(plan, rank, sources, group=self.group)",
+        "self.verifier.verify(plan, rank, table, group=self.group)",
+        "tests/vllm/test_vllm_lora_sync.py",
     ),
 ]
 
