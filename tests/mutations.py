@@ -15,7 +15,8 @@ engine's routing record (routing replay), issue 21's engine sleep levels, batch
 padding and vLLM core loop, and issue 36's edges (non-finite values other than NaN, the
 dual clip engaged, routing replay's gate weights and sequence parallelism, dynamic
 sampling across replicas, the restricted unpickler), and issue 39's per-prompt caps on
-new tokens in both engines, and issue 38's environment-worker cap.
+new tokens in both engines, issue 38's environment-worker cap, and issue 41's LoRA
+merged weight sync.
 """
 
 from __future__ import annotations

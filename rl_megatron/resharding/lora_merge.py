@@ -14,7 +14,9 @@ and the engine's layout are the same as for a plain actor: only the source tenso
 The merged tensors are temporaries, made when the sync starts and freed when it returns:
 the extra memory is the adapted weights of this rank (with all four linear kinds adapted,
 nearly all of its parameter bytes; not the embeddings, norms or output layer) plus one
-B·A product, during the sync only. The trainer's base weights are never written.
+B·A product, during the sync only (`SyncStats.lora_merged_bytes`; not in its
+`device_peak_extra_bytes`, which counts from the executor's start, when the merges already
+exist). The trainer's base weights are never written.
 
 A source table without adapters is returned as it is (one lookup per chunk per sync), so a
 plain actor's sync pays nothing and keeps its copy views (`weight_sync.py`).
@@ -44,6 +46,7 @@ class LoraMerge:
         self._adapters: weakref.WeakKeyDictionary[torch.nn.Module, list[LoraAdapter]] = (
             weakref.WeakKeyDictionary()
         )
+        self.merged_bytes = 0  # bytes of the merges the last call made (`SyncStats`)
 
     def adapters(self, model_chunks: Sequence[torch.nn.Module]) -> list[LoraAdapter]:
         """The adapters of `model_chunks` (wrappers allowed), in module order."""
@@ -68,6 +71,7 @@ class LoraMerge:
         be sent a weight without its adapter.
         """
         adapters = self.adapters(model_chunks)
+        self.merged_bytes = 0
         if not adapters:
             return sources
         by_weight = {}
@@ -88,4 +92,5 @@ class LoraMerge:
                 f"weight sync: {len(by_weight) - len(done)} of {len(by_weight)} LoRA adapters "
                 "adapt a weight the sync does not send; it would go to the engine unmerged"
             )
+        self.merged_bytes = sum(t.nbytes for t in done.values())
         return merged

@@ -162,6 +162,7 @@ class WeightSync:
         self.version = version
         stats.prepare_s, stats.begin_s, stats.finish_s = t1 - t0, t2 - t1, time.perf_counter() - t3
         stats.target_staging_bytes = self.target.staging_peak_bytes()
+        stats.lora_merged_bytes = self._merge.merged_bytes
         if self.verifier is not None and self.verifier.due():
             stats.verify, problem = self.verifier.verify(plan, rank, sources, group=self.group)
             if problem is not None:

@@ -10,7 +10,8 @@ merged by hand (q/k/v rows taken out of Megatron's per-group interleave by hand,
 [gate; up]) sliced into vLLM's shards (`moe_vllm_reference`). Each pair is synced twice, B
 redrawn in between (a merge kept from the first sync would show). After each sync: the
 trainer's parameters are unchanged bit for bit, no merged tensor is alive any more (they are
-temporaries of the sync), and no copy view was kept.
+temporaries of the sync), no copy view was kept, and `SyncStats.lora_merged_bytes` is the
+bytes of the rank's adapted weights.
 
 Tolerance: bit-exact.
 """
@@ -136,7 +137,7 @@ def _body(rank: int, world_size: int, path: str, cfg: dict) -> None:
 
     from rl_megatron.checkpoint.hf_builders import build_actor
     from rl_megatron.models.hf_config import load_hf_config
-    from rl_megatron.models.lora import apply_lora
+    from rl_megatron.models.lora import adapters_of, apply_lora
     from rl_megatron.resharding import lora_merge
     from rl_megatron.resharding.layouts import (
         MEGATRON_RANK_ORDER,
@@ -184,7 +185,7 @@ def _body(rank: int, world_size: int, path: str, cfg: dict) -> None:
                 _set_adapters(actor, drawn[draw])
                 before = {n: p.clone() for c in actor for n, p in c.named_parameters()}
                 made.clear()
-                sync.sync(actor, version=draw)
+                stats = sync.sync(actor, version=draw)
                 want = moe_vllm_reference(merged_states[draw], info, t_g, gen_tp, padded)
                 assert_bit_exact(store.tensors, want, where)
                 for name, p in (n_p for c in actor for n_p in c.named_parameters()):
@@ -192,6 +193,9 @@ def _body(rank: int, world_size: int, path: str, cfg: dict) -> None:
                 gc.collect()
                 assert made and all(ref() is None for ref in made), f"{where}: merges kept"
                 assert sync._views is not None and sync._views.bound == [], where
+                # The merges' bytes: every adapted weight of this rank, once.
+                adapted = {id(a.base().weight): a.base().weight for a in adapters_of(actor)}
+                assert stats.lora_merged_bytes == sum(w.nbytes for w in adapted.values()) > 0
             pairs += 1
     assert pairs >= len(LAYOUTS), pairs
 
