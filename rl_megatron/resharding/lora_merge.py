@@ -4,17 +4,18 @@
     sent = merge(model_chunks, sources)   # the parameter table, adapted weights merged
     ...                                   # the sync reads `sent` only; then it is dropped
 
-An engine that generates with its own copy of the weights (vLLM) has no adapters: it must
-be sent the merged weight of every adapted linear (`models/lora.py`). The merge is done per
+An engine that generates with its own copy of the weights (vLLM) has no adapters: it must be
+sent the merged weight of every adapted linear (`models/lora.py`). The merge is done per
 rank shard, on the shard the sync would have sent (`merged_weight`: a column-parallel B is
 split like W's rows, fc1's [gate; up] and the QKV interleave included; a row-parallel A like
-W's columns; an expert's adapters sit on its own weights), so the plan, the copy program
-and the engine's layout are the same as for a plain actor: only the source tensors differ.
+W's columns; an expert's adapters sit on its own weights; the LM head's B is split like its
+vocabulary rows, padding included), so the plan, the copy program and the engine's layout
+are the same as for a plain actor: only the source tensors differ.
 
-The merged tensors are temporaries, made when the sync starts and freed when it returns:
-the extra memory is the adapted weights of this rank (with all four linear kinds adapted,
-nearly all of its parameter bytes; not the embeddings, norms or output layer) plus one
-B·A product, during the sync only (`SyncStats.lora_merged_bytes`; not in its
+The merged tensors are temporaries, made when the sync starts and freed when it returns: the
+extra memory is the adapted weights of this rank (with all four linear kinds adapted, nearly
+all of its parameter bytes; not the embeddings, norms or, unless adapted, the LM head) plus
+one B·A product, during the sync only (`SyncStats.lora_merged_bytes`; not in its
 `device_peak_extra_bytes`, which counts from the executor's start, when the merges already
 exist). The trainer's base weights are never written.
 

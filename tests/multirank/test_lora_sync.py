@@ -2,7 +2,7 @@
 
 One spawn: the tiny Qwen3-MoE of tests/reshard_refs.py (QK-norm, 4 experts per layer) is
 built as an actor at TP1·EP2 (each rank holds two experts; EP over DP), TP2 and PP2, with
-adapters on all four linear kinds (fc1 / fc2 on every expert), A and B on a dyadic grid so
+adapters on all four linear kinds (fc1 / fc2 on every expert) and the LM head, A and B on a dyadic grid so
 that W + (alpha/r)·B·A is exact in any order. A `WeightSync` into `TensorStoreTarget`s of
 vLLM's layout (NaN until written; in place, so the sync would keep copy views for a plain
 actor) at every generation TP the plan block allows must hold, bit for bit, the HF checkpoint
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(ON_GPU, reason="CPU (gloo) te
 
 WORLD = 2
 LAYOUTS = [(1, 1, 2), (2, 1, 1), (1, 2, 1)]  # (tp, pp, ep)
-MODULES = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+MODULES = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer"]
 RANK, ALPHA = 4, 8.0  # scale 2: exact
 BUCKET_MB = 1 / 64
 
@@ -64,6 +64,8 @@ def _adapters(cfg: dict, draw: int) -> dict[str, tuple[torch.Tensor, torch.Tenso
             key = f"{layer}.{e}"
             out[f"{key}.linear_fc1"] = _full(f"{key}.fc1", (RANK, hidden), (2 * ffn, RANK), draw)
             out[f"{key}.linear_fc2"] = _full(f"{key}.fc2", (RANK, ffn), (hidden, RANK), draw)
+    # The LM head: one B row per token of the HF vocabulary (Megatron's padding rows get 0).
+    out["output_layer"] = _full("output_layer", (RANK, hidden), (cfg["vocab_size"], RANK), draw)
     return out
 
 
@@ -78,8 +80,10 @@ def _hand_merged(state: dict, cfg: dict, adapters: dict) -> dict[str, torch.Tens
 
     for key, (a, b) in adapters.items():
         *where, module = key.split(".")
-        pre = f"model.layers.{where[0]}"
-        if module == "linear_qkv":
+        pre = f"model.layers.{where[0]}" if where else ""
+        if module == "output_layer":
+            add("lm_head.weight", b, a)
+        elif module == "linear_qkv":
             rows = b.reshape(groups, per_group + 2, hd, RANK)
             add(f"{pre}.self_attn.q_proj.weight", rows[:, :per_group].reshape(-1, RANK), a)
             add(f"{pre}.self_attn.k_proj.weight", rows[:, per_group].reshape(-1, RANK), a)
@@ -115,6 +119,14 @@ def _set_adapters(actor, adapters: dict) -> None:
     from rl_megatron.models.lora import LoraAdapter
 
     for chunk in actor:
+        head = getattr(unwrap(chunk), "output_layer_lora", None)
+        if head is not None:  # the last stage's LM head: B padded to Megatron's vocabulary
+            a, b = adapters["output_layer"]
+            tp = head.tp_group.size() if head.tp_group is not None else 1
+            padded = torch.zeros(head.lora_b.shape[0] * tp, RANK)
+            padded[: b.shape[0]] = b
+            head.lora_a.copy_(a)
+            head.lora_b.copy_(_shard(padded, head.lora_b, head, False))
         for layer in unwrap(chunk).decoder.layers:
             for path, adapter in layer.named_modules():
                 if not isinstance(adapter, LoraAdapter):

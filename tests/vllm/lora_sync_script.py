@@ -11,15 +11,15 @@ it (vLLM's own `torch.nn.functional.linear` fallback). The sync still goes throu
 layerwise reload, as on any CPU build.
 
 The expectation never touches the trainer's code: the adapters' full tensors are drawn here
-per global name (A and B on a dyadic grid, so B·A, the scale 2 and the one rounding of
-W + scale·B·A are exact whatever the order of the products or the shard sizes), merged by
-hand into the HF checkpoint's tensors (q/k/v rows taken out of Megatron's per-group
-interleave by hand), and loaded by vLLM itself (`update_weights`): what it then holds is
-what the sync must produce, bit for bit. For each training layout (TP 2, and PP 2, whose
-layers cross ranks), a Megatron actor with adapters on all four linear kinds is synced with
-B from one draw, then again after B changed; every engine parameter is read back from vLLM's
-model and compared. `rollout.verify_sync=full` runs on each sync with the engine read in
-full (the linear weights are readable here). Each rank writes `outdir/rank{r}.json`.
+per global name (A and B on a dyadic grid, so B·A, the scale 2 and the one rounding of W +
+scale·B·A are exact whatever the order of the products or the shard sizes), merged by hand
+into the HF checkpoint's tensors (q/k/v rows taken out of Megatron's per-group interleave by
+hand), and loaded by vLLM itself (`update_weights`): what it then holds is what the sync
+must produce, bit for bit. For each training layout (TP 2, and PP 2, whose layers cross
+ranks), a Megatron actor with adapters on all four linear kinds and the LM head is synced
+with B from one draw, then again after B changed; every engine parameter is read back from
+vLLM's model and compared. `rollout.verify_sync=full` runs on each sync with the engine read
+in full (the linear weights are readable here). Each rank writes `outdir/rank{r}.json`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 RANK, ALPHA = 4, 8.0  # scale alpha / rank = 2: exact
-MODULES = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+MODULES = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer"]
 
 
 def dyadic(shape: tuple[int, ...], std: float, grid: int, seed: int) -> torch.Tensor:
@@ -49,7 +49,8 @@ def dyadic(shape: tuple[int, ...], std: float, grid: int, seed: int) -> torch.Te
 
 def full_adapters(config, draw: int) -> dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]:
     """(layer, module) → (A [r, in], B [out, r]) in full. linear_qkv's B rows in Megatron's
-    order (per query group: its q heads, k, v); linear_fc1's as [gate; up]."""
+    order (per query group: its q heads, k, v); linear_fc1's as [gate; up]; the LM head's
+    (layer -1) one row per token of the HF vocabulary (Megatron's padding rows get B = 0)."""
     hidden, ffn, hd = config.hidden_size, config.intermediate_size, config.head_dim
     heads, groups = config.num_attention_heads, config.num_key_value_heads
     shapes = {
@@ -65,6 +66,9 @@ def full_adapters(config, draw: int) -> dict[tuple[int, str], tuple[torch.Tensor
             a = dyadic((RANK, n_in), 0.1, 64, seed)
             b = dyadic((n_out, RANK), 0.05, 256, seed + 1000 * draw)
             out[layer, module] = (a, b)
+    seed = zlib.crc32(b"output_layer")
+    a = dyadic((RANK, hidden), 0.1, 64, seed)
+    out[-1, "output_layer"] = (a, dyadic((config.vocab_size, RANK), 0.05, 256, seed + 1000 * draw))
     return out
 
 
@@ -80,7 +84,9 @@ def hand_merged(base: dict[str, torch.Tensor], config, adapters) -> dict[str, to
 
     for (layer, module), (a, b) in adapters.items():
         pre = f"model.layers.{layer}"
-        if module == "linear_qkv":
+        if module == "output_layer":
+            add("lm_head.weight", b, a)
+        elif module == "linear_qkv":
             rows = b.reshape(groups, per_group + 2, hd, RANK)
             add(f"{pre}.self_attn.q_proj.weight", rows[:, :per_group].reshape(-1, RANK), a)
             add(f"{pre}.self_attn.k_proj.weight", rows[:, per_group].reshape(-1, RANK), a)
@@ -102,9 +108,16 @@ def set_adapters(actor, adapters, tp: int, tp_rank: int) -> None:
     from rl_megatron.checkpoint.hf_loader import unwrap
 
     for chunk in actor:
+        head = getattr(unwrap(chunk), "output_layer_lora", None)
+        if head is not None:  # the last stage: B's padding rows zero, then its TP shard
+            a, b = adapters[-1, "output_layer"]
+            padded = torch.zeros(head.lora_b.shape[0] * tp, RANK)
+            padded[: b.shape[0]] = b
+            head.lora_a.copy_(a)
+            head.lora_b.copy_(padded.chunk(tp)[tp_rank])
         for layer in unwrap(chunk).decoder.layers:
             i = layer.layer_number - 1
-            for module in MODULES:
+            for module in MODULES[:4]:
                 owner = layer.self_attention if module in MODULES[:2] else layer.mlp
                 adapter = getattr(owner, module + "_lora")
                 a, b = adapters[i, module]

@@ -1,10 +1,10 @@
 """A LoRA actor's weight sync into vLLM (CPU build) sends W + (alpha/r)·B·A (issue 41, 3a).
 
-One torchrun run of 2 ranks (tests/vllm/lora_sync_script.py), one vLLM engine at rollout
-TP 2, training layouts TP 2 (each rank merges its own shards, nothing crosses ranks) and
-PP 2 (a layer's merged rows travel to the other rank). The tiny Llama has adapters on all
-four linear kinds with B away from zero; for each layout it is synced twice, B redrawn in
-between (a merge kept from the first sync would show).
+One torchrun run of 2 ranks (tests/vllm/lora_sync_script.py), one vLLM engine at rollout TP
+2, training layouts TP 2 (each rank merges its own shards, nothing crosses ranks) and PP 2
+(a layer's merged rows travel to the other rank). The tiny Llama has adapters on all four
+linear kinds and its LM head (`output_layer`), with B away from zero; for each layout it is
+synced twice, B redrawn in between (a merge kept from the first sync would show).
 
 Checked per sync: every vLLM parameter, read back from vLLM's own model, equals bit for
 bit what vLLM holds after loading the HF checkpoint merged by hand (W + scale·B·A on the
@@ -33,7 +33,7 @@ from tests.rollout_refs import tiny_llama  # noqa: E402
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 SCRIPT = Path(__file__).with_name("lora_sync_script.py")
-ADAPTED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # vLLM names
+ADAPTED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")  # vLLM names
 
 
 def test_lora_actor_syncs_its_merged_weights_into_vllm(tmp_path):
@@ -53,9 +53,9 @@ def test_lora_actor_syncs_its_merged_weights_into_vllm(tmp_path):
     for res in results:
         params = res["engine_params"]
         # vLLM fuses q/k/v and gate/up: its adapted tensors are qkv_proj, o_proj,
-        # gate_up_proj and down_proj of each layer, and nothing else moved.
+        # gate_up_proj and down_proj of each layer and the LM head, and nothing else moved.
         adapted = sorted(n for n in params if any(k in n for k in ADAPTED) and "weight" in n)
-        assert len(adapted) == 2 * 4, adapted
+        assert len(adapted) == 2 * 4 + 1, adapted
         assert res["changed_by_merge"] == adapted
         assert res["changed_between_draws"] == adapted
         assert [c["layout"] for c in res["layouts"]] == spec["layouts"]
