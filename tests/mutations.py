@@ -794,6 +794,8 @@ MUTATIONS = [
         "self.waited += any(t == traj_id for t, _ in self._queue)",
         "self.waited += 0",
         "tests/unit/test_environment_workers.py",
+    ),
+    (
         "sync verification: the bitwise compare lets a last-place difference pass",
         "rl_megatron/resharding/verify.py",
         "    differ = (a != b).nonzero()",
