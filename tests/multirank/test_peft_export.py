@@ -1,0 +1,148 @@
+"""The LoRA actor's adapters in the HF PEFT layout (`checkpoint/peft_export.py`).
+
+One 2-rank spawn builds the tiny GQA Llama of test_roles (4 layers, 4 query heads in 2
+groups, fp32) with adapters on linear_qkv, linear_proj, linear_fc1 and linear_fc2, B
+perturbed to the same full tensor in every layout (test_lora's `_perturb_b`), at TP1·DP2,
+TP2 and PP2, and in each writes the adapter folder (`save_peft_adapter`). At TP1 it also
+writes the merged HF export (`save_hf_checkpoint`) and keeps the actor's log-probs and
+entropies of test_roles' batch. Then, in the test process:
+
+  (a) the TP2 and PP2 folders equal TP1's byte for byte, both files (the split factor is
+      gathered, not recomputed: any layout bug changes bytes);
+  (b) the file holds exactly PEFT's names and shapes for the model (q/k/v, gate/up split);
+      each q/k/v_proj and gate/up_proj lora_A is the fused adapter's A;
+  (c) `PeftModel.from_pretrained` onto the model's own HF folder (the frozen base) loads
+      every tensor (PEFT's state dict equals the file) and its r / lora_alpha;
+  (d) its logits equal the merged export's within 2e-5 absolute (fp32; the merged weight
+      rounds W + s·B·A once, PEFT adds s·B(A x) to W x: summation order only, ~1e-6 seen),
+      and the adapter moved them (> 1e-2 from the base's);
+  (e) its response log-probs (temperature 0.7) and entropies equal the Megatron LoRA
+      actor's within 1e-4 (test_roles' HF-vs-Megatron parity bound).
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from safetensors.torch import load_file
+
+from rl_megatron.parallel import MEGATRON_RANK_ORDER
+from tests.multirank.test_lora import ALPHA, MODULES, RANK, _actor, _perturb_b
+from tests.multirank.test_roles import TEMPERATURE, P, R, _make_checkpoint
+from tests.spawn import require_ranks, run_on_ranks
+
+LAYOUTS = [(1, 1), (2, 1), (1, 2)]
+LOGIT_TOL, PARITY_TOL = 2e-5, 1e-4
+
+
+def _body(rank, world_size, root):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from rl_megatron.checkpoint.hf_export import save_hf_checkpoint
+    from rl_megatron.checkpoint.peft_export import save_peft_adapter
+    from rl_megatron.config import LoraConfig
+    from rl_megatron.models.hf_config import load_hf_config
+
+    info = load_hf_config(root / "llama")
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, dropout=0.0, target_modules=MODULES)
+    batch = torch.load(root / "batch.pt")
+    batch.pop("ref_grad_norm")  # a scalar, not a row per sequence
+    for tp, pp in LAYOUTS:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tp, pp, order=MEGATRON_RANK_ORDER)
+        model_parallel_cuda_manual_seed(0)
+        actor = _actor(root, lora=True)
+        _perturb_b(actor, tp, ps.get_tensor_model_parallel_rank())
+        out = root / f"peft_tp{tp}pp{pp}"
+        save_peft_adapter(
+            actor.model,
+            info,
+            out,
+            actor.groups,
+            lora=lora,
+            base_model_name_or_path=str(root / "llama"),
+        )
+        if (tp, pp) == (1, 1):
+            save_hf_checkpoint(
+                actor.model, info, root / "merged", actor.groups, src_dir=root / "llama"
+            )
+            got = actor.forward_only(batch, with_entropy=True)
+            if rank == 0:
+                torch.save(got, root / "megatron.pt")
+    ps.destroy_model_parallel()
+
+
+def _hf_logits(model, batch) -> torch.Tensor:
+    ids = torch.cat([batch["prompts"], batch["responses"]], dim=1)
+    with torch.no_grad():
+        return model(
+            ids, attention_mask=batch["attention_mask"], position_ids=batch["position_ids"]
+        ).logits
+
+
+def test_peft_export(tmp_path):
+    from peft import PeftModel
+    from peft.utils import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    require_ranks(2)
+    _make_checkpoint(tmp_path)
+    run_on_ranks(_body, world_size=2, root=tmp_path)
+    ref = tmp_path / "peft_tp1pp1"
+    # (a) every layout writes the same bytes.
+    for tp, pp in LAYOUTS[1:]:
+        for name in ("adapter_config.json", "adapter_model.safetensors"):
+            got = (tmp_path / f"peft_tp{tp}pp{pp}" / name).read_bytes()
+            assert got == (ref / name).read_bytes(), f"tp{tp}pp{pp}: {name} differs from TP1's"
+    # (b) PEFT's names and shapes for this model.
+    tensors = load_file(ref / "adapter_model.safetensors")
+    h, q, kv, f = 64, 64, 32, 96  # hidden, 4 heads × 16, 2 groups × 16, intermediate
+    shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
+              "gate_proj": (h, f), "up_proj": (h, f), "down_proj": (f, h)}  # fmt: skip
+    want = {}
+    for layer in range(4):
+        for proj, (n_in, n_out) in shapes.items():
+            part = "self_attn" if proj in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+            stem = f"base_model.model.model.layers.{layer}.{part}.{proj}"
+            want[f"{stem}.lora_A.weight"] = (RANK, n_in)
+            want[f"{stem}.lora_B.weight"] = (n_out, RANK)
+    assert {k: tuple(v.shape) for k, v in tensors.items()} == want
+    for layer in range(4):
+        stem = f"base_model.model.model.layers.{layer}."
+        for group in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")):
+            part = "self_attn." if "q_proj" in group else "mlp."
+            a = [tensors[f"{stem}{part}{p}.lora_A.weight"] for p in group]
+            assert all(torch.equal(a[0], x) for x in a[1:]), f"layer {layer}: {group} A differ"
+    config = json.loads((ref / "adapter_config.json").read_text())
+    assert config["r"] == RANK and config["lora_alpha"] == ALPHA and config["peft_type"] == "LORA"
+    assert sorted(config["target_modules"]) == sorted(shapes)
+    assert config["base_model_name_or_path"] == str(tmp_path / "llama")
+    # (c) PEFT loads every tensor onto the base (the model's own HF folder).
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float32).eval()
+    batch = torch.load(tmp_path / "batch.pt")
+    base_logits = _hf_logits(base, batch)
+    model = PeftModel.from_pretrained(base, ref).eval()
+    assert model.peft_config["default"].r == RANK
+    assert model.peft_config["default"].lora_alpha == ALPHA
+    loaded = get_peft_model_state_dict(model)
+    assert loaded.keys() == tensors.keys()
+    for key, value in tensors.items():
+        assert torch.equal(loaded[key], value), f"PEFT holds another {key}"
+    # (d) the adapted logits are the merged export's, and not the base's.
+    logits = _hf_logits(model, batch)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    err = (logits - _hf_logits(merged.eval(), batch)).abs().max().item()
+    assert err < LOGIT_TOL, f"PEFT vs merged export: logits differ by {err:.2e}"
+    moved = (logits - base_logits).abs().max().item()
+    assert moved > 1e-2, f"the adapter moved the logits by {moved:.2e} only"
+    # (e) ... and the Megatron LoRA actor's log-probs and entropies.
+    logp = torch.log_softmax(logits[:, P - 1 : P - 1 + R] / TEMPERATURE, dim=-1)
+    lp = logp.gather(-1, batch["responses"].unsqueeze(-1)).squeeze(-1)
+    ent = -(logp.exp() * logp).sum(-1)
+    megatron = torch.load(tmp_path / "megatron.pt")
+    mask = batch["response_mask"].bool()
+    for key, mine in (("log_prob", lp), ("entropy", ent)):
+        err = (mine - megatron[key])[mask].abs().max().item()
+        assert err < PARITY_TOL, f"PEFT vs Megatron {key}: {err:.2e}"
