@@ -109,7 +109,7 @@ def remove_leftovers(run_dir: Path, logger: logging.Logger) -> None:
     that died of a full disk gets its space back, and the last complete checkpoint stays."""
     from rl_megatron.checkpoint.step_dirs import remove_leftovers as remove
 
-    for change in remove(run_dir / "checkpoints", run_dir / "hf"):
+    for change in remove(run_dir / "checkpoints", run_dir / "hf", run_dir / "hf_adapter"):
         logger.info("start-up: %s (left by an interrupted save)", change)
 
 

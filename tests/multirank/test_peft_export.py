@@ -23,6 +23,8 @@ entropies of test_roles' batch. Then, in the test process:
 from __future__ import annotations
 
 import json
+import logging
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
@@ -146,3 +148,81 @@ def test_peft_export(tmp_path):
     for key, mine in (("log_prob", lp), ("entropy", ent)):
         err = (mine - megatron[key])[mask].abs().max().item()
         assert err < PARITY_TOL, f"PEFT vs Megatron {key}: {err:.2e}"
+
+
+# ----------------------------------------------------------------- the trainer's wiring
+
+TINY = Path(__file__).resolve().parents[2] / "yaml_configs" / "tiny_cpu.yaml"
+TRAINER_OVERRIDES = [
+    "actor.lora.rank=4",
+    "actor.lora.alpha=8",
+    "checkpoint.save_hf=true",
+    "checkpoint.save_hf_adapter=true",
+    "trainer.total_steps=1",
+    "trainer.val_interval=0",
+]
+
+
+def _train_and_save(rank, world_size, tmp_path):
+    from rl_megatron.checkpoint.hf_export import save_hf_checkpoint
+    from rl_megatron.config import load_config
+    from rl_megatron.distributed import distributed_run
+    from rl_megatron.models.lora import adapters_of
+    from rl_megatron.parallel import ParallelLayout
+    from rl_megatron.trainer.ppo_trainer import build_trainer
+
+    config = load_config(TINY, [f"trainer.output_dir={tmp_path}", *TRAINER_OVERRIDES])
+    with distributed_run(
+        ParallelLayout.from_config(config.parallel, world_size), seed=config.trainer.seed
+    ) as run:
+        trainer = build_trainer(config, run, logging.getLogger("test"))
+        trainer.train_step()
+        trainer.step = 1
+        trainer.save()  # the checkpoint, hf/step_00000001 and hf_adapter/step_00000001
+        # The frozen base as an HF folder: the export with every B zeroed (W + s·0·A = W).
+        snapshots, model = trainer.hf_snapshots, trainer.roles.actor.model
+        adapters = adapters_of(model)
+        kept = [a.lora_b.detach().clone() for a in adapters]
+        with torch.no_grad():
+            for a in adapters:
+                a.lora_b.zero_()
+            save_hf_checkpoint(
+                model, snapshots.info, tmp_path / "base", snapshots.groups, src_dir=snapshots.source
+            )
+            for a, b in zip(adapters, kept):
+                a.lora_b.copy_(b)
+
+
+def test_trainer_writes_the_adapter_beside_the_merged_model(tmp_path):
+    """`checkpoint.save_hf_adapter` with `checkpoint.save_hf` (tiny_cpu.yaml at TP2, LoRA
+    r=4 on every module, one PPO step so B is no longer zero): `save()` writes
+    `hf_adapter/step_00000001`, whose adapter_config names the run's r / alpha, and which,
+    loaded by PEFT onto the base (the export with B zeroed), gives the logits of the merged
+    folder `hf/step_00000001` within 2e-5 (fp32, as in test_peft_export)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    require_ranks(2)
+    run_on_ranks(_train_and_save, world_size=2, tmp_path=tmp_path)
+    run = tmp_path / "tiny_cpu"
+    adapter = run / "hf_adapter" / "step_00000001"
+    assert sorted(p.name for p in adapter.iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8, None)
+    b = [t for k, t in load_file(adapter / "adapter_model.safetensors").items() if "lora_B" in k]
+    assert b and all(t.abs().max() > 0 for t in b), "a B is still zero after a step"
+    ids = torch.randint(3, 20, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32)
+        base_logits = base.eval()(ids).logits
+        adapted = PeftModel.from_pretrained(base, adapter).eval()(ids).logits
+        merged_dir = run / "hf" / "step_00000001"
+        merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32)
+        merged_logits = merged.eval()(ids).logits
+    err = (adapted - merged_logits).abs().max().item()
+    moved = (merged_logits - base_logits).abs().max().item()
+    assert err < LOGIT_TOL, f"PEFT adapter vs merged folder: logits differ by {err:.2e}"
+    assert moved > 10 * LOGIT_TOL, f"one step moved the logits by {moved:.2e} only"
