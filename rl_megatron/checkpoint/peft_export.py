@@ -5,8 +5,7 @@
 
 The folder holds `adapter_config.json` and `adapter_model.safetensors`, which
 `peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out_dir)` loads
-onto the base model (the HF export of the actor with its adapters disabled, or the model's
-own HF folder), and vLLM serves as a LoRA module.
+onto the base model (the model's own HF folder, or the HF export of the actor with B zeroed).
 
 Megatron's adapters sit on fused linears; PEFT's on HF's per-projection ones. The update is
 the same: the fused `linear_qkv` adapter's ΔW = s·B·A has one A, so q_proj, k_proj and

@@ -18,6 +18,10 @@ entropies of test_roles' batch. Then, in the test process:
       and the adapter moved them (> 1e-2 from the base's);
   (e) its response log-probs (temperature 0.7) and entropies equal the Megatron LoRA
       actor's within 1e-4 (test_roles' HF-vs-Megatron parity bound).
+
+`test_peft_export_of_experts` does (d) for Qwen3-MoE and Mixtral with every expert adapted;
+`test_trainer_writes_the_adapter_beside_the_merged_model` checks the trainer's
+`checkpoint.save_hf_adapter` folder the same way.
 """
 
 from __future__ import annotations
@@ -226,3 +230,72 @@ def test_trainer_writes_the_adapter_beside_the_merged_model(tmp_path):
     moved = (merged_logits - base_logits).abs().max().item()
     assert err < LOGIT_TOL, f"PEFT adapter vs merged folder: logits differ by {err:.2e}"
     assert moved > 10 * LOGIT_TOL, f"one step moved the logits by {moved:.2e} only"
+
+
+# ----------------------------------------------------------------------------- experts
+
+MOE_MODELS = ("qwen3_moe", "mixtral")
+
+
+def _moe_body(rank, world_size, root):
+    import zlib
+
+    from rl_megatron.checkpoint.hf_builders import build_actor
+    from rl_megatron.checkpoint.hf_export import save_hf_checkpoint
+    from rl_megatron.checkpoint.peft_export import save_peft_adapter
+    from rl_megatron.config import LoraConfig
+    from rl_megatron.models.hf_config import load_hf_config
+    from rl_megatron.models.lora import apply_lora
+    from rl_megatron.parallel import ParallelGroups, ParallelLayout
+    from tests.multirank import test_moe as tm
+
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, dropout=0.0, target_modules=MODULES)
+    tm._init(1, 1, 1, 1)
+    for name in MOE_MODELS:
+        layout = ParallelLayout.from_megatron()
+        chunks = build_actor(root / name, layout, dtype=torch.float32)
+        adapters = apply_lora(chunks, **vars(lora), seed=0)
+        with torch.no_grad():
+            for i, a in enumerate(adapters):
+                gen = torch.Generator().manual_seed(zlib.crc32(f"{name}{i}".encode()))
+                a.lora_b.copy_(0.05 * torch.randn(a.lora_b.shape, generator=gen))
+        info, groups = load_hf_config(root / name), ParallelGroups.from_megatron(layout)
+        save_peft_adapter(
+            chunks, info, root / f"peft_{name}", groups, lora=lora, base_model_name_or_path=None
+        )
+        save_hf_checkpoint(chunks, info, root / f"merged_{name}", groups, src_dir=root / name)
+
+
+def test_peft_export_of_experts(tmp_path):
+    """Qwen3-MoE and Mixtral (test_moe's tiny models) with adapters on attention and every
+    expert's fc1 / fc2, B perturbed: the PEFT folder names each expert's projections
+    (`mlp.experts.{e}.gate_proj`, `block_sparse_moe.experts.{e}.w1`), and PEFT, converting
+    them on load into its adapter of transformers 5's fused expert parameters, gives the
+    merged export's logits (2e-5)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.multirank import test_moe as tm
+
+    tm._make_checkpoints(tmp_path)
+    run_on_ranks(_moe_body, world_size=1, root=tmp_path)
+    ids = torch.load(tmp_path / "refs.pt")["ids"]
+    for name in MOE_MODELS:
+        names = load_file(tmp_path / f"peft_{name}" / "adapter_model.safetensors").keys()
+        expert = (
+            "mlp.experts.3.gate_proj" if name == "qwen3_moe" else "block_sparse_moe.experts.3.w1"
+        )
+        assert f"base_model.model.model.layers.1.{expert}.lora_B.weight" in names, name
+        with torch.no_grad():
+            base = AutoModelForCausalLM.from_pretrained(tmp_path / name, dtype=torch.float32)
+            base_logits = base.eval()(ids).logits
+            model = PeftModel.from_pretrained(base, tmp_path / f"peft_{name}").eval()
+            logits = model(ids).logits
+            merged = AutoModelForCausalLM.from_pretrained(
+                tmp_path / f"merged_{name}", dtype=torch.float32
+            )
+            merged_logits = merged.eval()(ids).logits
+        err = (logits - merged_logits).abs().max().item()
+        moved = (merged_logits - base_logits).abs().max().item()
+        assert err < LOGIT_TOL, f"{name}: PEFT vs merged export: logits differ by {err:.2e}"
+        assert moved > 1e-2, f"{name}: the adapter moved the logits by {moved:.2e} only"
