@@ -62,7 +62,7 @@ from rl_megatron.checkpoint.hf_loader import (
 )
 from rl_megatron.models.families import family
 from rl_megatron.models.hf_config import HFModelInfo
-from rl_megatron.models.lora import SUFFIX, LoraAdapter
+from rl_megatron.models.lora import MODES, SUFFIX, LoraAdapter
 from rl_megatron.parallel import ParallelGroups
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -327,17 +327,13 @@ def save_peft_adapter(
         if writer is not None and problem is None:
             try:
                 writer.close()
-                _verify(tmp / ADAPTER_WEIGHTS, planned)
-                config = adapter_config(
-                    rank=lora.rank,
+                finish_peft_dir(
+                    tmp,
+                    planned,
                     alpha=lora.alpha,
                     dropout=lora.dropout,
-                    # `….q_proj.lora_A.weight` → q_proj: the HF projections with an adapter
-                    target_modules=[name.split(".")[-3] for name, _, _ in planned],
                     base_model_name_or_path=base_model_name_or_path,
                 )
-                text = json.dumps(config, indent=2, sort_keys=True) + "\n"
-                (tmp / ADAPTER_CONFIG).write_text(text)
                 commit_output_dir(tmp, out_dir)
             except (CheckpointError, OSError) as exc:
                 problem = str(exc)
@@ -353,6 +349,39 @@ def _raise_if_any(problem: str | None) -> None:
     dist.broadcast_object_list(box, src=0)
     if box[0] is not None:
         raise CheckpointError(box[0])
+
+
+def finish_peft_dir(
+    directory: Path,
+    planned: list,
+    *,
+    alpha: float,
+    dropout: float,
+    base_model_name_or_path: str | None,
+) -> None:
+    """Verify the written `adapter_model.safetensors` against `planned` ((name, shape, dtype)
+    in file order), then write `adapter_config.json` (r from the tensors' shapes)."""
+    _verify(directory / ADAPTER_WEIGHTS, planned)
+    ranks = {shape[0] for name, shape, _ in planned if name.endswith(".lora_A.weight")}
+    if len(ranks) != 1:
+        raise CheckpointError(f"{directory}: the adapters' ranks differ ({sorted(ranks)})")
+    config = adapter_config(
+        rank=ranks.pop(),
+        alpha=alpha,
+        dropout=dropout,
+        # `….q_proj.lora_A.weight` → q_proj: the HF projections with an adapter
+        target_modules=[name.split(".")[-3] for name, _, _ in planned],
+        base_model_name_or_path=base_model_name_or_path,
+    )
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    (directory / ADAPTER_CONFIG).write_text(text)
+
+
+def lora_mode(rule: hm.Rule) -> str:
+    """How the adapter of `rule`'s weight splits over TP: its module's `lora.MODES` entry;
+    the LM head (`output_layer`) is column parallel."""
+    module = rule.megatron.removesuffix(".weight").rpartition(".")[2]
+    return "column" if module == "output_layer" else MODES[module]
 
 
 def _verify(path: Path, planned: list) -> None:

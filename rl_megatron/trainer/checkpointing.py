@@ -130,4 +130,12 @@ def sidecar(config: Config, info: HFModelInfo, head: str, layout: ParallelLayout
         ),
         **layout.record(),
         "source": m.hf_path,
+        # The actor's adapters' scale and dropout: megatron_to_hf.py merges the adapters
+        # (W + alpha/rank·B·A) or, with --adapter-only, writes them as a PEFT folder.
+        **({"lora": _lora_record(config)} if head == "lm" and config.actor.lora.rank else {}),
     }
+
+
+def _lora_record(config: Config) -> dict:
+    lora = config.actor.lora
+    return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout}

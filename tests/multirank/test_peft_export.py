@@ -230,6 +230,36 @@ def test_trainer_writes_the_adapter_beside_the_merged_model(tmp_path):
     moved = (merged_logits - base_logits).abs().max().item()
     assert err < LOGIT_TOL, f"PEFT adapter vs merged folder: logits differ by {err:.2e}"
     assert moved > 10 * LOGIT_TOL, f"one step moved the logits by {moved:.2e} only"
+    _check_tool(tmp_path, run, adapter, merged_dir)
+
+
+def _check_tool(tmp_path, run, adapter, merged_dir):
+    """megatron_to_hf.py on the same step's actor checkpoint: `--adapter-only` writes the
+    trainer's PEFT folder byte for byte, and without it the adapters are merged: the
+    trainer's merged folder, tensor for tensor (bitwise: the same fp32 ops on the same rows).
+    The random init has no HF source, so the checkpoint's `hf/` (config.json only) is added
+    to a copy here, and the copy's manifest not checked (--no-verify)."""
+    import shutil
+    import subprocess
+    import sys
+
+    ckpt = tmp_path / "actor"
+    shutil.copytree(run / "checkpoints" / "step_00000001" / "actor", ckpt)
+    (ckpt / "hf").mkdir()
+    shutil.copy(run / "hf" / ".source" / "config.json", ckpt / "hf" / "config.json")
+    tool = Path(__file__).resolve().parents[2] / "checkpoints_tools" / "megatron_to_hf.py"
+    for out, extra in (("tool_adapter", ["--adapter-only"]), ("tool_merged", [])):
+        cmd = [sys.executable, str(tool), "--ckpt", str(ckpt), "--out", str(tmp_path / out)]
+        done = subprocess.run([*cmd, "--no-verify", *extra], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-2000:]
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        got = (tmp_path / "tool_adapter" / name).read_bytes()
+        assert got == (adapter / name).read_bytes(), f"--adapter-only: {name} differs"
+    mine = load_file(tmp_path / "tool_merged" / "model.safetensors")
+    theirs = load_file(merged_dir / "model.safetensors")
+    assert mine.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert torch.equal(mine[name], tensor), f"the tool's merged {name} differs"
 
 
 # ----------------------------------------------------------------------------- experts
