@@ -20,16 +20,18 @@ alpha/r is PEFT's `lora_alpha / r` (no rsLoRA).
 Names are `base_model.model.<HF module>.lora_A.weight` [r, in] and `.lora_B.weight`
 [out, r], HF's module being the weight's name in the family table without `.weight`. An
 expert's adapters get the table's per-expert names (`mlp.experts.{e}.gate_proj`, Mixtral's
-`block_sparse_moe.experts.{e}.w1`): the layout PEFT writes for per-expert linears, which
-PEFT (>= 0.18 with transformers 5) converts on load into its adapter of the fused expert
-parameters.
+`block_sparse_moe.experts.{e}.w1`): the layout PEFT wrote for transformers 4's per-expert
+linears, which PEFT (0.21.2 tested) converts on load into its adapter of transformers 5's
+fused expert parameters.
 
 Like `hf_export.save_hf_checkpoint`, every rank of DP replica 0 walks the adapters in HF
 order in lockstep: the stage owning one all-gathers its split factor over TP (expert-TP
 for an expert), converts it, and sends the PEFT tensors to the writing rank (TP 0, PP 0),
 which writes them at their planned offsets. An MoE model at `parallel.ep > 1` is refused
 as the HF export refuses it. The folder is written into a hidden sibling, verified
-(names, shapes, dtypes) and renamed into place.
+(names, shapes, dtypes) and renamed into place. `checkpoints_tools/megatron_to_hf.py
+--adapter-only` writes the same folder from a checkpoint (`adapter_to_peft` on the global
+tensors, `finish_peft_dir`).
 """
 
 from __future__ import annotations
@@ -235,22 +237,11 @@ def _schedule(model_chunks, info: HFModelInfo, groups: ParallelGroups):
     return entries, local, mine, dist.get_process_group_ranks(groups.pp)
 
 
-def iter_peft_tensors(
-    model_chunks: list[torch.nn.Module], info: HFModelInfo, groups: ParallelGroups
+def _iter_scheduled(
+    plan, info: HFModelInfo, groups: ParallelGroups
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(peft_name, cpu_tensor)` of every adapter on the writing rank (TP 0, PP 0 of
-    DP replica 0), nothing elsewhere, in HF order. Collective: every rank iterates it to the end.
-
-    Args:
-        model_chunks: this rank's GPTModel chunks with their adapters (wrappers allowed).
-        groups: the run's process groups, with its layout (`DistributedRun.groups`).
-    """
-    plan = _schedule(model_chunks, info, groups)
-    if plan is not None:
-        yield from _iter_scheduled(plan, info, groups)
-
-
-def _iter_scheduled(plan, info: HFModelInfo, groups: ParallelGroups):
+    """`(peft_name, cpu_tensor)` of every adapter on the writing rank (TP 0, PP 0), HF
+    order, nothing elsewhere; every rank of DP replica 0 walks it to the end."""
     entries, local, mine, pp_ranks = plan
     writer = mine["tp"] == 0 and mine["pp"] == 0
     device = next(iter(local.values())).lora_a.device if local else torch.device("cpu")
