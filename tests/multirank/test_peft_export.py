@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -240,27 +243,35 @@ def _check_tool(tmp_path, run, adapter, merged_dir):
     trainer's merged folder, tensor for tensor (bitwise: the same fp32 ops on the same rows).
     The random init has no HF source, so the checkpoint's `hf/` (config.json only) is added
     to a copy here, and the copy's manifest not checked (--no-verify)."""
-    import shutil
-    import subprocess
-    import sys
-
     ckpt = tmp_path / "actor"
     shutil.copytree(run / "checkpoints" / "step_00000001" / "actor", ckpt)
     (ckpt / "hf").mkdir()
     shutil.copy(run / "hf" / ".source" / "config.json", ckpt / "hf" / "config.json")
+    _run_tool(ckpt, tmp_path / "tool_adapter", "--no-verify", "--adapter-only")
+    _run_tool(ckpt, tmp_path / "tool_merged", "--no-verify")
+    _same_folders(tmp_path / "tool_adapter", adapter)
+    _same_tensors(tmp_path / "tool_merged", merged_dir)
+
+
+def _run_tool(ckpt: Path, out: Path, *extra: str) -> None:
     tool = Path(__file__).resolve().parents[2] / "checkpoints_tools" / "megatron_to_hf.py"
-    for out, extra in (("tool_adapter", ["--adapter-only"]), ("tool_merged", [])):
-        cmd = [sys.executable, str(tool), "--ckpt", str(ckpt), "--out", str(tmp_path / out)]
-        done = subprocess.run([*cmd, "--no-verify", *extra], capture_output=True, text=True)
-        assert done.returncode == 0, done.stderr[-2000:]
+    cmd = [sys.executable, str(tool), "--ckpt", str(ckpt), "--out", str(out), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
+def _same_folders(mine: Path, theirs: Path) -> None:
+    """Two PEFT folders, byte for byte."""
     for name in ("adapter_config.json", "adapter_model.safetensors"):
-        got = (tmp_path / "tool_adapter" / name).read_bytes()
-        assert got == (adapter / name).read_bytes(), f"--adapter-only: {name} differs"
-    mine = load_file(tmp_path / "tool_merged" / "model.safetensors")
-    theirs = load_file(merged_dir / "model.safetensors")
-    assert mine.keys() == theirs.keys()
-    for name, tensor in theirs.items():
-        assert torch.equal(mine[name], tensor), f"the tool's merged {name} differs"
+        assert (mine / name).read_bytes() == (theirs / name).read_bytes(), f"{mine}: {name}"
+
+
+def _same_tensors(mine: Path, theirs: Path) -> None:
+    """Two HF folders' tensors, bitwise (the same fp32 merge of the same rows)."""
+    got, want = load_file(mine / "model.safetensors"), load_file(theirs / "model.safetensors")
+    assert got.keys() == want.keys(), mine
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), f"{mine}: {name} differs"
 
 
 # ----------------------------------------------------------------------------- experts
@@ -295,6 +306,18 @@ def _moe_body(rank, world_size, root):
             chunks, info, root / f"peft_{name}", groups, lora=lora, base_model_name_or_path=None
         )
         save_hf_checkpoint(chunks, info, root / f"merged_{name}", groups, src_dir=root / name)
+        # The same actor as a Megatron checkpoint, with the sidecars the tools read.
+        from megatron.core import dist_checkpointing
+
+        ckpt = root / f"ckpt_{name}"
+        ckpt.mkdir()
+        dist_checkpointing.save({"model": chunks[0].sharded_state_dict()}, str(ckpt))
+        meta = {"format_version": 1, "head": "lm", "dtype": "float32", "source": None,
+                "padded_vocab_size": chunks[0].embedding.word_embeddings.weight.shape[0],
+                "lora": {"rank": RANK, "alpha": ALPHA, "dropout": 0.0}}  # fmt: skip
+        (ckpt / "rl_megatron.json").write_text(json.dumps(meta))
+        (ckpt / "hf").mkdir()
+        shutil.copy(root / name / "config.json", ckpt / "hf" / "config.json")
 
 
 def test_peft_export_of_experts(tmp_path):
@@ -302,7 +325,9 @@ def test_peft_export_of_experts(tmp_path):
     expert's fc1 / fc2, B perturbed: the PEFT folder names each expert's projections
     (`mlp.experts.{e}.gate_proj`, `block_sparse_moe.experts.{e}.w1`), and PEFT, converting
     them on load into its adapter of transformers 5's fused expert parameters, gives the
-    merged export's logits (2e-5)."""
+    merged export's logits (2e-5). The same actor saved with dist_checkpointing (experts
+    stacked [layers, E, ...]) gives megatron_to_hf.py's --adapter-only folder, byte for
+    byte, and its merged folder, bitwise."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -330,3 +355,9 @@ def test_peft_export_of_experts(tmp_path):
         moved = (merged_logits - base_logits).abs().max().item()
         assert err < LOGIT_TOL, f"{name}: PEFT vs merged export: logits differ by {err:.2e}"
         assert moved > 1e-2, f"{name}: the adapter moved the logits by {moved:.2e} only"
+        # megatron_to_hf.py reads the experts' adapters from the stacked checkpoint too.
+        ckpt = tmp_path / f"ckpt_{name}"  # saved without a manifest: --no-verify
+        _run_tool(ckpt, tmp_path / f"tool_adapter_{name}", "--no-verify", "--adapter-only")
+        _run_tool(ckpt, tmp_path / f"tool_merged_{name}", "--no-verify")
+        _same_folders(tmp_path / f"tool_adapter_{name}", tmp_path / f"peft_{name}")
+        _same_tensors(tmp_path / f"tool_merged_{name}", tmp_path / f"merged_{name}")
