@@ -233,10 +233,13 @@ def _adapters(ckpt: Path, meta: dict, index, params: list[_Param]) -> dict[int, 
     found = {key for key in stored if LORA_KEY in key}
     if not found:
         return {}
-    if not isinstance(meta.get("lora"), dict) or not meta["lora"].get("rank"):
+    lora = meta.get("lora")
+    if not isinstance(lora, dict) or not all(
+        isinstance(lora.get(k), (int, float)) and lora[k] > 0 for k in ("rank", "alpha")
+    ):
         raise CheckpointError(
-            f"{common.meta_path(ckpt)}: the checkpoint holds LoRA adapters but no 'lora' field "
-            "(their rank and alpha); it was saved before the field existed"
+            f"{common.meta_path(ckpt)}: the checkpoint holds LoRA adapters but no valid "
+            f"'lora' field (rank and alpha > 0; found {lora!r})"
         )
     out, used = {}, set()
     for i, p in enumerate(params):
@@ -362,7 +365,6 @@ def convert(
 def convert_adapters(args, meta: dict, info, params, adapters: dict[int, tuple], start) -> None:
     """`--adapter-only`: every rank loads the adapters (small; the loads are collective),
     one layer at a time; rank 0 writes the PEFT folder."""
-    import torch.distributed as dist
 
     from rl_megatron.checkpoint.hf_export import (
         SafetensorsShardWriter,
@@ -395,28 +397,42 @@ def convert_adapters(args, meta: dict, info, params, adapters: dict[int, tuple],
     for g in chosen:
         p = params[g]
         units.setdefault((p.layer, p.rule.expert) if p.layer is not None else g, []).append(g)
+    problem = None
     for todo in units.values():
-        loaded = iter(_load(args.ckpt, [part for g in todo for part in adapters[g]]))
+        try:
+            loaded = iter(_load(args.ckpt, [part for g in todo for part in adapters[g]]))
+        except CheckpointError as exc:  # raised on every rank alike: the load is collective
+            problem = str(exc)
+            break
         for g in todo:
             a, b = next(loaded), next(loaded)
-            if writer is None:
-                continue
+            if writer is None or problem is not None:
+                continue  # a failed write stops the writing, not the lockstep loads
             p = params[g]
-            for name, tensor in adapter_to_peft(p.rule, p.layer, lora_mode(p.rule), [a], [b], info):
-                writer.write(name, tensor.to(out_dtype or tensor.dtype))
+            try:
+                for name, tensor in adapter_to_peft(
+                    p.rule, p.layer, lora_mode(p.rule), [a], [b], info
+                ):
+                    writer.write(name, tensor.to(out_dtype or tensor.dtype))
+            except CheckpointError as exc:
+                problem = str(exc)
+    if writer is not None and problem is None:
+        try:
+            writer.close()
+            finish_peft_dir(
+                tmp,
+                planned,
+                alpha=lora["alpha"],
+                dropout=lora.get("dropout", 0.0),
+                base_model_name_or_path=meta.get("source"),
+            )
+            commit_output_dir(tmp, args.out)
+        except CheckpointError as exc:
+            problem = str(exc)
+    common.raise_if_any(problem)  # collective: every rank leaves together
     if rank == 0:
-        writer.close()
-        finish_peft_dir(
-            tmp,
-            planned,
-            alpha=lora["alpha"],
-            dropout=lora.get("dropout", 0.0),
-            base_model_name_or_path=meta.get("source"),
-        )
-        commit_output_dir(tmp, args.out)
         took = time.time() - start
         print(f"{PROG}: wrote the LoRA adapters of {args.ckpt} to {args.out} in {took:.1f} s")
-    dist.barrier()
 
 
 def _share_out(shards: list[ShardPlan], size: int) -> list[int]:
