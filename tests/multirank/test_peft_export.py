@@ -1,7 +1,8 @@
 """The LoRA actor's adapters in the HF PEFT layout (`checkpoint/peft_export.py`).
 
 One 2-rank spawn builds the tiny GQA Llama of test_roles (4 layers, 4 query heads in 2
-groups, fp32) with adapters on linear_qkv, linear_proj, linear_fc1 and linear_fc2, B
+groups, fp32) with adapters on linear_qkv, linear_proj, linear_fc1, linear_fc2 and the
+untied LM head (test_lora's MODULES; PEFT's `lm_head`, B without its padding rows), B
 perturbed to the same full tensor in every layout (test_lora's `_perturb_b`), at TP1·DP2,
 TP2 and PP2, and in each writes the adapter folder (`save_peft_adapter`). At TP1 it also
 writes the merged HF export (`save_hf_checkpoint`) and keeps the actor's log-probs and
@@ -118,6 +119,9 @@ def test_peft_export(tmp_path):
             stem = f"base_model.model.model.layers.{layer}.{part}.{proj}"
             want[f"{stem}.lora_A.weight"] = (RANK, n_in)
             want[f"{stem}.lora_B.weight"] = (n_out, RANK)
+    # The LM head's adapter (test_lora adapts `output_layer`): B without the vocabulary padding.
+    want["base_model.model.lm_head.lora_A.weight"] = (RANK, h)
+    want["base_model.model.lm_head.lora_B.weight"] = (100, RANK)
     assert {k: tuple(v.shape) for k, v in tensors.items()} == want
     for layer in range(4):
         stem = f"base_model.model.model.layers.{layer}."
@@ -127,7 +131,7 @@ def test_peft_export(tmp_path):
             assert all(torch.equal(a[0], x) for x in a[1:]), f"layer {layer}: {group} A differ"
     config = json.loads((ref / "adapter_config.json").read_text())
     assert config["r"] == RANK and config["lora_alpha"] == ALPHA and config["peft_type"] == "LORA"
-    assert sorted(config["target_modules"]) == sorted(shapes)
+    assert sorted(config["target_modules"]) == sorted([*shapes, "lm_head"])
     assert config["base_model_name_or_path"] == str(tmp_path / "llama")
     # (c) PEFT loads every tensor onto the base (the model's own HF folder).
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "llama", dtype=torch.float32).eval()
@@ -136,7 +140,8 @@ def test_peft_export(tmp_path):
     model = PeftModel.from_pretrained(base, ref).eval()
     assert model.peft_config["default"].r == RANK
     assert model.peft_config["default"].lora_alpha == ALPHA
-    loaded = get_peft_model_state_dict(model)
+    # (PEFT would save the head's base weight too, guessing a resized vocabulary: not asked.)
+    loaded = get_peft_model_state_dict(model, save_embedding_layers=False)
     assert loaded.keys() == tensors.keys()
     for key, value in tensors.items():
         assert torch.equal(loaded[key], value), f"PEFT holds another {key}"
