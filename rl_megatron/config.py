@@ -485,6 +485,10 @@ class CheckpointConfig:
     # Also write the actor as a Hugging Face model folder (config, tokenizer, safetensors) at
     # every checkpoint and at the end: <run>/hf/step_XXXXXXXX, the last keep_last kept.
     save_hf: bool = False
+    # With actor.lora.rank > 0: also write the adapters alone in the HF PEFT layout
+    # (adapter_config.json, adapter_model.safetensors; `peft.PeftModel.from_pretrained` on
+    # model.hf_path) at every checkpoint and at the end: <run>/hf_adapter/step_XXXXXXXX.
+    save_hf_adapter: bool = False
 
 
 @dataclass

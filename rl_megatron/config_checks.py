@@ -50,12 +50,13 @@ def validate(config: Config, world_size: int) -> ParallelLayout:
     _check_router_replay(config)
     _check_lora(config)
     if config.model.num_experts:
-        _require(
-            not config.checkpoint.save_hf or p.ep == 1,
-            "checkpoint.save_hf",
-            f"an MoE actor at parallel.ep={p.ep} cannot be exported from memory yet; set it "
-            "false and convert a checkpoint with checkpoints_tools/megatron_to_hf.py",
-        )
+        for key in ("save_hf", "save_hf_adapter"):
+            _require(
+                not getattr(config.checkpoint, key) or p.ep == 1,
+                f"checkpoint.{key}",
+                f"an MoE actor at parallel.ep={p.ep} cannot be exported from memory yet; set "
+                "it false and convert a checkpoint with checkpoints_tools/megatron_to_hf.py",
+            )
     _check_actor_critic(config, layout.dp)
     _check_optimizer_cpu_offload(config)
     _check_run(config.trainer, config.checkpoint, config.logging)
@@ -415,6 +416,11 @@ def _check_lora(config: Config) -> None:
         f"unknown module(s) {unknown}; choose from {list(LORA_MODULES)} (megatron-core names)",
     )
     _require(bool(lora.target_modules), "actor.lora.target_modules", "must name a module")
+    _require(
+        lora.rank > 0 or not config.checkpoint.save_hf_adapter,
+        "checkpoint.save_hf_adapter",
+        "writes LoRA adapters, but actor.lora.rank is 0 (no adapters); use checkpoint.save_hf",
+    )
     if lora.rank == 0:
         return
     if "output_layer" in lora.target_modules:

@@ -16,7 +16,8 @@ padding and vLLM core loop, and issue 36's edges (non-finite values other than N
 dual clip engaged, routing replay's gate weights and sequence parallelism, dynamic
 sampling across replicas, the restricted unpickler), and issue 39's per-prompt caps on
 new tokens in both engines, issue 38's environment-worker cap, and issue 41's LoRA
-merged weight sync.
+merged weight sync and PEFT export (rows split two ways, shard order, the scale, the
+tool's merge).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ UNPICKLER = "tests/unit/test_checkpoint_integrity.py"
 LORA = "rl_megatron/models/lora.py"
 LORA_TEST = "tests/multirank/test_lora.py::test_lora_across_layouts"
 LORA_SYNC_TEST = "tests/multirank/test_lora_sync.py"
+PEFT = "rl_megatron/checkpoint/peft_export.py"
+PEFT_TEST = "tests/multirank/test_peft_export.py"
 
 # (name, file, exact text, replacement, the test that must fail)
 MUTATIONS = [
@@ -854,6 +857,43 @@ MUTATIONS = [
         "self.verifier.verify(plan, rank, sources, group=self.group)",
         "self.verifier.verify(plan, rank, table, group=self.group)",
         "tests/vllm/test_vllm_lora_sync.py",
+    ),
+    (
+        "PEFT export: k and v rows of the fused qkv adapter's B swapped",
+        PEFT,
+        "        pairs = [(name, a_shards[0], b) for name, b in parts]",
+        "        pairs = [(n, a_shards[0], b) for (n, _), (_, b) in "
+        "zip(parts, [parts[0], parts[2], parts[1]] if len(parts) == 3 else parts)]",
+        PEFT_TEST + "::test_peft_export",
+    ),
+    (
+        "PEFT export: an expert's gate and up rows swapped",
+        PEFT,
+        "        pairs = [(name, a_shards[0], b) for name, b in parts]",
+        "        pairs = [(n, a_shards[0], b) for (n, _), (_, b) in "
+        "zip(parts, parts[::-1] if rule.expert is not None else parts)]",
+        PEFT_TEST + "::test_peft_export_of_experts",
+    ),
+    (
+        "PEFT export: TP shards of B gathered in reverse order",
+        PEFT,
+        "b_shards = _gather_tp(b, e.rule, group) if",
+        "b_shards = _gather_tp(b, e.rule, group)[::-1] if",
+        PEFT_TEST + "::test_peft_export",
+    ),
+    (
+        "PEFT export: lora_alpha written as r",
+        PEFT,
+        '        "lora_alpha": alpha,',
+        '        "lora_alpha": rank,',
+        PEFT_TEST + "::test_peft_export",
+    ),
+    (
+        "megatron_to_hf.py: a LoRA checkpoint's adapters not merged",
+        "checkpoints_tools/megatron_to_hf.py",
+        "tensors[j] = merged_weight(tensors[j], lora)",
+        "tensors[j] = tensors[j]",
+        PEFT_TEST + "::test_trainer_writes_the_adapter_beside_the_merged_model",
     ),
 ]
 

@@ -42,7 +42,7 @@ from rl_megatron.trainer import experience as ex
 from rl_megatron.trainer import multi_turn as mt
 from rl_megatron.trainer.build import Roles, TrainingData
 from rl_megatron.trainer.dynamic_sampling import Collected, Round, collect_groups
-from rl_megatron.trainer.hf_snapshots import HFSnapshots
+from rl_megatron.trainer.hf_snapshots import HFSnapshots, PeftSnapshots
 from rl_megatron.trainer.optimizer_step import NonFiniteUpdateError
 from rl_megatron.trainer.partial_rollouts import PartialRollouts, ReplicaStates, staleness_metrics
 from rl_megatron.trainer.reporting import batch_stats, console_line, throughput
@@ -150,6 +150,12 @@ class PPOTrainer:
         self.hf_snapshots = (
             HFSnapshots(config, info, data.tokenizer, run.env.rank, run.groups)
             if config.checkpoint.save_hf
+            else None
+        )
+        # checkpoint.save_hf_adapter: a LoRA actor's adapters as a PEFT folder beside them too.
+        self.peft_snapshots = (
+            PeftSnapshots(config, info, run.env.rank, run.groups)
+            if config.checkpoint.save_hf_adapter
             else None
         )
         # The phases' `_on_device` peaks: torch counts the engine's memory asleep as allocated.
@@ -797,15 +803,19 @@ class PPOTrainer:
         if self.hf_snapshots is not None:
             with self.phases.time("save_hf"), self.roles.actor.on_device():
                 self.hf_snapshots.save(self.roles.actor.model, self.step, self.log)
+        if self.peft_snapshots is not None:
+            with self.phases.time("save_hf_adapter"), self.roles.actor.on_device():
+                self.peft_snapshots.save(self.roles.actor.model, self.step, self.log)
 
     def resume(self) -> None:
         """Continue from `checkpoint.resume_from`, or the run's newest checkpoint (auto)."""
         step = self.checkpoints.resume(self.log)
         if step is not None:
             self.step, self.resumed = step, True
-            if self.hf_snapshots is not None:  # an export a kill interrupted: redone
-                with self.roles.actor.on_device():
-                    self.hf_snapshots.redo_missing(self.roles.actor.model, step, self.log)
+            for exports in (self.hf_snapshots, self.peft_snapshots):
+                if exports is not None:  # an export a kill interrupted: redone
+                    with self.roles.actor.on_device():
+                        exports.redo_missing(self.roles.actor.model, step, self.log)
 
     # -------------------------------------------------------------------- misc
 

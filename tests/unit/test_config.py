@@ -676,6 +676,7 @@ LORA = ["actor.lora.rank=8"]
         (LORA + ["actor.lora.target_modules=[linear_qkv,output_layer]",
                  "model.tie_word_embeddings=true"],
          "actor.lora.target_modules: output_layer is tied to the input embedding"),
+        (["checkpoint.save_hf_adapter=true"], "checkpoint.save_hf_adapter: writes LoRA adapters"),
     ],
 )  # fmt: skip
 def test_lora_config_errors_name_the_key(overrides, message):
@@ -707,3 +708,10 @@ def test_lora_config_validates_with_vllm(monkeypatch, quantization):
     validate(config, world_size=1)
     check_engine_config(config)
     assert config.actor.lora.rank == 8 and config.rollout.engine == "vllm"
+
+
+@pytest.mark.parametrize("key", ["save_hf", "save_hf_adapter"])
+def test_moe_export_from_memory_refuses_ep(key):
+    overrides = ["parallel.ep=2", *LORA, f"checkpoint.{key}=true"]
+    with pytest.raises(ConfigError, match=rf"^checkpoint\.{key}: an MoE actor at parallel\.ep=2"):
+        validate(load_config(TINY_MOE, overrides), world_size=2)
