@@ -4,7 +4,7 @@ Mixtures of experts included: experts are stored stacked per layer (`[layers, E,
 read one expert at a time, like a layer.
 
     python checkpoints_tools/megatron_to_hf.py --ckpt CKPT --out HF [--dtype bf16|fp16|fp32]
-        [--force] [--max-shard-gb 2] [--no-verify]
+        [--force] [--max-shard-gb 2] [--no-verify] [--adapter-only]
     torchrun --nproc_per_node N checkpoints_tools/megatron_to_hf.py ...   # N writers
 
 Streaming: no model is built. The safetensors shards are planned from the name table and
@@ -13,6 +13,13 @@ header first; then the checkpoint is read one layer at a time (`dist_checkpointi
 that layer's tensors only), converted to HF tensors and written at their planned offsets.
 Host memory stays near one layer's tensors, whatever the model and shard sizes. Under
 torchrun the shards are shared out among the processes, each writing its own files.
+
+A LoRA actor's checkpoint (adapters `<linear>_lora.lora_a/b` beside the frozen weights,
+their scale in the sidecar's `lora` field) is exported merged, W + (alpha/r)·B·A per tensor
+as `checkpoint.save_hf` writes it; `--adapter-only` writes the adapters alone in the HF
+PEFT layout instead (`adapter_config.json`, `adapter_model.safetensors`:
+`rl_megatron/checkpoint/peft_export.py`), rank 0 writing. Every adapter in the index must
+sit beside a weight the table exports, or the tool refuses.
 
 Before anything is read, the checkpoint is checked against its manifest.json (every file
 there, none extra, sizes, then each file's CRC-32, the bytes shared out among the
@@ -39,6 +46,8 @@ from pathlib import Path
 # Run as a script (python / torchrun): the shared helper sits next to this file.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from types import SimpleNamespace  # noqa: E402
+
 import _common as common  # noqa: E402
 import torch  # noqa: E402
 
@@ -52,7 +61,7 @@ from rl_megatron.checkpoint.hf_export import (  # noqa: E402
 )
 from rl_megatron.checkpoint.hf_loader import CheckpointError  # noqa: E402
 from rl_megatron.models.hf_config import load_hf_config  # noqa: E402
-from rl_megatron.models.lora import SUFFIX  # noqa: E402
+from rl_megatron.models.lora import merged_weight  # noqa: E402
 
 PROG = "megatron_to_hf"
 COMMON_FILE = "common.pt"  # megatron-core's name for it (dist_checkpointing COMMON_STATE_FNAME)
@@ -75,6 +84,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         dest="verify",
         action="store_false",
         help="skip the checksums of manifest.json (e.g. a checkpoint saved without one)",
+    )
+    p.add_argument(
+        "--adapter-only",
+        action="store_true",
+        help="a LoRA actor's checkpoint: write its adapters alone in the HF PEFT layout "
+        "(adapter_config.json + adapter_model.safetensors) instead of the merged model",
     )
     return p.parse_args(argv)
 
@@ -131,32 +146,29 @@ def preflight(args: argparse.Namespace):
         raise CheckpointError(f"{args.ckpt}: no dist_checkpointing metadata.json")
     index = safe_metadata.read_metadata(args.ckpt)  # restricted: no code runs from it
     safe_metadata.check_index_files(args.ckpt, index)  # missing / truncated .distcp files
-    check_no_adapters(args.ckpt, meta, _stored_tensors(index))
+    check_base_inside(args.ckpt, meta)
     check_common_file(args.ckpt)
-    return meta, info, _params(args.ckpt, info, meta, index), files
+    params = _params(args.ckpt, info, meta, index)
+    adapters = _adapters(args.ckpt, meta, index, params)
+    if args.adapter_only and not adapters:
+        raise CheckpointError(f"{args.ckpt}: holds no LoRA adapters (--adapter-only)")
+    return meta, info, params, files, adapters
 
 
-def check_no_adapters(ckpt: Path, meta: dict, stored: dict) -> None:
-    """Refuse a LoRA actor's checkpoint in one line: the name table has no rule for its
-    adapters, so they would be dropped, and a step folder saved adapters-only has no base
-    weights at all (they are in the folder its sidecar's `lora_base` names)."""
-    adapters = sorted(k for k in stored if f"{SUFFIX}." in k)
-    if not adapters:
-        return
-    fix = (
-        "merging adapters into their base is not supported here yet; the trainer exports "
-        "the merged actor with checkpoint.save_hf=true"
-    )
+def check_base_inside(ckpt: Path, meta: dict) -> None:
+    """Refuse in one line a LoRA step folder saved adapters-only (`lora_base.py`): its base
+    weights are in the folder its sidecar's `lora_base` names, and this tool reads one
+    checkpoint directory (merging across the two is not built)."""
     base = meta.get("lora_base")
-    if base:
-        where = Path(base["path"])  # a copy's path is relative to the step folder
-        where = where if base["kind"] == "hf" else (ckpt.parent / where).resolve()
-        raise CheckpointError(
-            f"{ckpt}: a LoRA step folder: it holds the adapters ({adapters[0]}, ...) but not "
-            f"the base weights, which are in {where} ({base['kind']}); {fix}"
-        )
+    if not base:
+        return
+    where = Path(base["path"])  # a copy's path is relative to the step folder
+    where = where if base["kind"] == "hf" else (ckpt.parent / where).resolve()
     raise CheckpointError(
-        f"{ckpt}: holds LoRA adapters ({adapters[0]}, ...), which this export would drop; {fix}"
+        f"{ckpt}: a LoRA step folder: it holds the adapters but not the base weights, which "
+        f"are in {where} ({base['kind']}); this tool does not merge across the two folders "
+        f"yet: a run exports with checkpoint.save_hf=true (merged) or "
+        f"checkpoint.save_hf_adapter=true (PEFT)"
     )
 
 
@@ -229,6 +241,45 @@ def _params(ckpt: Path, info, meta: dict, index) -> list[_Param]:
     return params
 
 
+LORA_KEY = ".lora_"  # an adapter's stored keys: `<weight's module>_lora.lora_a` / `.lora_b`
+
+
+def _adapters(ckpt: Path, meta: dict, index, params: list[_Param]) -> dict[int, tuple]:
+    """Parameter index → its adapter's (A, B) `_Param`s, from the keys beside its weight
+    (`linear_qkv.weight` → `linear_qkv_lora.lora_a`, stacked on the same axes)."""
+    stored = _stored_tensors(index)
+    found = {key for key in stored if LORA_KEY in key}
+    if not found:
+        return {}
+    lora = meta.get("lora")
+    if not isinstance(lora, dict) or not all(
+        isinstance(lora.get(k), (int, float)) and lora[k] > 0 for k in ("rank", "alpha")
+    ):
+        raise CheckpointError(
+            f"{common.meta_path(ckpt)}: the checkpoint holds LoRA adapters but no valid "
+            f"'lora' field (rank and alpha > 0; found {lora!r})"
+        )
+    out, used = {}, set()
+    for i, p in enumerate(params):
+        if not p.key.endswith(".weight"):
+            continue
+        keys = [p.key.removesuffix(".weight") + f"_lora.lora_{leaf}" for leaf in "ab"]
+        if not any(key in stored for key in keys):
+            continue
+        parts = []
+        for key in keys:
+            if key not in stored:
+                raise CheckpointError(f"{ckpt}: checkpoint lacks '{key}' beside its pair")
+            parts.append(_Param(p.rule, p.layer, key, p.index, stored[key]))
+        used.update(keys)
+        out[i] = tuple(parts)
+    if found - used:
+        raise CheckpointError(
+            f"{ckpt}: adapter '{sorted(found - used)[0]}' sits beside no exported weight"
+        )
+    return out
+
+
 def _megatron_shape(rule: hm.Rule, info, padded_vocab: int) -> tuple[int, ...]:
     """Global (TP=1) shape of a Megatron parameter, from its HF tensors' shapes."""
     shapes = [hm.hf_shape(shape, info) for _, shape in rule.hf]
@@ -238,7 +289,12 @@ def _megatron_shape(rule: hm.Rule, info, padded_vocab: int) -> tuple[int, ...]:
 
 
 def convert(
-    args: argparse.Namespace, meta: dict, info, params: list[_Param], files: dict | None
+    args: argparse.Namespace,
+    meta: dict,
+    info,
+    params: list[_Param],
+    files: dict | None,
+    adapters: dict[int, tuple],
 ) -> None:
     import torch.distributed as dist
 
@@ -255,6 +311,9 @@ def convert(
     rank, size = common.world()
     if files is not None:  # every file's checksum, each process a share of the bytes
         common.raise_if_any(integrity.verify_share(args.ckpt, files, rank, size))
+    if args.adapter_only:
+        return convert_adapters(args, meta, info, params, adapters, start)
+    scale = meta["lora"]["alpha"] / meta["lora"]["rank"] if adapters else None
     out_dtype = common.DTYPES[args.dtype] if args.dtype else None
     groups = [
         [
@@ -281,12 +340,20 @@ def convert(
     problem = None
     # Every rank loads in lockstep (each load is collective); an idle rank loads nothing.
     for step in range(max(map(len, batches))):
-        batch = [params[g] for g in batches[rank][step]] if step < len(batches[rank]) else []
+        todo = batches[rank][step] if step < len(batches[rank]) else []
+        batch = [params[g] for g in todo]
+        extra = [part for g in todo for part in adapters.get(g, ())]
         try:
-            tensors = _load(args.ckpt, batch)
+            tensors = _load(args.ckpt, batch + extra)
         except CheckpointError as exc:  # raised on every rank alike: the load is collective
             problem = str(exc)
             break
+        tensors, factors = tensors[: len(batch)], iter(tensors[len(batch) :])
+        for j, g in enumerate(todo):
+            if g in adapters:  # W + (alpha/r)·B·A, as the in-memory HF export merges it
+                a, b = next(factors), next(factors)
+                lora = SimpleNamespace(lora_a=a, lora_b=b, scale=scale)
+                tensors[j] = merged_weight(tensors[j], lora)
         for p, tensor in zip(batch, tensors):
             for name, hf_tensor in hm.megatron_to_hf(p.rule, p.layer, [tensor], info):
                 try:
@@ -311,6 +378,79 @@ def convert(
         took = time.time() - start
         print(f"{PROG}: wrote {args.out} ({dtype}, {len(shards)} shards) in {took:.1f} s")
     dist.barrier()
+
+
+def convert_adapters(args, meta: dict, info, params, adapters: dict[int, tuple], start) -> None:
+    """`--adapter-only`: every rank loads the adapters (small; the loads are collective),
+    one layer at a time; rank 0 writes the PEFT folder."""
+
+    from rl_megatron.checkpoint.hf_export import (
+        SafetensorsShardWriter,
+        commit_output_dir,
+        prepare_output_dir,
+    )
+    from rl_megatron.checkpoint.peft_export import (
+        ADAPTER_WEIGHTS,
+        adapter_to_peft,
+        finish_peft_dir,
+        lora_mode,
+        peft_shapes,
+    )
+
+    rank, _ = common.world()
+    out_dtype = common.DTYPES[args.dtype] if args.dtype else None
+    lora = meta["lora"]
+    chosen = sorted(adapters)  # HF order, as `params`
+    planned = [
+        (name, shape, out_dtype or adapters[g][0].dtype)
+        for g in chosen
+        for name, shape in peft_shapes(params[g].rule, params[g].layer, lora["rank"], info)
+    ]
+    tmp = partial_dir(args.out)
+    writer = None
+    if rank == 0:
+        prepare_output_dir(args.out, args.force, src=args.ckpt)
+        writer = SafetensorsShardWriter(tmp, [ShardPlan(ADAPTER_WEIGHTS, tuple(planned))])
+    units: dict = {}  # one load per layer (per expert), as the merged export batches
+    for g in chosen:
+        p = params[g]
+        units.setdefault((p.layer, p.rule.expert) if p.layer is not None else g, []).append(g)
+    problem = None
+    for todo in units.values():
+        try:
+            loaded = iter(_load(args.ckpt, [part for g in todo for part in adapters[g]]))
+        except CheckpointError as exc:  # raised on every rank alike: the load is collective
+            problem = str(exc)
+            break
+        for g in todo:
+            a, b = next(loaded), next(loaded)
+            if writer is None or problem is not None:
+                continue  # a failed write stops the writing, not the lockstep loads
+            p = params[g]
+            try:
+                for name, tensor in adapter_to_peft(
+                    p.rule, p.layer, lora_mode(p.rule), [a], [b], info
+                ):
+                    writer.write(name, tensor.to(out_dtype or tensor.dtype))
+            except CheckpointError as exc:
+                problem = str(exc)
+    if writer is not None and problem is None:
+        try:
+            writer.close()
+            finish_peft_dir(
+                tmp,
+                planned,
+                alpha=lora["alpha"],
+                dropout=lora.get("dropout", 0.0),
+                base_model_name_or_path=meta.get("source"),
+            )
+            commit_output_dir(tmp, args.out)
+        except CheckpointError as exc:
+            problem = str(exc)
+    common.raise_if_any(problem)  # collective: every rank leaves together
+    if rank == 0:
+        took = time.time() - start
+        print(f"{PROG}: wrote the LoRA adapters of {args.ckpt} to {args.out} in {took:.1f} s")
 
 
 def _share_out(shards: list[ShardPlan], size: int) -> list[int]:

@@ -176,6 +176,12 @@ class RolloutConfig:
     # sent (DESIGN.md §3): off, sample (one tensor of each kind, rotating) or full.
     verify_sync: Literal["off", "sample", "full"] = "off"
     verify_sync_interval: int = 1  # verify every N-th sync (when verify_sync is not off)
+    # After each training step's sync, sample this many fixed prompts (the first held-out
+    # ones) with a fixed seed and log the engine-vs-trainer log-prob mismatch on them
+    # (sync_probe/*: mean, p99, max of |d|, mean exp|d|; rollout/sync_probe.py). 0: off.
+    sync_probe_prompts: int = 0
+    # New tokens per probe prompt (<= max_response_length); null: 32 or max_response_length.
+    sync_probe_tokens: int | None = None
     # Generate with FP8 weights (vLLM; GPUs of compute capability >= 8.9): fp8 = one
     # float8_e4m3fn weight and a float32 scale per 128x128 block for every linear layer,
     # quantized from the trainer's weights inside each sync (resharding/fp8.py). With it,
@@ -315,7 +321,8 @@ class LoraConfig:
     dropout: float = 0.0  # dropout on the adapter's input only, in [0, 1)
     # megatron-core module names: linear_qkv (HF q/k/v_proj), linear_proj (o_proj),
     # linear_fc1 (gate/up_proj), linear_fc2 (down_proj); in an MoE layer linear_fc1 / fc2
-    # are also each expert's (experts.{e}.gate/up_proj, down_proj).
+    # are also each expert's (experts.{e}.gate/up_proj, down_proj); output_layer (lm_head,
+    # untied only) lets a randomly initialised model's frozen head be adapted too.
     target_modules: list[str] = field(
         default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
     )
@@ -478,6 +485,10 @@ class CheckpointConfig:
     # Also write the actor as a Hugging Face model folder (config, tokenizer, safetensors) at
     # every checkpoint and at the end: <run>/hf/step_XXXXXXXX, the last keep_last kept.
     save_hf: bool = False
+    # With actor.lora.rank > 0: also write the adapters alone in the HF PEFT layout
+    # (adapter_config.json, adapter_model.safetensors; `peft.PeftModel.from_pretrained` on
+    # model.hf_path) at every checkpoint and at the end: <run>/hf_adapter/step_XXXXXXXX.
+    save_hf_adapter: bool = False
 
 
 @dataclass
@@ -592,9 +603,14 @@ def _resolve_defaults(config: Config) -> None:
     if config.rollout.partial.chunk_tokens is None:
         r = config.rollout
         r.partial.chunk_tokens = -(-r.max_response_length // (max(r.max_staleness, 0) + 1))
+    if config.rollout.sync_probe_tokens is None:
+        config.rollout.sync_probe_tokens = min(32, config.rollout.max_response_length)
     if config.rollout.calculate_log_probs is None:
         # The behaviour policy's log-probs are what the correction's weights are made of.
-        config.rollout.calculate_log_probs = config.algorithm.rollout_correction.level is not None
+        config.rollout.calculate_log_probs = (
+            config.algorithm.rollout_correction.level is not None
+            or config.rollout.sync_probe_prompts > 0  # the probe compares them
+        )
 
 
 def save_resolved(config: Config, run_dir: Path) -> Path:

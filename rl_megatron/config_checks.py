@@ -50,12 +50,13 @@ def validate(config: Config, world_size: int) -> ParallelLayout:
     _check_router_replay(config)
     _check_lora(config)
     if config.model.num_experts:
-        _require(
-            not config.checkpoint.save_hf or p.ep == 1,
-            "checkpoint.save_hf",
-            f"an MoE actor at parallel.ep={p.ep} cannot be exported from memory yet; set it "
-            "false and convert a checkpoint with checkpoints_tools/megatron_to_hf.py",
-        )
+        for key in ("save_hf", "save_hf_adapter"):
+            _require(
+                not getattr(config.checkpoint, key) or p.ep == 1,
+                f"checkpoint.{key}",
+                f"an MoE actor at parallel.ep={p.ep} cannot be exported from memory yet; set "
+                "it false and convert a checkpoint with checkpoints_tools/megatron_to_hf.py",
+            )
     _check_actor_critic(config, layout.dp)
     _check_optimizer_cpu_offload(config)
     _check_run(config.trainer, config.checkpoint, config.logging)
@@ -198,6 +199,19 @@ def _check_rollout(r: RolloutConfig, p: ParallelConfig, m: ModelConfig) -> None:
     )
     _require(r.weight_sync_bucket_mb > 0, "rollout.weight_sync_bucket_mb", "must be > 0")
     _require(r.verify_sync_interval >= 1, "rollout.verify_sync_interval", "must be >= 1")
+    _require(r.sync_probe_prompts >= 0, "rollout.sync_probe_prompts", "must be >= 0 (0 = off)")
+    _require(
+        r.sync_probe_prompts == 0 or 1 <= r.sync_probe_tokens <= r.max_response_length,
+        "rollout.sync_probe_tokens",
+        f"must be in [1, rollout.max_response_length={r.max_response_length}], "
+        f"got {r.sync_probe_tokens}",
+    )
+    _require(
+        r.sync_probe_prompts == 0 or r.calculate_log_probs is not False,
+        "rollout.sync_probe_prompts",
+        "the probe compares the engine's log-probs with the trainer's; "
+        "rollout.calculate_log_probs is false",
+    )
     _check_fp8(r)
 
 
@@ -386,7 +400,7 @@ def _check_router_replay(config: Config) -> None:
     )
 
 
-LORA_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+LORA_MODULES = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer")
 
 
 def _check_lora(config: Config) -> None:
@@ -402,8 +416,26 @@ def _check_lora(config: Config) -> None:
         f"unknown module(s) {unknown}; choose from {list(LORA_MODULES)} (megatron-core names)",
     )
     _require(bool(lora.target_modules), "actor.lora.target_modules", "must name a module")
+    _require(
+        lora.rank > 0 or not config.checkpoint.save_hf_adapter,
+        "checkpoint.save_hf_adapter",
+        "writes LoRA adapters, but actor.lora.rank is 0 (no adapters); use checkpoint.save_hf",
+    )
     if lora.rank == 0:
         return
+    if "output_layer" in lora.target_modules:
+        _require(
+            len(lora.target_modules) > 1,
+            "actor.lora.target_modules",
+            "output_layer needs a layer module beside it (the other pipeline stages would "
+            "have nothing to train)",
+        )
+        _require(
+            not config.model.tie_word_embeddings,
+            "actor.lora.target_modules",
+            "output_layer is tied to the input embedding (model.tie_word_embeddings); "
+            "merging an adapter into it would change the embedding too",
+        )
     a = config.algorithm
     # The reference is the actor with its adapters off: one model, so never both at once.
     for key, full in (
@@ -422,14 +454,8 @@ def _check_lora(config: Config) -> None:
         "a LoRA actor takes megatron-core's local layer spec (models/lora.py), whose norms "
         "do not take sequence parallelism; set it false with actor.lora.rank > 0",
     )
-    # Until the weight sync merges the adapters (issue 41, 3a), only an engine that
-    # generates with the actor's own modules sees them.
-    _require(
-        config.rollout.engine == "megatron",
-        "actor.lora.rank",
-        f"LoRA needs rollout.engine=megatron for now (rollout.engine={config.rollout.engine} "
-        "would be sent the base weights without the adapters)",
-    )
+    # rollout.engine=vllm is sent the merged weights W + (alpha/r)·B·A by the weight sync
+    # (resharding/lora_merge.py), FP8 engines included: their target quantizes what lands.
     _require(
         config.parallel.etp == 1
         or "linear_fc1" not in lora.target_modules

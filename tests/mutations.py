@@ -15,7 +15,9 @@ engine's routing record (routing replay), issue 21's engine sleep levels, batch
 padding and vLLM core loop, and issue 36's edges (non-finite values other than NaN, the
 dual clip engaged, routing replay's gate weights and sequence parallelism, dynamic
 sampling across replicas, the restricted unpickler), and issue 39's per-prompt caps on
-new tokens in both engines, and issue 38's environment-worker cap.
+new tokens in both engines, issue 38's environment-worker cap, and issue 41's LoRA
+merged weight sync and PEFT export (rows split two ways, shard order, the scale, the
+tool's merge).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ DP_ALGORITHMS = (
 UNPICKLER = "tests/unit/test_checkpoint_integrity.py"
 LORA = "rl_megatron/models/lora.py"
 LORA_TEST = "tests/multirank/test_lora.py::test_lora_across_layouts"
+LORA_SYNC_TEST = "tests/multirank/test_lora_sync.py"
+PEFT = "rl_megatron/checkpoint/peft_export.py"
+PEFT_TEST = "tests/multirank/test_peft_export.py"
 
 # (name, file, exact text, replacement, the test that must fail)
 MUTATIONS = [
@@ -82,6 +87,27 @@ MUTATIONS = [
         "h = tensor_parallel.reduce_from_tensor_model_parallel_region(h, group=group)",
         "h = h",
         LORA_TEST,
+    ),
+    (
+        "LoRA head: log-probs from the hidden states ignore its adapter",
+        "rl_megatron/models/chunked_logprobs.py",
+        "    return head_weight(gpt, gpt.output_layer.weight)",
+        "    return gpt.output_layer.weight",
+        LORA_TEST,
+    ),
+    (
+        "LoRA head: A's gradient not summed over TP in the chunked log-probs",
+        LORA,
+        "        lora_a = tensor_parallel.copy_to_tensor_model_parallel_region(",
+        "        lora_a = (lambda t, group: t)(",
+        LORA_TEST,
+    ),
+    (
+        "sync probe compares the engine with itself",
+        "rl_megatron/rollout/sync_probe.py",
+        "    diff = (trainer_log_prob.double() - engine_log_prob.double())[valid].abs().cpu()",
+        "    diff = (engine_log_prob.double() - engine_log_prob.double())[valid].abs().cpu()",
+        "tests/unit/test_sync_probe.py",
     ),
     (
         "old log-probs replaced by the new (ratio 1)",
@@ -771,6 +797,8 @@ MUTATIONS = [
         "self.waited += any(t == traj_id for t, _ in self._queue)",
         "self.waited += 0",
         "tests/unit/test_environment_workers.py",
+    ),
+    (
         "sync verification: the bitwise compare lets a last-place difference pass",
         "rl_megatron/resharding/verify.py",
         "    differ = (a != b).nonzero()",
@@ -829,6 +857,64 @@ MUTATIONS = [
         '            if record["files"].get(name) != now.get(name):',
         "            if False:",
         "tests/multirank/test_lora_checkpoints.py",
+    ),
+    (
+        "LoRA weight sync: the base weights sent, adapters not merged",
+        "rl_megatron/resharding/lora_merge.py",
+        "        if not adapters:\n",
+        "        if True:\n",
+        LORA_SYNC_TEST,
+    ),
+    (
+        "LoRA weight sync: a merged sync keeps its copy views (the merges held between syncs)",
+        "rl_megatron/resharding/weight_sync.py",
+        "        views = self._views if sources is table else None",
+        "        views = self._views",
+        LORA_SYNC_TEST,
+    ),
+    (
+        "LoRA weight sync: the verifier compares the engine with the unmerged weights",
+        "rl_megatron/resharding/weight_sync.py",
+        "self.verifier.verify(plan, rank, sources, group=self.group)",
+        "self.verifier.verify(plan, rank, table, group=self.group)",
+        "tests/vllm/test_vllm_lora_sync.py",
+    ),
+    (
+        "PEFT export: k and v rows of the fused qkv adapter's B swapped",
+        PEFT,
+        "        pairs = [(name, a_shards[0], b) for name, b in parts]",
+        "        pairs = [(n, a_shards[0], b) for (n, _), (_, b) in "
+        "zip(parts, [parts[0], parts[2], parts[1]] if len(parts) == 3 else parts)]",
+        PEFT_TEST + "::test_peft_export",
+    ),
+    (
+        "PEFT export: an expert's gate and up rows swapped",
+        PEFT,
+        "        pairs = [(name, a_shards[0], b) for name, b in parts]",
+        "        pairs = [(n, a_shards[0], b) for (n, _), (_, b) in "
+        "zip(parts, parts[::-1] if rule.expert is not None else parts)]",
+        PEFT_TEST + "::test_peft_export_of_experts",
+    ),
+    (
+        "PEFT export: TP shards of B gathered in reverse order",
+        PEFT,
+        "b_shards = _gather_tp(b, e.rule, group) if",
+        "b_shards = _gather_tp(b, e.rule, group)[::-1] if",
+        PEFT_TEST + "::test_peft_export",
+    ),
+    (
+        "PEFT export: lora_alpha written as r",
+        PEFT,
+        '        "lora_alpha": alpha,',
+        '        "lora_alpha": rank,',
+        PEFT_TEST + "::test_peft_export",
+    ),
+    (
+        "megatron_to_hf.py: a LoRA checkpoint's adapters not merged",
+        "checkpoints_tools/megatron_to_hf.py",
+        "tensors[j] = merged_weight(tensors[j], lora)",
+        "tensors[j] = tensors[j]",
+        PEFT_TEST + "::test_trainer_writes_the_adapter_beside_the_merged_model",
     ),
 ]
 

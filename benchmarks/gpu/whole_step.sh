@@ -10,6 +10,7 @@
 #   STEPS="async_ab_1.5b" bash benchmarks/gpu/whole_step.sh  # alone too (issue 39)
 #   STEPS="fp8_rollout_8b" bash benchmarks/gpu/whole_step.sh  # alone too (issue 40)
 #   STEPS="lora_8b_full" ..., then STEPS="lora_8b_rank8" ...  # each alone (issue 41)
+#   STEPS="lora_hf_8b", then "lora_8b_sync_merged", then "lora_8b_sync_adapter"  # (issue 41)
 SUITE=whole_step
 source "$(dirname "$0")/common.sh"
 SHAPE_7B="--layers 32 --hidden 4096 --heads 32 --kv-heads 32 --ffn 11008 --vocab 32000"
@@ -243,6 +244,22 @@ step lora_8b_rank8 580 $TR1 benchmarks/trainer_bench.py --config yaml_configs/be
   --algorithms grpo --no-plain --warmup-steps 1 --steps 2 \
   --out-json "$RES/lora_h200_8b_rank8_$TAG.json" $LORA_8B actor.lora.rank=8
 kill $HOST_MEMORY_PID 2>/dev/null
+
+# LoRA's two vLLM syncs at the 8B shape (issue 41): merged (every adapted weight, each step)
+# against adapter (A and B only; vLLM's LoRA kernels in generation). Adapter needs vLLM to
+# load the frozen base itself: lora_hf_8b writes a random HF checkpoint first (/tmp holds it
+# while the machine stays warm), each step in a call of its own, in this order. Compare
+# timing_s/reshard and timing_s/generate (and tokens/s) of the two JSONs. Not run yet.
+LORA_HF=/tmp/llama8b_random_hf
+step lora_hf_8b 400 python3 benchmarks/random_checkpoint.py --out $LORA_HF $SHAPE_8B \
+  --dtype bfloat16 --prompt-len 496 --max-new 1024
+LORA_SYNC="model.hf_path=$LORA_HF actor.lora.rank=8 rollout.sleep_level=1 data.train_batch_size=16"
+step lora_8b_sync_merged 580 $TR1 benchmarks/trainer_bench.py \
+  --config yaml_configs/bench_h200_e2e_8b.yaml --algorithms grpo --no-plain --warmup-steps 1 \
+  --steps 2 --out-json "$RES/lora_h200_8b_sync_merged_$TAG.json" $LORA_SYNC rollout.lora_sync=merged
+step lora_8b_sync_adapter 580 $TR1 benchmarks/trainer_bench.py \
+  --config yaml_configs/bench_h200_e2e_8b.yaml --algorithms grpo --no-plain --warmup-steps 1 \
+  --steps 2 --out-json "$RES/lora_h200_8b_sync_adapter_$TAG.json" $LORA_SYNC rollout.lora_sync=adapter
 
 # vLLM's recorded routing against transformers' router on the same tokens (issue 19).
 step moe_routing 180 $TR1 benchmarks/moe_routing_check.py --out-json "$RES/moe_routing_h200_$TAG.json"

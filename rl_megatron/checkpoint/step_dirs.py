@@ -81,8 +81,10 @@ def recover_replaced(root: Path) -> None:
             os.rename(path, root / f"step_{step:08d}")
 
 
-def remove_leftovers(checkpoints: Path, hf: Path) -> list[str]:
+def remove_leftovers(checkpoints: Path, *hf_roots: Path) -> list[str]:
     """Delete what interrupted saves and HF exports left (rank 0, before anything is written).
+
+    `hf_roots`: the folders of step-named HF exports (`<run>/hf`, `<run>/hf_adapter`).
 
     A step's `.old-` copy without its step directory, or an HF folder's `.aside-` copy
     without its folder, is put back (a kill came between the two renames); everything else
@@ -106,7 +108,7 @@ def remove_leftovers(checkpoints: Path, hf: Path) -> list[str]:
         else:
             delete(path)
             done.append(f"removed {path}")
-    if hf.is_dir():
+    for hf in (root for root in hf_roots if root.is_dir()):
         for path in sorted(hf.iterdir()):
             aside = HF_ASIDE.match(path.name)
             if aside and not (hf / aside.group(1)).exists():

@@ -281,10 +281,12 @@ def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def output_weight(model: torch.nn.Module) -> torch.Tensor:
     """This rank's `[V/tp, h]` output weight of a last-stage GPTModel (tied: the embedding)."""
+    from rl_megatron.models.lora import head_weight
+
     gpt = _unwrap(model)
     if gpt.share_embeddings_and_output_weights:
         return gpt.shared_embedding_or_output_weight()
-    return gpt.output_layer.weight
+    return head_weight(gpt, gpt.output_layer.weight)  # with a LoRA head: W + (alpha/r)·B·A
 
 
 @contextlib.contextmanager
@@ -328,7 +330,9 @@ def output_hidden_states(model: torch.nn.Module) -> Iterator[None]:
         return tp_region_input(input_, layer.tp_group, layer.sequence_parallel), None
 
     layer.forward = forward
+    layer.returns_hidden_states = True  # a LoRA head's hook adds nothing (models/lora.py)
     try:
         yield
     finally:
         del layer.forward
+        del layer.returns_hidden_states

@@ -67,6 +67,7 @@ MODES = {
     "linear_proj": "row",
     "linear_fc1": "column",
     "linear_fc2": "row",
+    "output_layer": "column",  # the LM head (vocabulary rows split over TP), not tied
 }
 SUFFIX = "_lora"  # the adapter of module `name` is its sibling `name + SUFFIX`
 
@@ -106,6 +107,7 @@ class LoraAdapter(torch.nn.Module):
         self.dropout_p = dropout
         # fc1 of a gated MLP holds [gate; up] per TP shard: B's rows too (checkpoint layout).
         self.gated = gated
+        self.vocab_rows = False  # B's rows are the LM head's padded vocabulary (`_adapt_head`)
         out_local, in_local = base.weight.shape
         in_full = in_local * tp if mode == "row" else in_local
         weight = base.weight
@@ -172,6 +174,11 @@ class LoraAdapter(torch.nn.Module):
             tp_group=self.tp_group,
             dp_cp_group=metadata["dp_cp_group"],
         )
+        if self.vocab_rows:
+            # The LM head's vocabulary padding depends on TP (megatron-core marks the head's
+            # weight the same way): a checkpoint loads at another TP, its padding rows
+            # cut or zero-filled.
+            out[f"{prefix}lora_b"].allow_shape_mismatch = True
         if self.gated:
             key = f"{prefix}lora_b"
             singleton = metadata.get("singleton_local_shards", False)
@@ -187,6 +194,27 @@ def _add_update(adapter: LoraAdapter):
             return output
         out, bias = output
         return out + adapter(args[0]), bias
+
+    return hook
+
+
+def _add_head_update(adapter: LoraAdapter):
+    """Forward hook (with kwargs) on the LM head: its logits may be gathered over TP (the
+    layer's `gather_output`, or GPTModel's `runtime_gather_output`), and inside
+    `chunked_logprobs.output_hidden_states` it returns the hidden states instead, whose
+    log-probs take the adapter through `head_weight` rather than here."""
+
+    def hook(module, args, kwargs, output):
+        if not adapter.enabled or getattr(module, "returns_hidden_states", False):
+            return output
+        out, bias = output
+        update = adapter(args[0])
+        gather = kwargs.get("runtime_gather_output")
+        if (module.gather_output if gather is None else gather) and adapter.communicate:
+            update = tensor_parallel.gather_from_tensor_model_parallel_region(
+                update, group=adapter.tp_group
+            )
+        return out + update, bias
 
     return hook
 
@@ -260,11 +288,52 @@ def apply_lora(
             chunk.get_submodule(parent_path).add_module(name + SUFFIX, adapter)
             module.register_forward_hook(_add_update(adapter))
             adapters.append(adapter)
+        if "output_layer" in target_modules and getattr(chunk, "post_process", False):
+            adapters.append(_adapt_head(chunk, rank, alpha, dropout, seed))
     if not adapters:
         raise RuntimeError(
             f"actor.lora.target_modules: none of {list(target_modules)} is in the model"
         )
     return adapters
+
+
+def _adapt_head(chunk: torch.nn.Module, rank: int, alpha: float, dropout: float, seed: int):
+    """The LM head's adapter (`output_layer_lora`, a sibling of `output_layer`).
+
+    A randomly initialised model's frozen head caps every logit near |W_v|·|h| (the final
+    norm fixes |h|), so adapters inside the layers cannot make any token likely; PEFT
+    names the same target `lm_head`. A head tied to the embedding is refused: merging
+    into it would change the input embedding too.
+    """
+    head = chunk.output_layer
+    if not isinstance(head, tensor_parallel.ColumnParallelLinear) or head.weight is None:
+        raise RuntimeError(
+            "actor.lora.target_modules: output_layer needs an untied LM head "
+            f"(model.tie_word_embeddings is on, or the head is a {type(head).__name__})"
+        )
+    adapter = LoraAdapter(head, "column", rank, alpha, dropout, _adapter_seed(seed, "output_layer"))
+    adapter.vocab_rows = True
+    chunk.add_module("output_layer" + SUFFIX, adapter)
+    head.register_forward_hook(_add_head_update(adapter), with_kwargs=True)
+    return adapter
+
+
+def head_weight(model: torch.nn.Module, weight: Tensor) -> Tensor:
+    """The LM head's weight as the model uses it: W + (alpha/r)·B·A with an enabled head
+    adapter (differentiable in A and B, for log-probs computed from the hidden states),
+    `weight` itself otherwise. The product is made in W's dtype like `merged_weight`."""
+    adapter = getattr(model, "output_layer" + SUFFIX, None)
+    if adapter is None or not adapter.enabled:
+        return weight
+    lora_a = adapter.lora_a
+    if adapter.communicate:
+        # Each TP rank's weight gradient covers its vocabulary rows only, so A's (replicated)
+        # gradient is partial: summed over TP in the backward, as the hook's path sums it.
+        lora_a = tensor_parallel.copy_to_tensor_model_parallel_region(
+            lora_a, group=adapter.tp_group
+        )
+    delta = (adapter.lora_b.to(weight.dtype) @ lora_a.to(weight.dtype)) * adapter.scale
+    return weight + delta
 
 
 def adapters_of(chunks: Sequence[torch.nn.Module]) -> list[LoraAdapter]:

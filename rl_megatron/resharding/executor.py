@@ -74,6 +74,7 @@ class SyncStats:
     rounds: int = 0  # rounds this rank took part in
     peak_staging_bytes: int = 0  # executor buffers (≤ bucket by construction)
     target_staging_bytes: int = 0  # the target's own buffers (vLLM CPU reload path)
+    lora_merged_bytes: int = 0  # a LoRA actor's merged weights, made for the sync (lora_merge)
     # CUDA allocator peak − start (GPU, and only when asked: `execute(measure_peak=True)`)
     device_peak_extra_bytes: int | None = None
     wall_s: float = 0.0  # `execute`, host time (on GPUs it does not wait for the copies)

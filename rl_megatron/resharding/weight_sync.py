@@ -29,6 +29,13 @@ global:
   one launch instead of a multi-tensor copy's per-tensor host work.
 
 Drop the object and all of it goes with it.
+
+A LoRA actor (`models/lora.py`) is sent its merged weights, W + (alpha/r)·B·A for every
+adapted weight (`lora_merge.LoraMerge`): the source table stays the parameter table, and
+just before the sync reads it the adapted entries are replaced by merges made for this
+sync and freed when it returns. Extra memory: this rank's adapted weights (plus one B·A
+product), during the sync only. Such a sync binds its copies afresh every time (no kept
+views, no copy graph): see `sync`.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ from rl_megatron.resharding.agreement import PlanAgreement, raise_together
 from rl_megatron.resharding.copy_program import CopyProgram, KeptViews, compile_program
 from rl_megatron.resharding.executor import SyncStats, execute
 from rl_megatron.resharding.layouts import TrainingLayout
+from rl_megatron.resharding.lora_merge import LoraMerge
 from rl_megatron.resharding.plan import ReshardPlan
 from rl_megatron.resharding.sources import SourceTable
 from rl_megatron.resharding.targets import ReshardTarget
@@ -86,6 +94,7 @@ class WeightSync:
         self.measure_peak, self.verifier = measure_peak, verifier
         self.version: int | None = None  # training step of the last complete sync
         self._sources = SourceTable(info)
+        self._merge = LoraMerge()  # a LoRA actor's adapted weights, merged per sync
         self._agreement = PlanAgreement(
             target, info=info, training=training, bucket_mb=bucket_mb, group=group
         )
@@ -103,7 +112,8 @@ class WeightSync:
         """Put `model_chunks`' weights into the engine as training step `version` (collective).
 
         Args:
-            model_chunks: this rank's actor chunks (one per virtual stage; wrappers allowed).
+            model_chunks: this rank's actor chunks (one per virtual stage; wrappers allowed);
+                LoRA adapters in them are merged into the weights sent (module docstring).
             version: training step of these weights; recorded by the engine.
         Returns:
             this rank's `SyncStats` (`prepare_s`, `begin_s`, `wall_s`, `finish_s`: host time
@@ -111,7 +121,18 @@ class WeightSync:
         """
         rank = dist.get_rank()
         t0 = time.perf_counter()
-        sources = self._sources(model_chunks)
+        table = self._sources(model_chunks)
+        # With adapters: the same names, each adapted weight W + (alpha/r)·B·A, new tensors
+        # that live until this call returns (the copies and the verifier read them).
+        sources = self._merge(model_chunks, table)
+        # Kept views are bound to the addresses of the tensors they view and hold those
+        # tensors alive: views of this sync's merges would keep them (the adapted weights'
+        # bytes) between syncs, and could never be reused, as the next sync's merges are
+        # new tensors at other addresses (a graph replaying them would read freed memory,
+        # were the views not holding it). So a merged sync binds its copies afresh, the
+        # pre-`KeptViews` path: a Python loop over the program's ops, small beside the
+        # merges' products and allocations, which every such sync pays anyway.
+        views = self._views if sources is table else None
         # Read once (or the last sync's, if a C++ check says they hold), for the agreement
         # and the kept views alike.
         facts = self._facts = TensorFacts.of(sources, self._facts)
@@ -128,7 +149,7 @@ class WeightSync:
                 rank,
                 sources,
                 self.target,
-                views=self._views,
+                views=views,
                 source_facts=facts,
                 group=self.group,
                 measure_peak=self.measure_peak,
@@ -141,6 +162,7 @@ class WeightSync:
         self.version = version
         stats.prepare_s, stats.begin_s, stats.finish_s = t1 - t0, t2 - t1, time.perf_counter() - t3
         stats.target_staging_bytes = self.target.staging_peak_bytes()
+        stats.lora_merged_bytes = self._merge.merged_bytes
         if self.verifier is not None and self.verifier.due():
             stats.verify, problem = self.verifier.verify(plan, rank, sources, group=self.group)
             if problem is not None:

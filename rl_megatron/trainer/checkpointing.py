@@ -123,7 +123,7 @@ def remove_leftovers(run_dir: Path, logger: logging.Logger) -> None:
     that died of a full disk gets its space back, and the last complete checkpoint stays."""
     from rl_megatron.checkpoint.step_dirs import remove_leftovers as remove
 
-    for change in remove(run_dir / "checkpoints", run_dir / "hf"):
+    for change in remove(run_dir / "checkpoints", run_dir / "hf", run_dir / "hf_adapter"):
         logger.info("start-up: %s (left by an interrupted save)", change)
 
 
@@ -144,4 +144,12 @@ def sidecar(config: Config, info: HFModelInfo, head: str, layout: ParallelLayout
         ),
         **layout.record(),
         "source": m.hf_path,
+        # The actor's adapters' scale and dropout: megatron_to_hf.py merges the adapters
+        # (W + alpha/rank·B·A) or, with --adapter-only, writes them as a PEFT folder.
+        **({"lora": _lora_record(config)} if head == "lm" and config.actor.lora.rank else {}),
     }
+
+
+def _lora_record(config: Config) -> dict:
+    lora = config.actor.lora
+    return {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout}

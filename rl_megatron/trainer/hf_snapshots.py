@@ -1,7 +1,9 @@
-"""The actor as a Hugging Face model folder while it trains (`checkpoint.save_hf`).
+"""The actor as a Hugging Face model folder while it trains (`checkpoint.save_hf`), and a
+LoRA actor's adapters as a PEFT folder (`checkpoint.save_hf_adapter`).
 
     snapshots = HFSnapshots(config, info, tokenizer, rank, groups)   # every rank
     path = snapshots.save(actor.model, step)                  # collective
+    adapters = PeftSnapshots(config, info, rank, groups)       # <run>/hf_adapter/step_X
 
 Each save writes `<run>/hf/step_XXXXXXXX/` (config.json, tokenizer files, safetensors) with
 `checkpoint.hf_export.save_hf_checkpoint`, the code `checkpoints_tools/megatron_to_hf.py`
@@ -12,6 +14,8 @@ training checkpoint (interval, end of run, SIGTERM); like those, only the newest
 deletes it only after the new one is in place. A resumed run exports its step again when a
 kill interrupted that export (`redo_missing`: the restored weights are the exported ones);
 a full disk is one `DiskFullError` line on every rank, the partial folder removed.
+`PeftSnapshots` does the same for `<run>/hf_adapter/step_XXXXXXXX/` with
+`checkpoint.peft_export.save_peft_adapter` (adapter_config.json + adapter_model.safetensors).
 
 What the folder carries besides the weights is staged once, by rank 0, in
 `<run>/hf/.source/`: the model's config.json and generation_config.json (`model.hf_path`'s,
@@ -35,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron.checkpoint.hf_export import save_hf_checkpoint
+from rl_megatron.checkpoint.peft_export import ADAPTER_CONFIG, save_peft_adapter
 from rl_megatron.config import Config
 from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.parallel import ParallelGroups
@@ -63,11 +68,8 @@ class HFSnapshots:
         rank: int,
         groups: ParallelGroups,
     ) -> None:
-        self.groups = groups
-        self.root = config.run_dir / "hf"
+        self._setup(config, info, rank, groups, "hf")
         self.source = self.root / SOURCE_DIR
-        self.info, self.rank = info, rank
-        self.keep_last = config.checkpoint.keep_last
         problem = None
         if rank == 0:
             try:
@@ -86,20 +88,32 @@ class HFSnapshots:
         if problem:
             raise DiskFullError(problem)
 
+    COMPLETE = "config.json"  # a step folder holding it is complete (`redo_missing`)
+
+    def _setup(self, config: Config, info: HFModelInfo, rank: int, groups, folder: str) -> None:
+        self.groups = groups
+        self.root = config.run_dir / folder
+        self.info, self.rank = info, rank
+        self.keep_last = config.checkpoint.keep_last
+
+    def _export(self, model_chunks: list[torch.nn.Module], out: Path) -> None:
+        # force: a resumed run may save a step again; the old folder goes only at the rename.
+        save_hf_checkpoint(
+            model_chunks, self.info, out, self.groups, src_dir=self.source, force=True
+        )
+
     def save(
         self, model_chunks: list[torch.nn.Module], step: int, log: logging.Logger | None = None
     ) -> Path:
         """Export the actor after `step` optimizer steps (collective); returns the folder."""
         out = self.root / f"step_{step:08d}"
         started = time.perf_counter()
-        # force: a resumed run may save a step again; the old folder goes only at the rename.
-        save_hf_checkpoint(
-            model_chunks, self.info, out, self.groups, src_dir=self.source, force=True
-        )
+        self._export(model_chunks, out)
         if self.rank == 0:
             prune(self.root, self.keep_last)
             if log is not None:
-                log.info("hf export step %d: %s (%.1f s)", step, out, time.perf_counter() - started)
+                took = time.perf_counter() - started
+                log.info("%s export step %d: %s (%.1f s)", self.root.name, step, out, took)
         return out
 
     def redo_missing(
@@ -113,15 +127,44 @@ class HFSnapshots:
         export is redone. Returns the folder, or None when it was complete.
         """
         out = self.root / f"step_{step:08d}"
-        box = [(out / "config.json").is_file() if self.rank == 0 else None]
+        box = [(out / self.COMPLETE).is_file() if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=0)
         if box[0]:
             return None
         if self.rank == 0:
             log.warning(
-                "hf export of step %d did not complete (no %s): exporting it again", step, out
+                "%s export of step %d did not complete (no %s): exporting it again",
+                self.root.name,
+                step,
+                out,
             )
         return self.save(model_chunks, step, log)
+
+
+class PeftSnapshots(HFSnapshots):
+    """Writes and prunes `<run>/hf_adapter/step_XXXXXXXX/`, the LoRA actor's adapters in the
+    PEFT layout (`checkpoint.save_hf_adapter`); nothing to stage (PEFT reads the base from
+    `base_model_name_or_path`, `model.hf_path`).
+
+    Args: as `HFSnapshots`'s, without the tokenizer.
+    """
+
+    COMPLETE = ADAPTER_CONFIG  # written last, just before the rename
+
+    def __init__(self, config: Config, info: HFModelInfo, rank: int, groups: ParallelGroups):
+        self._setup(config, info, rank, groups, "hf_adapter")
+        self.lora, self.base = config.actor.lora, config.model.hf_path
+
+    def _export(self, model_chunks: list[torch.nn.Module], out: Path) -> None:
+        save_peft_adapter(
+            model_chunks,
+            self.info,
+            out,
+            self.groups,
+            lora=self.lora,
+            base_model_name_or_path=self.base,
+            force=True,
+        )
 
 
 def stage_source(directory: Path, config: Config, tokenizer: Any) -> None:

@@ -36,12 +36,13 @@ from rl_megatron.distributed import DistributedRun
 from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.rollout.batch import RolloutBatch
 from rl_megatron.rollout.sampling import SamplingParams
+from rl_megatron.rollout.sync_probe import probe_metrics, probe_prompts, probe_sampling
 from rl_megatron.trainer import checkpointing
 from rl_megatron.trainer import experience as ex
 from rl_megatron.trainer import multi_turn as mt
 from rl_megatron.trainer.build import Roles, TrainingData
 from rl_megatron.trainer.dynamic_sampling import Collected, Round, collect_groups
-from rl_megatron.trainer.hf_snapshots import HFSnapshots
+from rl_megatron.trainer.hf_snapshots import HFSnapshots, PeftSnapshots
 from rl_megatron.trainer.optimizer_step import NonFiniteUpdateError
 from rl_megatron.trainer.partial_rollouts import PartialRollouts, ReplicaStates, staleness_metrics
 from rl_megatron.trainer.reporting import batch_stats, console_line, throughput
@@ -153,6 +154,12 @@ class PPOTrainer:
             if config.checkpoint.save_hf
             else None
         )
+        # checkpoint.save_hf_adapter: a LoRA actor's adapters as a PEFT folder beside them too.
+        self.peft_snapshots = (
+            PeftSnapshots(config, info, run.env.rank, run.groups)
+            if config.checkpoint.save_hf_adapter
+            else None
+        )
         # The phases' `_on_device` peaks: torch counts the engine's memory asleep as allocated.
         self.phases = PhaseTimer(off_device_bytes=engine.unmapped_bytes)
         # trainer.dump_rollouts: each step's trajectories as JSONL, for the user to read.
@@ -165,6 +172,12 @@ class PPOTrainer:
         )
         # environment.function: multi-turn rollouts through the environment's workers.
         self.session = mt.build_session(config, data.tokenizer, logger)
+        # rollout.sync_probe_prompts: a fixed batch sampled after each step's sync and scored
+        # with the old log-probs (rollout/sync_probe.py): the engine-vs-trainer mismatch.
+        count = config.rollout.sync_probe_prompts
+        val = data.val.input_ids if data.val is not None else None
+        self.probe_prompts = probe_prompts(data.train.input_ids, val, count) if count else None
+        self._probe: RolloutBatch | None = None  # sampled after this step's sync
         self.step = 0  # optimizer steps of the actor taken so far = the next step's index
         self.resumed = False
 
@@ -225,6 +238,7 @@ class PPOTrainer:
         with self.phases.time("old_log_probs"), roles.actor.on_device(), _on_device(beside):
             old = roles.actor.forward_only(batch, with_entropy=True, kl_to=beside)
         batch["old_log_prob"] = old["log_prob"]
+        probe = self._probe_mismatch()  # the same weights as the sync's: the engine's
         if roles.reference is not None:
             with self.phases.time("reference"), roles.reference.on_device():
                 batch["ref_log_prob"] = roles.reference.forward_only(batch)["log_prob"]
@@ -317,7 +331,7 @@ class PPOTrainer:
             phase["async/partial_fraction"] = collected.per_row["async/partial"].mean().item()
             metrics.update(ex.dp_mean(phase, self.dp_group, sums=_ASYNC_SUMS))
         metrics.update(correction_metrics, **collected.metrics)
-        metrics.update(actor_metrics, **critic_metrics, **sync, **self.sampler.metrics())
+        metrics.update(actor_metrics, **critic_metrics, **sync, **probe, **self.sampler.metrics())
         metrics.update(self.data.metrics())  # rollout/prompts_truncated: counted at load
         metrics["actor/kl_coef"] = self.kl_ctrl.value
         metrics.update(self.phases.pop())
@@ -326,6 +340,19 @@ class PPOTrainer:
             generate_s = max(metrics.get("timing_s/generate", 0.0), 1e-9)
             metrics["async/generate_tokens_per_s"] = metrics["async/generated_tokens"] / generate_s
         return metrics
+
+    def _probe_mismatch(self) -> dict[str, float]:
+        """`sync_probe/*` of the batch sampled after this step's sync (none: {}): the
+        actor's log-probs of its tokens against the engine's (the actor is on the device)."""
+        if self._probe is None:
+            return {}
+        probe, self._probe = self._probe, None
+        with self.phases.time("sync_probe_log_probs"), self.roles.actor.on_device():
+            batch = self._to_device(ex.training_batch(probe))
+            trainer = self.roles.actor.forward_only(batch)["log_prob"]
+        return probe_metrics(
+            batch["rollout_log_prob"], trainer, batch["response_mask"], group=self.dp_group
+        )
 
     def _collect_garbage(self) -> None:
         """With `trainer.manual_gc`: automatic collection off from the first step on, and a
@@ -386,6 +413,11 @@ class PPOTrainer:
             # grows with the KV cache, not with the weights.
             with self.phases.time("wake_kv_cache"):
                 self._wake_kv_cache("wake_kv_cache")
+            if self.probe_prompts is not None:
+                with self.phases.time("sync_probe"):
+                    eos = self.data.tokenizer.eos_token_id
+                    sampling = probe_sampling(self.config.rollout, self.config.trainer.seed, eos)
+                    self._probe = self._generate(self.probe_prompts, sampling)
             collected = collect_groups(
                 self._rollout_round if self.partial is None else self._partial_round,
                 self.sampler.local_batch_size,
@@ -773,15 +805,19 @@ class PPOTrainer:
         if self.hf_snapshots is not None:
             with self.phases.time("save_hf"), self.roles.actor.on_device():
                 self.hf_snapshots.save(self.roles.actor.model, self.step, self.log)
+        if self.peft_snapshots is not None:
+            with self.phases.time("save_hf_adapter"), self.roles.actor.on_device():
+                self.peft_snapshots.save(self.roles.actor.model, self.step, self.log)
 
     def resume(self) -> None:
         """Continue from `checkpoint.resume_from`, or the run's newest checkpoint (auto)."""
         step = self.checkpoints.resume(self.log)
         if step is not None:
             self.step, self.resumed = step, True
-            if self.hf_snapshots is not None:  # an export a kill interrupted: redone
-                with self.roles.actor.on_device():
-                    self.hf_snapshots.redo_missing(self.roles.actor.model, step, self.log)
+            for exports in (self.hf_snapshots, self.peft_snapshots):
+                if exports is not None:  # an export a kill interrupted: redone
+                    with self.roles.actor.on_device():
+                        exports.redo_missing(self.roles.actor.model, step, self.log)
 
     # -------------------------------------------------------------------- misc
 

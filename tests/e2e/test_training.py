@@ -51,6 +51,10 @@ def _train(tmp_path: Path, *overrides: str, ranks: int = 4, timeout: int = 600):
         ("grpo", []),
         # PPO with a critic (GAE); λ < 1 so the critic's values shape the advantages.
         ("gae", ["algorithm.lam=0.95"]),
+        # LoRA rank 8 (tiny_cpu.yaml adapts the LM head too: a random model's frozen head
+        # caps its logits); its engine samples through the head's hook (logits gathered
+        # over TP), its trainer log-probs through `head_weight`: the diff check below.
+        ("grpo", ["actor.lora.rank=8"]),
     ],
 )
 def test_reward_improves(tmp_path, estimator, extra):
@@ -60,11 +64,17 @@ def test_reward_improves(tmp_path, estimator, extra):
         "trainer.total_steps=40",
         "trainer.val_interval=20",
         "checkpoint.save_interval=0",
+        "rollout.sync_probe_prompts=3",
+        "rollout.sync_probe_tokens=6",
         *extra,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = _metrics(tmp_path / "tiny_cpu")
     assert [r["step"] for r in rows] == list(range(1, 41))
+    for row in rows:  # the probe after each sync: the engine samples with the actor's weights
+        assert 0 < row["sync_probe/tokens"] <= 2 * 3 * 6  # 2 replicas × 3 prompts × 6 tokens
+        assert row["sync_probe/logprob_diff_max"] < 1e-3, row["sync_probe/logprob_diff_max"]
+        assert 1.0 <= row["sync_probe/token_mult_prob_error"] < 1.001
     gain = _improvement(rows)
     assert gain > MIN_IMPROVEMENT, f"{estimator}: reward improved by {gain:.3f} only"
     # The console line carries the reward too (what `make demo` shows).

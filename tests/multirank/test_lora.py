@@ -32,6 +32,7 @@ import torch
 from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelGroups, ParallelLayout
 from tests.multirank.test_roles import (
     TEMPERATURE,
+    V,
     _dp_rows,
     _make_checkpoint,
     _optim,
@@ -41,7 +42,7 @@ from tests.multirank.test_roles import (
 from tests.spawn import require_ranks, run_on_ranks
 
 LAYOUTS = [(1, 1, False), (2, 1, False), (2, 1, True), (1, 2, False)]
-MODULES = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]
+MODULES = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "output_layer"]
 RANK, ALPHA, TOL = 4, 8.0, 1e-4
 
 
@@ -68,7 +69,9 @@ def _adapters(role) -> dict:
     for chunk in role.model:
         layers = chunk.module.decoder.layers
         for name, module in chunk.module.named_modules():
-            if isinstance(module, LoraAdapter):
+            if name == "output_layer_lora":  # the LM head's (last stage)
+                out["head"] = module
+            elif isinstance(module, LoraAdapter):
                 i, rest = name.split(".", 3)[2:]
                 out[f"{layers[int(i)].layer_number - 1}.{rest}"] = module
     return out
@@ -110,7 +113,8 @@ def _gathered(role, tp: int) -> dict[str, torch.Tensor]:
                     t = torch.cat(gates + ups)
                 else:
                     t = torch.cat(parts, dim=0 if leaf == "b" else 1)
-            out[f"{name}.{leaf}"] = t
+            # The head's B: the vocabulary's rows only (the padding grows with TP).
+            out[f"{name}.{leaf}"] = t[:V] if (name, leaf) == ("head", "b") else t
     return out
 
 
@@ -187,6 +191,11 @@ def _body(rank, world_size, root):
         ref = BaseReference(actor, micro_batch_size=2).forward_only(batch)["log_prob"]
         assert torch.equal(ref, base_lp), f"{layout}: reference is not the base"
         assert torch.equal(actor.forward_only(batch)["log_prob"], moved), "left disabled"
+        # The log-probs from the hidden states (`logprob_chunk_tokens`, the trainer's default)
+        # take the head's adapter through its weight, not through the layer's hook.
+        actor.logprob_chunk_tokens = 7
+        chunked = actor.forward_only(batch)["log_prob"]
+        assert (chunked - moved)[mask].abs().max() < 1e-5, f"{layout}: chunked log-probs"
         # (c) the same adapted policy in every layout.
         if tp == 1 and pp == 1:
             moved_tp1 = moved
@@ -206,8 +215,15 @@ def _body(rank, world_size, root):
         for n, p in params:
             is_adapter = id(p) in adapter_ids
             assert hasattr(p, "main_grad") == is_adapter, f"{layout}: {n} grad buffer"
+            moves = is_adapter
+            if n == "output_layer_lora.lora_b":
+                # Rows of padding ids get no gradient; at TP2 one shard holds only those.
+                first = tp_rank * p.shape[0]
+                real = max(0, min(V - first, p.shape[0]))
+                assert torch.equal(p.detach()[real:], before[n][real:]), f"{layout}: padding"
+                moves = real > 0
             same = torch.equal(p.detach(), before[n])
-            assert same != is_adapter, f"{layout}: {n} {'unchanged' if same else 'changed'}"
+            assert same != moves, f"{layout}: {n} {'unchanged' if same else 'changed'}"
         state = sum(
             s["exp_avg"].numel()
             for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer])
@@ -248,8 +264,11 @@ def _body(rank, world_size, root):
             saved.update(torch.load(root / f"after_{layout}_stage{stage}.pt"))
         # At TP1·PP1 the local layer index is the global one.
         chunk = loaded["chunk0"]
-        got = {f"{n}.{leaf}": chunk[f"decoder.layers.{n}.lora_{leaf}"]
+        prefix = {n: "output_layer_lora." if n == "head" else f"decoder.layers.{n}."
+                  for n in _adapters(actor)}  # fmt: skip
+        got = {f"{n}.{leaf}": chunk[f"{prefix[n]}lora_{leaf}"]
                for n in _adapters(actor) for leaf in ("a", "b")}  # fmt: skip
+        got["head.b"] = got["head.b"][:V]
         assert got.keys() == saved.keys()
         for key, value in saved.items():
             assert torch.equal(got[key], value), f"{layout} checkpoint: {key}"
@@ -274,7 +293,7 @@ def test_lora_across_layouts(tmp_path):
     run_on_ranks(_body, world_size=2, root=tmp_path)
     ref = _load(tmp_path, 1, 1, False)
     adapters = [k for k in ref if k not in ("loss", "grad_norm")]
-    assert len(adapters) == 4 * 4 * 2  # 4 layers × 4 modules × (A, B)
+    assert len(adapters) == (4 * 4 + 1) * 2  # 4 layers × 4 modules and the head × (A, B)
     for tp, pp, sp in [layout for layout in LAYOUTS[1:] if not layout[2]]:
         got, layout = _load(tmp_path, tp, pp, sp), f"tp{tp}pp{pp}sp{int(sp)}"
         assert abs(got["loss"] - ref["loss"]) < 1e-5, f"{layout} loss"

@@ -637,6 +637,27 @@ def test_fp8_rollout_refuses_an_moe_actor(monkeypatch):
         check_engine_config(config)
 
 
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.sync_probe_prompts=-1"], "rollout.sync_probe_prompts: must be >= 0"),
+        (["rollout.sync_probe_prompts=2", "rollout.sync_probe_tokens=9"],
+         "rollout.sync_probe_tokens: must be in [1, rollout.max_response_length=8], got 9"),
+        (["rollout.sync_probe_prompts=2", "rollout.calculate_log_probs=false"],
+         "rollout.sync_probe_prompts: the probe compares the engine's log-probs"),
+    ],
+)  # fmt: skip
+def test_sync_probe_config_errors_name_the_key(overrides, message):
+    assert _error(TINY, overrides).startswith(message)
+
+
+def test_sync_probe_asks_the_engine_for_log_probs():
+    config = load_config(TINY, ONE_RANK + ["rollout.sync_probe_prompts=2"])
+    validate(config, world_size=1)
+    assert config.rollout.calculate_log_probs is True
+    assert load_config(TINY, ONE_RANK).rollout.calculate_log_probs is False  # off: not needed
+
+
 LORA = ["actor.lora.rank=8"]
 
 
@@ -648,9 +669,14 @@ LORA = ["actor.lora.rank=8"]
         (LORA + ["actor.lora.dropout=1.0"], "actor.lora.dropout: must be in [0, 1)"),
         (LORA + ["actor.lora.target_modules=[q_proj]"], "actor.lora.target_modules: unknown"),
         (LORA + ["actor.lora.target_modules=[]"], "actor.lora.target_modules: must name"),
-        (LORA + ["rollout.engine=vllm"], "actor.lora.rank: LoRA needs rollout.engine=megatron"),
         (LORA + ["actor.use_kl_loss=true", "actor.kl_loss_type=full"],
          "actor.kl_loss_type: full needs the reference's logits"),
+        (LORA + ["actor.lora.target_modules=[output_layer]"],
+         "actor.lora.target_modules: output_layer needs a layer module beside it"),
+        (LORA + ["actor.lora.target_modules=[linear_qkv,output_layer]",
+                 "model.tie_word_embeddings=true"],
+         "actor.lora.target_modules: output_layer is tied to the input embedding"),
+        (["checkpoint.save_hf_adapter=true"], "checkpoint.save_hf_adapter: writes LoRA adapters"),
     ],
 )  # fmt: skip
 def test_lora_config_errors_name_the_key(overrides, message):
@@ -668,3 +694,24 @@ def test_lora_config_validates():
     validate(config, world_size=1)
     assert config.actor.lora.rank == 8 and config.reference.enable
     assert load_config(TINY, ONE_RANK).actor.lora.rank == 0  # off by default
+
+
+@pytest.mark.parametrize("quantization", ["null", "fp8"])
+def test_lora_config_validates_with_vllm(monkeypatch, quantization):
+    """The vLLM weight sync sends the merged weights (resharding/lora_merge.py); an FP8
+    engine quantizes what lands, merged or not."""
+    import rl_megatron.config_checks as checks
+
+    monkeypatch.setattr(checks, "_has_fp8_gpu", lambda: True)
+    overrides = [*ONE_RANK, *LORA, "rollout.engine=vllm", f"rollout.quantization={quantization}"]
+    config = load_config(TINY, overrides)
+    validate(config, world_size=1)
+    check_engine_config(config)
+    assert config.actor.lora.rank == 8 and config.rollout.engine == "vllm"
+
+
+@pytest.mark.parametrize("key", ["save_hf", "save_hf_adapter"])
+def test_moe_export_from_memory_refuses_ep(key):
+    overrides = ["parallel.ep=2", *LORA, f"checkpoint.{key}=true"]
+    with pytest.raises(ConfigError, match=rf"^checkpoint\.{key}: an MoE actor at parallel\.ep=2"):
+        validate(load_config(TINY_MOE, overrides), world_size=2)

@@ -41,6 +41,7 @@ def _trainer(tmp_path, clock: _Clock, total_steps: int, stop_after: int | None =
         metrics=MetricsTracker(tmp_path, rank=0),
         log=logging.getLogger("test"),
         hf_snapshots=None,
+        peft_snapshots=None,
         session=None,  # single-turn
         step=0,
         total_steps=total_steps,

@@ -2,7 +2,8 @@
 
 One tiny checkpoint (hf_to_megatron.py of a 4-layer Llama) is copied and damaged per case:
 common.pt as random bytes (with and without --no-verify), as a pickle that would run a
-command, or missing; an --out that cannot be created; a shard size that is no size. Each
+command, or missing; an --out that cannot be created; a shard size that is no size;
+--adapter-only on a checkpoint without LoRA adapters. Each
 run leaves no `--out` and no `.partial` behind, and the checkpoint as it was. An internal
 error after the partial directory exists keeps its traceback but removes the partial too.
 """
@@ -24,7 +25,7 @@ from tests.multirank.test_checkpoint_tools import _make_hf
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "checkpoints_tools" / "megatron_to_hf.py"
 PREFIX = "megatron_to_hf: error: "
-pytestmark = pytest.mark.slow  # ~35 s: one conversion to make the checkpoint, then 8 runs
+pytestmark = pytest.mark.slow  # ~35 s: one conversion to make the checkpoint, then 9 runs
 
 
 def _env() -> dict:
@@ -141,6 +142,7 @@ def test_missing_common_pt(ckpt, tmp_path):
         ("a_file/sub", [], "--out: {out}: {tmp}/a_file is not a directory"),
         ("hf_out", ["--max-shard-gb", "nan"], "--max-shard-gb: nan is not a size > 0 (GB)"),
         ("hf_out", ["--max-shard-gb", "0"], "--max-shard-gb: 0.0 is not a size > 0 (GB)"),
+        ("hf_out", ["--adapter-only"], "{ckpt}: holds no LoRA adapters (--adapter-only)"),
     ],
 )
 def test_output_refusals(ckpt, tmp_path, out_name, extra, expected):
@@ -148,7 +150,8 @@ def test_output_refusals(ckpt, tmp_path, out_name, extra, expected):
     out = tmp_path / out_name
     result = _export(ckpt, out, *extra)
     assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.splitlines() == [PREFIX + expected.format(out=out, tmp=tmp_path)]
+    line = PREFIX + expected.format(out=out, tmp=tmp_path, ckpt=ckpt)
+    assert result.stderr.splitlines() == [line]
     _nothing_written(out)
     assert (tmp_path / "a_file").read_text() == "mine"
 

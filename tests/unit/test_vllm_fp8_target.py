@@ -132,3 +132,26 @@ def test_a_non_finite_trainer_weight_stops_the_sync_naming_it():
     shards[DOWN][7, 100] = float("nan")
     with pytest.raises(NonFiniteWeightError, match=DOWN):
         sync(target, shards)
+
+
+def test_fp8_layers_vllm_processes_are_written_here_and_others_still_refused(monkeypatch):
+    """vLLM's FP8 linear method processes its weight and scales after loading, so the
+    repacked-layout check finds them; the target quantizes into them itself (their
+    checkpoint format is what it writes), so they are not refused. Any other processed
+    parameter still is."""
+    from rl_megatron.rollout.vllm import target as target_module
+    from rl_megatron.rollout.vllm.repacked import Repacked
+
+    fp8_params = [QKV, QKV.removesuffix("weight") + "weight_scale_inv", DOWN]
+    found = [Repacked(name, "Fp8LinearMethod's processing", True) for name in fp8_params]
+    engine, *_ = stand_in_engine()
+    engine.llm.llm_engine.model_config.quantization = "fp8"
+    monkeypatch.setattr(target_module, "repacked_parameters", lambda model, platform: found)
+    target = VllmEngineTarget(engine)  # weight_reload=direct: nothing refused
+    assert not target.layerwise
+    norm = Repacked("model.norm.weight", "a kernel's layout", True)
+    monkeypatch.setattr(
+        target_module, "repacked_parameters", lambda model, platform: [*found, norm]
+    )
+    with pytest.raises(ValueError, match=r"^vLLM parameter model\.norm\.weight is not kept"):
+        VllmEngineTarget(engine)

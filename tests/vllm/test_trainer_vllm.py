@@ -95,10 +95,14 @@ def test_grpo_with_vllm_rollout_and_pipeline_parallel_actor(tmp_path):
         "algorithm.rollout_correction.level=sequence",  # asks vLLM for log-probs itself
         "algorithm.rollout_correction.rejection=[0.5, 2.0]",
         "rollout.verify_sync=sample",  # each sync read back from vLLM and compared
+        "rollout.sync_probe_prompts=3",  # and its log-probs on a fixed batch
+        "rollout.sync_probe_tokens=4",
     ]
     rows = run_trainer(tmp_path, nproc=2, steps=STEPS, overrides=overrides)
     for row in rows:
         assert row["rollout/logprob_diff_max"] < 1e-3, row["rollout/logprob_diff_max"]
+        assert 0 < row["sync_probe/tokens"] <= 3 * 4, row  # one replica (PP 2)
+        assert row["sync_probe/logprob_diff_max"] < 1e-3, row["sync_probe/logprob_diff_max"]
         assert abs(row["rollout_corr/is_weight_mean"] - 1.0) < 1e-2, row
         assert row["rollout_corr/rejected_seq_frac"] == 0.0
         assert 0 <= row["rollout/mismatch_kl_k3"] < 1e-4
@@ -278,3 +282,22 @@ def test_partial_rollouts_continue_exactly_on_vllm(tmp_path):
         assert row["rollout/num_samples"] == 64
     # The second batch in flight started in each phase and restarted in the next.
     assert sum(row["async/restarted"] for row in rows[1:]) > 0
+
+
+@pytest.mark.slow
+def test_grpo_with_a_lora_actor_on_vllm(tmp_path):
+    """A LoRA actor (adapters on all four linear kinds, TP=2 for training and vLLM): each
+    step's sync sends the merged weights W + (alpha/r)·B·A (resharding/lora_merge.py), so
+    vLLM's sampling log-probs stay the actor's recomputed ones to the fp32 CPU parity (the
+    1e-3 bound above). Step 1 generates with the loaded base (B = 0: the actor is its base);
+    from step 2 on B has moved: a sync that sent W without the adapters' update gave a
+    log-prob gap of 0.44 at step 2 (dev CPU), far past the bound."""
+    overrides = ["parallel.tp=2", "rollout.tp=2", "trainer.val_interval=0"]
+    overrides += ["actor.lora.rank=8", "rollout.calculate_log_probs=true"]
+    overrides += ["checkpoint.save_interval=0"]
+    rows = run_trainer(tmp_path, nproc=2, steps=3, overrides=overrides)
+    for row in rows:
+        assert row["rollout/logprob_diff_max"] < 1e-3, (row["step"], row)
+        assert row["rollout/num_samples"] == 64 and row["rollout/response_length_mean"] > 0
+        assert row["actor/grad_norm"] > 0
+    assert "reshard/prepare_s" not in rows[0] and rows[1]["reshard/prepare_s"] > 0
