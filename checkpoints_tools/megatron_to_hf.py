@@ -19,7 +19,9 @@ their scale in the sidecar's `lora` field) is exported merged, W + (alpha/r)Â·BÂ
 as `checkpoint.save_hf` writes it; `--adapter-only` writes the adapters alone in the HF
 PEFT layout instead (`adapter_config.json`, `adapter_model.safetensors`:
 `rl_megatron/checkpoint/peft_export.py`), rank 0 writing. Every adapter in the index must
-sit beside a weight the table exports, or the tool refuses.
+sit beside a weight the table exports, or the tool refuses. A trainer's LoRA step folder
+holds the adapters only: the weights are read from the run's base copy its sidecar's
+`lora_base` names (`../lora_base/actor`), verified like the folder; an HF base is refused.
 
 Before anything is read, the checkpoint is checked against its manifest.json (every file
 there, none extra, sizes, then each file's CRC-32, the bytes shared out among the
@@ -146,30 +148,49 @@ def preflight(args: argparse.Namespace):
         raise CheckpointError(f"{args.ckpt}: no dist_checkpointing metadata.json")
     index = safe_metadata.read_metadata(args.ckpt)  # restricted: no code runs from it
     safe_metadata.check_index_files(args.ckpt, index)  # missing / truncated .distcp files
-    check_base_inside(args.ckpt, meta)
     check_common_file(args.ckpt)
-    params = _params(args.ckpt, info, meta, index)
+    base = lora_base_copy(args.ckpt, meta, args.verify)
+    base_index = index
+    if base.dir != args.ckpt:  # an adapters-only step folder: the weights are in its base
+        base_index = safe_metadata.read_metadata(base.dir)
+        safe_metadata.check_index_files(base.dir, base_index)
+        check_common_file(base.dir)
+    params = _params(base.dir, info, meta, base_index)
     adapters = _adapters(args.ckpt, meta, index, params)
     if args.adapter_only and not adapters:
         raise CheckpointError(f"{args.ckpt}: holds no LoRA adapters (--adapter-only)")
-    return meta, info, params, files, adapters
+    return meta, info, params, files, adapters, base
 
 
-def check_base_inside(ckpt: Path, meta: dict) -> None:
-    """Refuse in one line a LoRA step folder saved adapters-only (`lora_base.py`): its base
-    weights are in the folder its sidecar's `lora_base` names, and this tool reads one
-    checkpoint directory (merging across the two is not built)."""
+def lora_base_copy(ckpt: Path, meta: dict, verify: bool) -> SimpleNamespace:
+    """Where the exported weights are: `ckpt` itself, or, for a LoRA step folder saved
+    adapters-only (its sidecar's `lora_base`: `rl_megatron/checkpoint/lora_base.py`), the
+    run's base copy it names (`dir`; `files`: its manifest's table to checksum, or None).
+    An HF base is refused in one line (reading its weights here is not built)."""
     base = meta.get("lora_base")
     if not base:
-        return
-    where = Path(base["path"])  # a copy's path is relative to the step folder
-    where = where if base["kind"] == "hf" else (ckpt.parent / where).resolve()
-    raise CheckpointError(
-        f"{ckpt}: a LoRA step folder: it holds the adapters but not the base weights, which "
-        f"are in {where} ({base['kind']}); this tool does not merge across the two folders "
-        f"yet: a run exports with checkpoint.save_hf=true (merged) or "
-        f"checkpoint.save_hf_adapter=true (PEFT)"
-    )
+        return SimpleNamespace(dir=ckpt, files=None)
+    if base.get("kind") != "copy":
+        raise CheckpointError(
+            f"{ckpt}: a LoRA step folder whose base is the HF folder {base.get('path')}: this "
+            f"tool does not read HF weights; a run exports with checkpoint.save_hf=true "
+            f"(merged) or checkpoint.save_hf_adapter=true (PEFT)"
+        )
+    where = (ckpt.parent / base["path"]).resolve()  # relative to the step folder
+    if not (where / "metadata.json").is_file():
+        raise CheckpointError(
+            f"{where}: missing: {ckpt} holds LoRA adapters only, and this is the base copy "
+            f"they were trained on (`checkpoints/lora_base/` of the run)"
+        )
+    files = None
+    if verify:
+        files = integrity.read_manifest(where)  # one line if it is missing or unreadable
+        if integrity.hash_file(where / integrity.MANIFEST_FILE) != base.get("manifest"):
+            raise CheckpointError(
+                f"{where / integrity.MANIFEST_FILE}: not the base copy {ckpt} was saved with"
+            )
+        integrity.check_listing(where, files)
+    return SimpleNamespace(dir=where, files=files)
 
 
 def check_common_file(ckpt: Path) -> None:
@@ -295,6 +316,7 @@ def convert(
     params: list[_Param],
     files: dict | None,
     adapters: dict[int, tuple],
+    base: SimpleNamespace,
 ) -> None:
     import torch.distributed as dist
 
@@ -311,6 +333,8 @@ def convert(
     rank, size = common.world()
     if files is not None:  # every file's checksum, each process a share of the bytes
         common.raise_if_any(integrity.verify_share(args.ckpt, files, rank, size))
+    if base.files is not None:  # an adapters-only step folder's base copy, likewise
+        common.raise_if_any(integrity.verify_share(base.dir, base.files, rank, size))
     if args.adapter_only:
         return convert_adapters(args, meta, info, params, adapters, start)
     scale = meta["lora"]["alpha"] / meta["lora"]["rank"] if adapters else None
@@ -344,7 +368,10 @@ def convert(
         batch = [params[g] for g in todo]
         extra = [part for g in todo for part in adapters.get(g, ())]
         try:
-            tensors = _load(args.ckpt, batch + extra)
+            if base.dir == args.ckpt:
+                tensors = _load(args.ckpt, batch + extra)
+            else:  # adapters-only: the weights from the base copy (both loads collective)
+                tensors = _load(base.dir, batch) + _load(args.ckpt, extra)
         except CheckpointError as exc:  # raised on every rank alike: the load is collective
             problem = str(exc)
             break

@@ -852,6 +852,13 @@ MUTATIONS = [
         "tests/multirank/test_lora_checkpoints.py",
     ),
     (
+        "megatron_to_hf: an adapters-only step folder's weights not read from its base copy",
+        "checkpoints_tools/megatron_to_hf.py",
+        "                tensors = _load(base.dir, batch) + _load(args.ckpt, extra)",
+        "                tensors = _load(args.ckpt, batch + extra)",
+        "tests/multirank/test_peft_export.py::test_trainer_writes_the_adapter_beside_the_merged_model",
+    ),
+    (
         "LoRA checkpoint: the HF base's fingerprint is not compared",
         "rl_megatron/checkpoint/lora_base.py",
         '            if record["files"].get(name) != now.get(name):',

@@ -2,8 +2,8 @@
 
 On 2 gloo ranks at TP2, a randomly initialised 2-layer Llama with adapters on every linear
 (test_training_state's model) takes a step, is saved, takes another, is saved again:
-  (a) each step folder holds adapter tensors and their optimizer state, no base tensor, and
-      is a small fraction of the base copy's bytes; the base copy (`lora_base/actor/`) is
+  (a) each step folder holds adapter tensors and their optimizer state, no base tensor
+      (exactly the adapters' elements), fewer tensor bytes than the base copy; the base copy (`lora_base/actor/`) is
       written once, at the first save (same inode and manifest at the second), and both
       step folders reference it;
   (b) a fresh actor built from another seed (another base, other adapters) resumes from the
@@ -11,6 +11,7 @@ On 2 gloo ranks at TP2, a randomly initialised 2-layer Llama with adapters on ev
       master weight, Adam moment and step; one more step on both gives the same bits;
   (c) a base copy with one flipped byte, a missing copy and a copy rewritten by another run
       are refused, each in one line naming the file;
+      megatron_to_hf.py refuses the step folder whose copy is missing in one line;
   (d) with an HF base (`hf_bases`) no copy is written and the step folder records the HF
       folder's fingerprint; one changed byte of its config.json, or of a safetensors
       header, and a run without `model.hf_path` are refused in one line.
@@ -120,17 +121,20 @@ def _check_layout_on_disk(run: Path) -> None:
         assert record["kind"] == "copy" and record["path"] == "../lora_base/actor"
         sidecar = json.loads((folder / "rl_megatron.json").read_text())
         assert sidecar["lora_base"] == record
-    # The export tool refuses the step folder in one line naming where the base is.
+
+
+def _check_tool_refuses(folder: Path, base: Path) -> None:
+    """megatron_to_hf.py on an adapters-only step folder whose base copy is gone."""
+    out = folder.parent / "hf_out"
     result = subprocess.run(
-        [sys.executable, str(TOOL), "--ckpt", str(folder), "--out", str(run / "hf_out")],
+        [sys.executable, str(TOOL), "--ckpt", str(folder), "--out", str(out)],
         cwd=TOOL.parents[1], env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     lines = [line for line in result.stderr.splitlines() if line.startswith("megatron_to_hf: ")]
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
-    assert "LoRA step folder" in lines[0], lines
-    assert f"{(run / 'lora_base/actor').resolve()} (copy)" in lines[0], lines
-    assert not (run / "hf_out").exists()
+    assert f"{base.resolve()}: missing" in lines[0], lines
+    assert not out.exists()
 
 
 def _body(rank: int, world_size: int, root: Path, hf: Path) -> None:
@@ -202,6 +206,8 @@ def _body(rank: int, world_size: int, root: Path, hf: Path) -> None:
     _expect_refused(manager, copies["flipped"] / step, fresh, f"{box[0]}: checksum mismatch")
     missing = copies["missing"] / "lora_base/actor/manifest.json"
     _expect_refused(manager, copies["missing"] / step, fresh, f"{missing}: not found")
+    if rank == 0:  # the export tool too: one line naming the missing base copy
+        _check_tool_refuses(copies["missing"] / step / "actor", missing.parent)
     rewritten = copies["rewritten"] / "lora_base/actor/manifest.json"
     _expect_refused(manager, copies["rewritten"] / step, fresh, f"{rewritten}: changed")
 

@@ -248,8 +248,11 @@ def _check_tool(tmp_path, run, adapter, merged_dir):
     trainer's merged folder, tensor for tensor (bitwise: the same fp32 ops on the same rows).
     The random init has no HF source, so the checkpoint's `hf/` (config.json only) is added
     to a copy here, and the copy's manifest not checked (--no-verify)."""
-    ckpt = tmp_path / "actor"
+    ckpt = tmp_path / "step" / "actor"
     shutil.copytree(run / "checkpoints" / "step_00000001" / "actor", ckpt)
+    # The step folder holds the adapters only; the tool reads the weights from the run's
+    # base copy, which the step folder names as `../lora_base/actor`.
+    shutil.copytree(run / "checkpoints" / "lora_base", tmp_path / "lora_base")
     (ckpt / "hf").mkdir()
     shutil.copy(run / "hf" / ".source" / "config.json", ckpt / "hf" / "config.json")
     _run_tool(ckpt, tmp_path / "tool_adapter", "--no-verify", "--adapter-only")
