@@ -709,8 +709,13 @@ def test_lora_adapter_sync_config_errors_name_the_key(overrides, message, tmp_pa
     from transformers import LlamaConfig
 
     LlamaConfig(  # tiny_cpu.yaml's shape
-        num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=128, vocab_size=100, max_position_embeddings=64,
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=100,
+        max_position_embeddings=64,
     ).save_pretrained(tmp_path)
     overrides = [o.replace("/models/llama", str(tmp_path)) for o in overrides]
     config = load_config(TINY, ONE_RANK + overrides)
