@@ -176,6 +176,11 @@ class RolloutConfig:
     # sent (DESIGN.md §3): off, sample (one tensor of each kind, rotating) or full.
     verify_sync: Literal["off", "sample", "full"] = "off"
     verify_sync_interval: int = 1  # verify every N-th sync (when verify_sync is not off)
+    # A LoRA actor (actor.lora.rank > 0) on vLLM: merged = every sync sends the adapted
+    # weights W + (alpha/r)·B·A (resharding/lora_merge.py); adapter = the engine keeps the
+    # base and runs the adapter with vLLM's LoRA support, a sync sends A and B only
+    # (rollout/vllm/lora_sync.py; dense models, sleep_level <= 1).
+    lora_sync: Literal["merged", "adapter"] = "merged"
     # After each training step's sync, sample this many fixed prompts (the first held-out
     # ones) with a fixed seed and log the engine-vs-trainer log-prob mismatch on them
     # (sync_probe/*: mean, p99, max of |d|, mean exp|d|; rollout/sync_probe.py). 0: off.

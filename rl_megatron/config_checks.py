@@ -422,6 +422,11 @@ def _check_lora(config: Config) -> None:
         "writes LoRA adapters, but actor.lora.rank is 0 (no adapters); use checkpoint.save_hf",
     )
     if lora.rank == 0:
+        _require(
+            config.rollout.lora_sync == "merged",
+            "rollout.lora_sync",
+            "adapter needs a LoRA actor (actor.lora.rank > 0)",
+        )
         return
     if "output_layer" in lora.target_modules:
         _require(
@@ -456,6 +461,8 @@ def _check_lora(config: Config) -> None:
     )
     # rollout.engine=vllm is sent the merged weights W + (alpha/r)·B·A by the weight sync
     # (resharding/lora_merge.py), FP8 engines included: their target quantizes what lands.
+    if config.rollout.lora_sync == "adapter":
+        _check_adapter_sync(config)
     _require(
         config.parallel.etp == 1
         or "linear_fc1" not in lora.target_modules
@@ -465,6 +472,44 @@ def _check_lora(config: Config) -> None:
         f"LoRA on experts split over parallel.etp={config.parallel.etp} ranks is not built; "
         "use etp=1 or leave linear_fc1/linear_fc2 out",
     )
+
+
+def _check_adapter_sync(config: Config) -> None:
+    """`rollout.lora_sync: adapter` (rollout/vllm/lora_sync.py): what vLLM's LoRA path and
+    the adapter-only sync cover."""
+    r, lora = config.rollout, config.actor.lora
+    key = "rollout.lora_sync"
+    _require(r.engine == "vllm", key, f"adapter needs rollout.engine=vllm, got {r.engine}")
+    _require(
+        "output_layer" not in lora.target_modules,
+        key,
+        "adapter does not send an LM-head adapter (actor.lora.target_modules has "
+        "output_layer); use merged",
+    )
+    _require(
+        not config.model.num_experts,
+        key,
+        "adapter is built for dense models; an MoE actor's experts need merged",
+    )
+    _require(r.quantization is None, key, "adapter with rollout.quantization=fp8: use merged")
+    _require(
+        config.model.hf_path is not None,
+        key,
+        "adapter needs model.hf_path: vLLM loads the frozen base from it (a random init's "
+        "base would have to be synced into vLLM's LoRA-wrapped layers); use merged",
+    )
+    _require(
+        r.verify_sync == "off",
+        "rollout.verify_sync",
+        "reads back the weights a sync sent; with rollout.lora_sync=adapter none are sent",
+    )
+    _require(
+        r.sleep_level <= 1,
+        key,
+        "adapter with rollout.sleep_level=2 would send the discarded base every step "
+        "(what merged costs); use sleep_level 1 or lora_sync merged",
+    )
+    _require(lora.rank <= 512, "actor.lora.rank", f"vLLM's LoRA takes rank <= 512, got {lora.rank}")
 
 
 def _check_actor_critic(config: Config, dp: int) -> None:

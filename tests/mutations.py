@@ -110,6 +110,13 @@ MUTATIONS = [
         "tests/unit/test_sync_probe.py",
     ),
     (
+        "LoRA adapter sync: vLLM keeps the adapter version it loaded first",
+        "rl_megatron/rollout/vllm/engine.py",
+        "        reload = LoRARequest(name, adapter_id, str(folder), load_inplace=True)",
+        "        reload = LoRARequest(name, adapter_id, str(folder), load_inplace=False)",
+        "tests/vllm/test_trainer_vllm.py::test_grpo_with_a_lora_adapter_in_vllm",
+    ),
+    (
         "old log-probs replaced by the new (ratio 1)",
         TRAINER,
         'mb["old_log_prob"],',

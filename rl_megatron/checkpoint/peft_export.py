@@ -237,6 +237,17 @@ def _schedule(model_chunks, info: HFModelInfo, groups: ParallelGroups):
     return entries, local, mine, dist.get_process_group_ranks(groups.pp)
 
 
+def iter_peft_tensors(
+    model_chunks: list[torch.nn.Module], info: HFModelInfo, groups: ParallelGroups
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """`(peft_name, cpu_tensor)` of every adapter, in HF order, on the writing rank (TP 0,
+    PP 0 of DP replica 0), nothing elsewhere (`rollout/vllm/lora_sync.py` sends them on).
+    Collective: every rank iterates it to the end."""
+    plan = _schedule(model_chunks, info, groups)
+    if plan is not None:
+        yield from _iter_scheduled(plan, info, groups)
+
+
 def _iter_scheduled(
     plan, info: HFModelInfo, groups: ParallelGroups
 ) -> Iterator[tuple[str, torch.Tensor]]:

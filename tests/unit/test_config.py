@@ -683,6 +683,47 @@ def test_lora_config_errors_name_the_key(overrides, message):
     assert _error(TINY, overrides).startswith(message)
 
 
+ADAPTER = LORA + [
+    "rollout.engine=vllm",
+    "rollout.lora_sync=adapter",
+    "rollout.sleep_level=1",
+    "model.hf_path=/models/llama",
+    "actor.lora.target_modules=[linear_qkv,linear_fc2]",
+]
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["rollout.lora_sync=adapter"], "rollout.lora_sync: adapter needs a LoRA actor"),
+        (ADAPTER + ["rollout.engine=megatron"], "rollout.lora_sync: adapter needs rollout.engine=vllm"),
+        (ADAPTER + ["actor.lora.target_modules=[linear_qkv,output_layer]"],
+         "rollout.lora_sync: adapter does not send an LM-head adapter"),
+        (ADAPTER + ["model.num_experts=4"], "rollout.lora_sync: adapter is built for dense models"),
+        (ADAPTER + ["model.hf_path=null"], "rollout.lora_sync: adapter needs model.hf_path"),
+        (ADAPTER + ["rollout.sleep_level=2"], "rollout.lora_sync: adapter with rollout.sleep_level=2"),
+        (ADAPTER + ["rollout.verify_sync=sample"], "rollout.verify_sync: reads back the weights"),
+    ],
+)  # fmt: skip
+def test_lora_adapter_sync_config_errors_name_the_key(overrides, message, tmp_path):
+    from transformers import LlamaConfig
+
+    LlamaConfig(  # tiny_cpu.yaml's shape
+        num_hidden_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=100,
+        max_position_embeddings=64,
+    ).save_pretrained(tmp_path)
+    overrides = [o.replace("/models/llama", str(tmp_path)) for o in overrides]
+    config = load_config(TINY, ONE_RANK + overrides)
+    with pytest.raises(ConfigError) as info:
+        validate(config, world_size=1)
+    assert str(info.value).startswith(message), str(info.value)
+
+
 def test_lora_refuses_sequence_parallelism():
     overrides = LORA + ["parallel.tp=2", "rollout.tp=2", "parallel.sequence_parallel=true"]
     message = _error(TINY, overrides, world_size=2)

@@ -285,19 +285,46 @@ def test_partial_rollouts_continue_exactly_on_vllm(tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_with_a_lora_actor_on_vllm(tmp_path):
-    """A LoRA actor (adapters on all four linear kinds, TP=2 for training and vLLM): each
-    step's sync sends the merged weights W + (alpha/r)·B·A (resharding/lora_merge.py), so
-    vLLM's sampling log-probs stay the actor's recomputed ones to the fp32 CPU parity (the
-    1e-3 bound above). Step 1 generates with the loaded base (B = 0: the actor is its base);
-    from step 2 on B has moved: a sync that sent W without the adapters' update gave a
-    log-prob gap of 0.44 at step 2 (dev CPU), far past the bound."""
-    overrides = ["parallel.tp=2", "rollout.tp=2", "trainer.val_interval=0"]
-    overrides += ["actor.lora.rank=8", "rollout.calculate_log_probs=true"]
-    overrides += ["checkpoint.save_interval=0"]
-    rows = run_trainer(tmp_path, nproc=2, steps=3, overrides=overrides)
-    for row in rows:
-        assert row["rollout/logprob_diff_max"] < 1e-3, (row["step"], row)
-        assert row["rollout/num_samples"] == 64 and row["rollout/response_length_mean"] > 0
-        assert row["actor/grad_norm"] > 0
-    assert "reshard/prepare_s" not in rows[0] and rows[1]["reshard/prepare_s"] > 0
+def test_grpo_with_a_lora_adapter_in_vllm(tmp_path):
+    """A LoRA actor (adapters on all four linear kinds, TP=2 for training and vLLM), synced
+    both ways. `merged` (the default): each sync sends W + (alpha/r)·B·A
+    (resharding/lora_merge.py). `adapter`: vLLM keeps the base it loaded from model.hf_path
+    and runs the adapter with its own LoRA kernels; each sync sends A and B only
+    (rollout/vllm/lora_sync.py). In both the engine's sampling log-probs stay the actor's
+    recomputed ones to the fp32 CPU parity (1e-3): step 1 generates with the loaded base
+    (B = 0), from step 2 on B has moved, and on the dev CPU a merged sync that sent W gave
+    0.44 at step 2, an adapter sync that kept the last version 0.50 at step 3. The two runs
+    sample the same tokens at every step (same seeds; their engines' log-probs differ by
+    float rounding only: W·x + s·B(A·x) against (W + s·B·A)·x)."""
+    modules = "[linear_qkv,linear_proj,linear_fc1,linear_fc2]"
+    common = ["parallel.tp=2", "rollout.tp=2", "trainer.val_interval=0"]
+    common += ["actor.lora.rank=8", f"actor.lora.target_modules={modules}"]
+    common += ["rollout.sleep_level=1", "trainer.dump_rollouts=true"]
+    common += ["rollout.calculate_log_probs=true", "checkpoint.save_interval=0"]
+    runs = {}
+    for mode in ("merged", "adapter"):
+        root = tmp_path / mode
+        rows = run_trainer(root, nproc=2, steps=3, overrides=[*common, f"rollout.lora_sync={mode}"])
+        for row in rows:
+            assert row["rollout/logprob_diff_max"] < 1e-3, (mode, row["step"], row)
+            assert row["rollout/num_samples"] == 64 and row["rollout/response_length_mean"] > 0
+        records = root / "runs" / "tiny_cpu" / "rollouts"
+        runs[mode] = rows, {
+            step: [json.loads(x)["token_ids"] for x in (records / f"step_{step:08d}.jsonl")
+                   .read_text().splitlines()]
+            for step in (1, 2, 3)
+        }  # fmt: skip
+    (merged_rows, merged_tokens), (rows, tokens) = runs["merged"], runs["adapter"]
+    assert "reshard/prepare_s" not in merged_rows[0] and merged_rows[1]["reshard/prepare_s"] > 0
+    assert tokens == merged_tokens  # every trajectory of every step, token for token
+    # Every adapter sync moves the adapters only (vLLM loaded the base): per layer PEFT's
+    # q/k/v/o/gate/up/down, each A [r, in] and B [out, r] (hidden 64, q 4×32, k/v 2×32,
+    # FFN 128), fp32.
+    r, h, q, kv, ffn = 8, 64, 128, 64, 128
+    pairs = [(h, q), (h, kv), (h, kv), (q, h), (h, ffn), (h, ffn), (ffn, h)]
+    adapter_bytes = 2 * 4 * sum(r * (fan_in + fan_out) for fan_in, fan_out in pairs)
+    for row in rows[1:]:
+        assert row["reshard/bytes_received_gb"] * 1e9 == pytest.approx(adapter_bytes), row
+    assert [r["actor/loss"] for r in rows] == pytest.approx(
+        [r["actor/loss"] for r in merged_rows], rel=1e-4
+    )  # the same samples trained on

@@ -65,7 +65,7 @@ def build(
         # [out, in] layout, so the sync quantizes each rank's shard where it lands.
         quantization=FP8_METHODS[r.quantization] if r.quantization else None,
         kv_cache_dtype=r.kv_cache_dtype,
-        extra=dict(r.engine_kwargs),
+        extra={**dict(r.engine_kwargs), **_lora_kwargs(config)},
     )
     # Each training data-parallel replica passes its own prompts.
     engine = VllmEngine(args, prompt_groups=[layout.replica_ranks(k) for k in range(layout.dp)])
@@ -76,5 +76,29 @@ def build(
         verify_sync=r.verify_sync,
         verify_interval=r.verify_sync_interval,
     )
+    if config.actor.lora.rank > 0 and r.lora_sync == "adapter":
+        from rl_megatron.rollout.vllm.lora_sync import AdapterSync
+
+        engine.adapter_sync = AdapterSync(
+            engine,
+            info=info,
+            groups=groups,
+            lora=config.actor.lora,
+            base_model=config.model.hf_path,
+            run_dir=config.run_dir,
+        )
     engine.sleep_level = r.sleep_level  # what it keeps while the roles train
     return engine
+
+
+# vLLM's accepted `max_lora_rank` values (vllm.config.lora.MaxLoRARanks).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _lora_kwargs(config: Config) -> dict[str, Any]:
+    """vLLM's LoRA settings for `rollout.lora_sync: adapter`: one adapter, its rank."""
+    lora = config.actor.lora
+    if lora.rank == 0 or config.rollout.lora_sync != "adapter":
+        return {}
+    max_rank = min(r for r in VLLM_LORA_RANKS if r >= lora.rank)
+    return {"enable_lora": True, "max_lora_rank": max_rank, "max_loras": 1}

@@ -78,6 +78,8 @@ class CoreLoop:
         self._ids = itertools.count()
         # Requests added and not yet finished: engine request id → (caller's key, sample).
         self._live: dict[str, tuple[Hashable, CoreSample]] = {}
+        # The LoRA adapter every request runs with (`rollout.lora_sync: adapter`); None: none.
+        self.lora_request: Any = None
 
     @property
     def running(self) -> int:
@@ -150,6 +152,7 @@ class CoreLoop:
             self._tokens_input(list(prompt)),
             params,
             supported_tasks=self._tasks,
+            lora_request=self.lora_request,
         )
         self._engine.input_processor.assign_request_id(request)
         params = request.params  # vLLM's validated clone

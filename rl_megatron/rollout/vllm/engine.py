@@ -489,6 +489,8 @@ class VllmEngine(RolloutEngine):
             )
         # How `sync_from` reshards a trainer's weights into this engine (`pair_with`).
         self.weight_sync: WeightSync | None = None
+        # rollout.lora_sync: adapter: `sync_from` sends the adapters only (lora_sync.py).
+        self.adapter_sync = None
 
     @property
     def llm(self) -> Any:
@@ -504,6 +506,8 @@ class VllmEngine(RolloutEngine):
         if self._shut_down:
             return
         self._shut_down = True
+        if self.adapter_sync is not None:
+            self.adapter_sync.close()  # the node's adapter folders
         # InprocClient.shutdown: detaches its exit finalizer, then EngineCore.shutdown.
         self._llm.llm_engine.engine_core.shutdown()
 
@@ -553,7 +557,29 @@ class VllmEngine(RolloutEngine):
                 "this vLLM engine has no weight sync: pair it with the trainer first "
                 "(`pair_with`, as `build.py` does)"
             )
+        if self.adapter_sync is not None:
+            return self.adapter_sync.sync(model_chunks, version)
         return self.weight_sync.sync(model_chunks, version)
+
+    def load_adapter(self, folder, version: int, name: str, adapter_id: int) -> None:
+        """Load the PEFT folder `folder` as the LoRA adapter every later request runs with,
+        in place of the one loaded before (`lora_sync.AdapterSync`); the engine's weights
+        are then `version`. Needs real base weights (`weight_version` not None)."""
+        from vllm.lora.request import LoRARequest
+
+        if self._weight_version is None:
+            raise RuntimeError("load_adapter: the engine holds no base weights to adapt")
+        if "weights" not in self._awake:
+            raise RuntimeError("rollout engine weights are asleep; call wake(['weights']) first")
+        reload = LoRARequest(name, adapter_id, str(folder), load_inplace=True)
+        if not self._llm.llm_engine.add_lora(reload):
+            raise RuntimeError(f"vLLM did not load the LoRA adapter at {folder}")
+        # Requests name it without load_inplace: loaded once here, not again per step.
+        self._core_loop.lora_request = LoRARequest(name, adapter_id, str(folder))
+        self._weight_version = version
+        # Cached prompt blocks were computed under the old adapter.
+        self._prefix_cache_dirty = True
+        self._reset_prefix_cache()
 
     def _begin_update(self) -> None:
         self._loaded = set()
