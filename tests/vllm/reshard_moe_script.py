@@ -14,12 +14,8 @@ it (`WeightSync` → `VllmEngineTarget` → vLLM's layerwise reload); the name-b
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import os
-import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,7 +25,7 @@ from safetensors.torch import load_file
 from rl_megatron.parallel import ParallelLayout
 from rl_megatron.rollout.sampling import SamplingParams
 from rl_megatron.rollout.vllm.engine import VllmEngine, VllmEngineArgs
-from tests.vllm.reshard_script import dump
+from tests.vllm.reshard_script import dump, script_main
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -136,21 +132,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--spec", required=True)
-    parser.add_argument("--out", required=True)
-    cli = parser.parse_args()
-    spec = json.loads(Path(cli.spec).read_text())
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    torch.manual_seed(0)
-    try:
-        res = run(spec)
-    except Exception:
-        res = {"error": traceback.format_exc()}
-    Path(cli.out, f"rank{rank}.json").write_text(json.dumps(res))
-    # No teardown: deleting the LLM would destroy the default group (see vllm_engine.py).
-    os._exit(0 if "error" not in res else 1)
+    script_main(run)
 
 
 if __name__ == "__main__":

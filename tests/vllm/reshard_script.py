@@ -20,6 +20,7 @@ import dataclasses
 import json
 import os
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -173,7 +174,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-def main() -> None:
+def script_main(run: Callable[[dict], dict]) -> None:
+    """The whole `main` of a vLLM test script run under torchrun (this one's, and
+    reshard_moe_script's and lora_sync_script's): read `--spec`, join a gloo world, run
+    `run(spec)`, write `rank<r>.json` into `--out` (a traceback as `error` on failure) and
+    leave without teardown (deleting the LLM would destroy the default group; see
+    vllm_engine.py)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--spec", required=True)
     parser.add_argument("--out", required=True)
@@ -189,6 +195,10 @@ def main() -> None:
     Path(cli.out, f"rank{rank}.json").write_text(json.dumps(res))
     # No teardown: deleting the LLM would destroy the default group (see vllm_engine.py).
     os._exit(0 if "error" not in res else 1)
+
+
+def main() -> None:
+    script_main(run)
 
 
 if __name__ == "__main__":

@@ -152,7 +152,8 @@ class CoreLoop:
             self._tokens_input(list(prompt)),
             params,
             supported_tasks=self._tasks,
-            lora_request=self.lora_request,
+            # Named only when set: the engine's default is no adapter.
+            **({} if self.lora_request is None else {"lora_request": self.lora_request}),
         )
         self._engine.input_processor.assign_request_id(request)
         params = request.params  # vLLM's validated clone
