@@ -77,8 +77,8 @@ MUTATIONS = [
     (
         "LoRA merge without the scale",
         LORA,
-        "adapter.lora_a.to(weight.dtype)) * adapter.scale",
-        "adapter.lora_a.to(weight.dtype))",
+        "    return (adapter.lora_b.to(dtype) @ lora_a.to(dtype)) * adapter.scale",
+        "    return (adapter.lora_b.to(dtype) @ lora_a.to(dtype))",
         LORA_TEST,
     ),
     (

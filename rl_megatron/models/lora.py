@@ -332,8 +332,7 @@ def head_weight(model: torch.nn.Module, weight: Tensor) -> Tensor:
         lora_a = tensor_parallel.copy_to_tensor_model_parallel_region(
             lora_a, group=adapter.tp_group
         )
-    delta = (adapter.lora_b.to(weight.dtype) @ lora_a.to(weight.dtype)) * adapter.scale
-    return weight + delta
+    return weight + _update(adapter, lora_a, weight.dtype)
 
 
 def adapters_of(chunks: Sequence[torch.nn.Module]) -> list[LoraAdapter]:
@@ -378,5 +377,9 @@ def merged_weight(weight: Tensor, adapter: LoraAdapter) -> Tensor:
     The order is fixed (B·A, then the scale, then the sum, each in W's dtype), so a merge
     by hand in that order gives the same bits.
     """
-    delta = (adapter.lora_b.to(weight.dtype) @ adapter.lora_a.to(weight.dtype)) * adapter.scale
-    return weight + delta
+    return weight + _update(adapter, adapter.lora_a, weight.dtype)
+
+
+def _update(adapter: LoraAdapter, lora_a: Tensor, dtype: torch.dtype) -> Tensor:
+    """(alpha/r)·B·A in `dtype`, in the one order both merges use (B·A, then the scale)."""
+    return (adapter.lora_b.to(dtype) @ lora_a.to(dtype)) * adapter.scale

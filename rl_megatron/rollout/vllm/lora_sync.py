@@ -121,11 +121,10 @@ class AdapterSync:
     def _gathered(self, model_chunks: Sequence[torch.nn.Module]) -> dict[str, torch.Tensor]:
         """Every adapter tensor in PEFT's names, on every rank (CPU)."""
         local = dict(iter_peft_tensors(list(model_chunks), self.info, self.groups))
-        # The rank that gathered them (TP 0, PP 0 of DP replica 0) sends them to all.
-        source = torch.tensor([dist.get_rank() if local else -1], device=_collective_device())
-        dist.all_reduce(source, op=dist.ReduceOp.MAX)
+        # The rank that gathered them (TP 0, PP 0 of DP replica 0: global rank 0, whose
+        # coordinates are all 0 in any rank order) sends them to all.
         box = [local]
-        dist.broadcast_object_list(box, src=int(source.item()))
+        dist.broadcast_object_list(box, src=0)
         return box[0]
 
     def _write(self, folder: Path, tensors: dict[str, torch.Tensor]) -> None:
@@ -153,10 +152,3 @@ class AdapterSync:
         """Remove this node's scratch folder (the run's end)."""
         if self.writes_folder:
             shutil.rmtree(self.root, ignore_errors=True)
-
-
-def _collective_device() -> torch.device:
-    """Where the default group's tensors live (NCCL: this rank's GPU)."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
