@@ -167,6 +167,10 @@ SHIPPED = {
         1,
         dict(num_attention_heads=12, num_key_value_heads=2, vocab=151936),
     ),
+    "qwen2.5_7b_grpo_lora_1gpu.yaml": (
+        1,
+        dict(num_attention_heads=28, num_key_value_heads=4, vocab=152064),
+    ),
     "qwen2.5_1.5b_16k_1gpu.yaml": (
         1,
         dict(num_attention_heads=12, num_key_value_heads=2, vocab=151936),
@@ -209,6 +213,26 @@ def test_shipped_configs_validate(tmp_path, name):
     validate(config, world_size=world)
     assert config.rollout.engine == "vllm"
     validate(load_config(TINY, []), world_size=4)  # the demo: TP=2 x DP=2
+
+
+def test_lora_recipe_trains_adapters_against_the_base(tmp_path):
+    """The GSM8K GRPO-LoRA recipe (issue 41): adapters on every projection, the base as the
+    reference (no second model), the adapters exported in the PEFT layout; its header's
+    adapter count is the config's rank over Qwen2.5-7B's projections (A: r x in, B: out x r)."""
+    config = load_config(TINY.parent / "qwen2.5_7b_grpo_lora_1gpu.yaml", [
+        "model.hf_path=null", "model.num_layers=28", "model.hidden_size=3584",
+        "model.num_attention_heads=28", "model.num_query_groups=4",
+        "model.ffn_hidden_size=18944", "model.vocab_size=152064",
+    ])  # fmt: skip
+    layout = validate(config, world_size=1)
+    lora = config.actor.lora
+    assert (layout.tp, layout.dp) == (1, 1) and lora.rank == 32
+    assert set(lora.target_modules) == {"linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"}
+    assert config.actor.use_kl_loss and config.checkpoint.save_hf_adapter
+    header = (TINY.parent / "qwen2.5_7b_grpo_lora_1gpu.yaml").read_text()
+    h, ffn, kv = 3584, 18944, 4 * 128
+    per_layer = lora.rank * ((h + h + 2 * kv) + (h + h) + (h + 2 * ffn) + (ffn + h))
+    assert f"= {per_layer / 1e6:.2f}M, x 28 = {28 * per_layer / 1e6:.1f}M" in header
 
 
 def test_megatron_engine_needs_the_training_layout():
