@@ -138,12 +138,12 @@ step multi_turn_085b 400 $TR1 benchmarks/multi_turn_generation.py $SHAPE_085B \
 # The trainer's weight-sync phase vs a device copy of the same bytes (issue 21: <= 3x).
 step sync_ab_085b 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \
   --out-json "$RES/sync_ab_h200_085b_$TAG.json"
-# Issue 40: the same sync with rollout.verify_sync=sample (one tensor of each kind read
-# back through vLLM and compared with the plan's own output, every sync): target <= 5 %
-# over sync_ab_085b's sync phase. Run both in one call (STEPS="sync_ab_085b sync_ab_085b_verify"),
-# the same machine and warm-up; not run yet.
-step sync_ab_085b_verify 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \
-  --out-json "$RES/sync_ab_h200_085b_verify_$TAG.json" rollout.verify_sync=sample
+# Issue 40: the same sync built with rollout.verify_sync=sample (one tensor of each kind
+# read back through vLLM and compared with what was sent, every sync), then that sync
+# without the verifier against with it, interleaved in the one trainer (--verify-ab):
+# target <= 5 % at the median. ~100 s (sync_ab_085b's start-up and two sets of rounds).
+step sync_ab_085b_verify 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 --verify-ab \
+  --out-json "$RES/sync_ab_h200_085b_verify_$TAG.json"
 step sync_ab_7b 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 \
   --out-json "$RES/sync_ab_h200_7b_$TAG.json" actor.offload.optimizer=true
 # The trainer's order at level 2 (rollout.wake_weights_during_update): the weights mapped
