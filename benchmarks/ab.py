@@ -160,6 +160,7 @@ def interleave(
     clock: Callable[[], float] = time.perf_counter,
     pause: Callable[[], None] | None = None,
     calls_per_round: int = 1,
+    on_round: Callable[[ABResult], None] | None = None,
 ) -> ABResult:
     """Time `a` and `b` in `repeats` rounds, alternating which goes first.
 
@@ -173,6 +174,8 @@ def interleave(
         engine's idle threads stop spinning, or `gc.collect`).
     calls_per_round: timed calls of each engine in a round, in `round_order`; a round's
         time is the sum of its calls, each timed on its own.
+    on_round: called with the result so far after every timed round (a benchmark writes
+        its JSON there, so a run its call's limit cuts short keeps the rounds it finished).
     """
     if repeats < 1 or warmup < 0:
         raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
@@ -207,6 +210,8 @@ def interleave(
         result.b_call_s.append(seconds["b"])
         result.a_first.append(a_first)
         result.last_a, result.last_b = outputs["a"], outputs["b"]
+        if on_round is not None:
+            on_round(result)
     return result
 
 

@@ -204,3 +204,16 @@ def test_four_calls_per_round_cancel_a_quadratic_drift_too():
 def test_rejects_fewer_than_one_call_per_round():
     with pytest.raises(ValueError, match="calls_per_round must be >= 1, got 0"):
         interleave(lambda: None, lambda: None, repeats=3, calls_per_round=0)
+
+
+def test_on_round_sees_every_timed_round_as_it_ends():
+    """A benchmark writes its JSON in `on_round`: after round k it holds k rounds' times
+    (the warm-up none), so a run cut short keeps what it finished."""
+    clock, log = FakeClock(), []
+    a, b = fake_calls(clock, [9.0, 1.0, 2.0, 3.0], [9.0, 2.0, 4.0, 9.0], log)
+    seen: list[tuple[list[float], list[float]]] = []
+    result = interleave(
+        a, b, 3, warmup=1, clock=clock, on_round=lambda r: seen.append((r.a_s[:], r.b_s[:]))
+    )
+    assert seen == [([1.0], [2.0]), ([1.0, 2.0], [2.0, 4.0]), ([1.0, 2.0, 3.0], [2.0, 4.0, 9.0])]
+    assert result.ratios == [2.0, 2.0, 3.0]
