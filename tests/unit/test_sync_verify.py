@@ -19,6 +19,7 @@ from rl_megatron.resharding.verify import (
     SyncVerifier,
     SyncVerifyError,
     choose,
+    differs,
     first_difference,
     kind_of,
     restricted_plan,
@@ -50,6 +51,31 @@ def test_first_difference_finds_one_bit_in_bf16_and_takes_nan_as_equal():
     assert (have, sent) == (b[1, 2].item(), a[1, 2].item()) and have != sent
     nan = torch.full((2,), float("nan"))
     assert first_difference(nan, nan.clone()) is None
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(64, 8).to(torch.bfloat16),  # 8-byte words
+        lambda: torch.randn(3, 5).to(torch.bfloat16),  # 30 bytes: 2-byte words
+        lambda: torch.randn(6, 5),  # fp32, 120 bytes: 8-byte words
+        lambda: torch.randn(1, 37).to(torch.float8_e4m3fn),  # 1-byte elements
+        lambda: torch.randn(4, 9).to(torch.bfloat16)[1:],  # storage offset of 18 bytes
+    ],
+)
+def test_differs_sees_one_changed_element_anywhere(make):
+    """The device-side check compares whole words: a change in any element, the first and
+    the last (a partial word's) included, is seen; equal bits are equal (NaN too)."""
+    a = make()
+    assert not bool(differs(a, a.clone()))
+    for flat in (0, a.numel() // 2, a.numel() - 1):
+        changed = a.clone()
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+        changed.reshape(-1).view(bits)[flat] += 1
+        assert bool(differs(changed, a)) and bool(differs(a, changed)), flat
+    nan = torch.full((5,), float("nan"), dtype=torch.bfloat16)
+    assert not bool(differs(nan, nan.clone()))
+    assert bool(differs(torch.zeros(4), -torch.zeros(4)))  # -0 and +0: other bits
 
 
 @pytest.mark.parametrize("model", ["llama_gqa", "qwen3_moe"])
@@ -134,6 +160,31 @@ def test_sample_verification_catches_a_changed_parameter_when_its_turn_comes(mod
             assert stats.verify.verified_bytes > 0
     with pytest.raises(SyncVerifyError, match=target):
         weight_sync.sync([case.chunk], version=2 * turn)
+
+
+def test_each_chosen_set_is_compiled_once_per_plan(monkeypatch):
+    """`sample` rotates through a fixed number of sets: their restricted plans and copy
+    programs are compiled on first use and reused after (the sync's host cost)."""
+    import rl_megatron.resharding.verify as verify
+
+    compiled = []
+    real = verify.compile_program
+    monkeypatch.setattr(
+        verify, "compile_program", lambda *a, **k: compiled.append(1) or real(*a, **k)
+    )
+    case = Case("llama_gqa")
+    names = names_of(case)
+    verifier = SyncVerifier("sample", interval=1, read_engine=lambda: case.store.tensors)
+    weight_sync = WeightSync(case.store, info=case.info, training=case.training,
+                             bucket_mb=BUCKET_MB, verifier=verifier)  # fmt: skip
+    sets = {tuple(choose(names, "sample", i)) for i in range(len(names))}
+    for version in range(len(names)):  # one whole rotation: every set once
+        assert weight_sync.sync([case.chunk], version=version).verify.verified_tensors > 0
+    first = len(compiled)
+    assert first >= len(sets) > 1
+    for version in range(len(names), 2 * len(names)):  # the same sets again: no compiling
+        weight_sync.sync([case.chunk], version=version)
+    assert len(compiled) == first
 
 
 def test_an_honest_engine_passes_and_off_reads_nothing():
