@@ -5,6 +5,10 @@
 # STEPS="name glob ..." runs only the steps it names (a follow-up run of a few of them).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
+# The repository on the path: benchmarks run as scripts (sync_ab.py imports rl_megatron, and
+# run 21's first try failed on it when launched outside these suites).
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 RES=${RES:-/tmp/res}
 mkdir -p "$RES"
 TR1="python3 -m torch.distributed.run --standalone --nproc_per_node 1"

@@ -142,6 +142,8 @@ step sync_ab_085b 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \
 # read back through vLLM and compared with what was sent, every sync), then that sync
 # without the verifier against with it, interleaved in the one trainer (--verify-ab):
 # target <= 5 % at the median. ~100 s (sync_ab_085b's start-up and two sets of rounds).
+# Run 21 (H200): 76 s, +36 % (17.9 vs 13.6 ms; 352 MB of 7 tensors read, ~5 ms a check),
+# before the device-side word comparison and the cached programs (verify.py); rerun.
 step sync_ab_085b_verify 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 --verify-ab \
   --out-json "$RES/sync_ab_h200_085b_verify_$TAG.json"
 step sync_ab_7b 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 \
@@ -169,14 +171,18 @@ step sync_ab_7b_l0 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 --sleep-
 # linear weight quantized into fp8 + block scales vs a bf16 copy_, interleaved), then two
 # standalone engines of one random checkpoint, sampled, batch 256 x 1 024 new tokens,
 # interleaved rounds; target fp8 >= 1.3x bf16 tokens/s at the median (worst round >= 1.2x).
-# Not yet run; the limit is an estimate: checkpoint ~60 s, two 8B start-ups ~2 x 90 s, a
-# bf16 call ~30-40 s (1 024 decode steps at batch 256), (1 warm-up + 3) rounds x 2 calls
-# = ~300 s. Alone in a call (STEPS="fp8_rollout_8b"). JSON written after every part.
+# Run 21 (H200, 2026-12-06) ran out of its 588 s inside the bf16 engine's start-up: the
+# quantization part took ~10 s, the checkpoint ~35 s, and the fp8 engine's start 367 s, of
+# which 180 s captured nine CUDA graphs (the Triton block-fp8 kernels compile per batch
+# size) and most of the rest warmed the same kernels up. Hence one capture size: with
+# ignore_eos every decode step of a call runs all 256 rows, so a graph of 256 serves
+# them all (the prefill runs piecewise either way). Estimate, not measured: fp8 start
+# ~210 s, bf16 ~80 s, (1 warm-up + 2) rounds x 2 calls x ~25 s = ~150 s, ~490 s in all.
+# Alone in a call (STEPS="fp8_rollout_8b"). JSON written after every round.
 SHAPE_8B="--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256"
 step fp8_rollout_8b 580 python3 benchmarks/fp8_rollout.py $SHAPE_8B --dtype bfloat16 \
-  --batches 256 --prompt-len 128 --max-new 1024 --repeats 3 --gpu-memory-utilization 0.4 \
-  --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
-  --out-json "$RES/fp8_rollout_h200_8b_$TAG.json"
+  --batches 256 --prompt-len 128 --max-new 1024 --repeats 2 --gpu-memory-utilization 0.4 \
+  --cudagraph-capture-sizes 256 --out-json "$RES/fp8_rollout_h200_8b_$TAG.json"
 # The trainer's whole sync phase into an fp8 engine (staged per parameter, then quantized
 # on the device: resharding/fp8.py) and into a bf16 one, at the same 8B shape: two runs,
 # their medians compared (not interleaved: one trainer holds one engine). Estimates as
