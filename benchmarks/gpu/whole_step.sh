@@ -123,6 +123,8 @@ step rollout_core_b256 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfl
   --repeats 3 --calls-per-round 8 --gpu-memory-utilization 0.3 \
   --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
   --out-json "$RES/rollout_core_h200_085b_b256_$TAG.json"
+# Run 21 (H200): 0.857x and 0.866x, 141-155 s; --profile-dir adds two cProfiled calls of
+# each side (~15 s) to find the ~1.2 ms of host time per step the multi-turn side adds.
 # Multi-turn generation on the in-trainer engine (issue 38: >= 0.9x at the median): 64
 # records x 4 trajectories x 3 turns of 128 tokens, an environment that answers at once
 # with 16 tokens, against single-turn generate of 384 tokens per row (the same sampled
@@ -132,7 +134,7 @@ step rollout_core_b256 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfl
 step multi_turn_085b 400 $TR1 benchmarks/multi_turn_generation.py $SHAPE_085B \
   --dtype bfloat16 --records 64 --samples 4 --turns 3 --prompt-len 128 --max-new 128 \
   --obs-len 16 --repeats 8 --gpu-memory-utilization 0.3 \
-  --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
+  --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 --profile-dir "$RES" \
   --out-json "$RES/multi_turn_h200_085b_$TAG.json"
 
 # The trainer's weight-sync phase vs a device copy of the same bytes (issue 21: <= 3x).

@@ -35,7 +35,6 @@ per plan (`sample` rotates through as many sets as its largest kind has tensors)
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -93,19 +92,11 @@ def choose(names: Sequence[str], mode: VerifyMode, index: int) -> list[str]:
     """
     if mode == "full":
         return list(names)
-    names = tuple(names)
-    chosen = {group[index % len(group)] for group in _by_kind(names)}
-    return [n for n in names if n in chosen]
-
-
-@functools.lru_cache(maxsize=8)
-def _by_kind(names: tuple[str, ...]) -> tuple[tuple[str, ...], ...]:
-    """`names` grouped by kind, each group in `names`' order (the same plan's names at
-    every verification: grouped once)."""
     by_kind: dict[str, list[str]] = {}
     for name in names:
         by_kind.setdefault(kind_of(name), []).append(name)
-    return tuple(tuple(group) for group in by_kind.values())
+    chosen = {group[index % len(group)] for group in by_kind.values()}
+    return [n for n in names if n in chosen]
 
 
 def first_difference(
