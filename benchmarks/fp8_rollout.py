@@ -132,16 +132,15 @@ def bench_generate(args, ckpt: Path) -> dict[str, Any]:
         def call(llm, prompts=prompts, params=params):
             return llm.generate(prompts, params, use_tqdm=False)
 
-        def record(r, batch=batch) -> dict[str, Any]:
+        def record(r, batch=batch) -> None:
             row = r.as_dict(work=batch * args.max_new)
             row["met"] = r.met(MEDIAN_TARGET, WORST_TARGET)
             row["rounds_done"] = len(r.a_s)
             result[f"batch_{batch}"] = row
             write(args, {"generate": result})  # after every round: a cut run keeps its rows
-            return row
 
         r = interleave(lambda: call(fp8_llm), lambda: call(bf16_llm), args.repeats, on_round=record)
-        row = record(r)
+        row = result[f"batch_{batch}"]  # the last round's record: every round wrote it
         print(
             f"batch {batch}: fp8/bf16 tokens/s {r.ratio_median:.3f}x "
             f"[{r.ratio_min:.3f}, {r.ratio_max:.3f}] met={row['met']}",

@@ -401,15 +401,14 @@ def main(argv: list[str] | None = None) -> int:
                 "weights_woken_during_update": woken_during_update,
             }
         if verify_ab is not None:
-            ratios = verify_ab.ratios
             result["verify_ab"] = {
                 # A: the sync phase with the verifier detached, B: with it; per round.
                 "ab": verify_ab.as_dict(),
                 "without_s_median": statistics.median(verify_ab.a_s),
                 "with_s_median": statistics.median(verify_ab.b_s),
-                "ratio_median": statistics.median(ratios),
-                "ratio_min": min(ratios),
-                "ratio_max": max(ratios),
+                "ratio_median": verify_ab.ratio_median,
+                "ratio_min": verify_ab.ratio_min,
+                "ratio_max": verify_ab.ratio_max,
                 "mode": config.rollout.verify_sync,
                 # What each verification read and compared (the metrics' sync/verify_*).
                 "verify_s": parts.get("sync/verify_s", []),
@@ -420,32 +419,20 @@ def main(argv: list[str] | None = None) -> int:
         command = "torchrun --standalone --nproc_per_node 1 benchmarks/sync_ab.py " + " ".join(
             sys.argv[1:]
         )
+        size = f"{nbytes / 1e9:.2f} GB ({shape}), sleep level {config.rollout.sleep_level}"
+
+        def target(name, measured, median, worst):  # lower is better for both targets
+            return target_record(name, measured, median, worst, higher_is_better=False,
+                                 command=command, json_path=str(args.out_json or ""))  # fmt: skip
+
+        woken = ", weights woken during the update" if args.wake_during_update else ""
         result["targets"] = [
-            target_record(
-                f"trainer weight sync ÷ device copy, {nbytes / 1e9:.2f} GB ({shape}), "
-                f"sleep level {config.rollout.sleep_level}"
-                + (", weights woken during the update" if args.wake_during_update else ""),
-                ab,
-                TARGET,
-                WORST_TARGET,
-                higher_is_better=False,
-                command=command,
-                json_path=str(args.out_json or ""),
-            )
+            target(f"trainer weight sync ÷ device copy, {size}{woken}", ab, TARGET, WORST_TARGET)
         ]
         if verify_ab is not None:
+            name = f"trainer weight sync with rollout.verify_sync={config.rollout.verify_sync}"
             result["targets"].append(
-                target_record(
-                    f"trainer weight sync with rollout.verify_sync={config.rollout.verify_sync} "
-                    f"÷ without, {nbytes / 1e9:.2f} GB ({shape}), sleep level "
-                    f"{config.rollout.sleep_level}",
-                    verify_ab,
-                    VERIFY_TARGET,
-                    VERIFY_WORST_TARGET,
-                    higher_is_better=False,
-                    command=command,
-                    json_path=str(args.out_json or ""),
-                )
+                target(f"{name} ÷ without, {size}", verify_ab, VERIFY_TARGET, VERIFY_WORST_TARGET)
             )
         if run.env.rank == 0:
             t = result["targets"][0]

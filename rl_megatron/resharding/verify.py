@@ -233,8 +233,8 @@ class SyncVerifier:
         self.forms = dict(forms or {})
         self.syncs = 0  # syncs seen
         self.verifications = 0  # verifications run (the sample's rotation)
-        # (plan, rank) -> a chosen chunk -> its restricted plan and compiled copy program
-        self._programs: tuple[ReshardPlan, int, dict] | None = None
+        # this plan's chosen chunks -> their restricted plans and compiled copy programs
+        self._programs: tuple[ReshardPlan, dict] | None = None
 
     def due(self) -> bool:
         """Count a sync; whether this one is verified."""
@@ -273,7 +273,7 @@ class SyncVerifier:
             like = {n: engine[n] for n in chunk}
             dtypes = {n: self.forms[n].sent_dtype for n in chunk if n in self.forms}
             scratch = ScratchTarget(like, dtypes)
-            sub, program = self._program(plan, rank, chunk)
+            sub, program = self._program(plan, local, chunk)
             execute(sub, program, rank, sources, scratch, group=group)
             compared: list[tuple[str, torch.Tensor, StoredForm | None]] = []
             for name in chunk:
@@ -308,16 +308,16 @@ class SyncVerifier:
         stats.verify_s = time.perf_counter() - t0
         return stats, problem
 
-    def _program(self, plan: ReshardPlan, rank: int, chunk: list[str]):
-        """`plan` restricted to `chunk` and its copy program on `rank`, compiled once per
-        plan (every rank restricts the same plan to the same names alike)."""
-        if self._programs is None or self._programs[0] is not plan or self._programs[1] != rank:
-            self._programs = (plan, rank, {})
-        cache = self._programs[2]
+    def _program(self, plan: ReshardPlan, local: int, chunk: list[str]):
+        """`plan` restricted to `chunk` and its copy program on local rank `local`, compiled
+        once per plan (every rank restricts the same plan to the same names alike)."""
+        if self._programs is None or self._programs[0] is not plan:
+            self._programs = (plan, {})
+        cache = self._programs[1]
         key = tuple(chunk)
         if key not in cache:
             sub = restricted_plan(plan, set(chunk))
-            cache[key] = (sub, compile_program(sub, plan.local_rank(rank)))
+            cache[key] = (sub, compile_program(sub, local))
         return cache[key]
 
     @staticmethod
