@@ -113,16 +113,49 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run(args: argparse.Namespace, config, layout: ParallelLayout, env, log) -> int:
     dry_run = args.dry_run or config.trainer.dry_run
-    with (
-        distributed_run(
-            layout,
-            seed=config.trainer.seed,
-            timeout_s=config.parallel.timeout_s,
-            deterministic=config.trainer.deterministic,
-            rendezvous_timeout_s=config.parallel.rendezvous_timeout_s,
-        ) as run,
-        run_dir_lock(config.run_dir, log) as lock,
-    ):
+    training_layout, world = layout, None
+    if config.trainer.mode == "split_async":
+        # The last placement.rollout_ranks ranks only generate, each side in a process
+        # group of its own (rl_megatron/placement.py); from here on `env` is the side's.
+        from rl_megatron.placement import init_split_world
+
+        p, t_g = config.parallel, config.rollout.tp
+        world, _ = init_split_world(
+            env, config.placement.rollout_ranks, p.timeout_s, p.rendezvous_timeout_s
+        )
+        if world.generates:
+            layout = ParallelLayout(tp=t_g, pp=1, dp=world.rollout_ranks // t_g)
+        env = launch_env()
+    with distributed_run(
+        layout,
+        seed=config.trainer.seed,
+        timeout_s=config.parallel.timeout_s,
+        deterministic=config.trainer.deterministic,
+        rendezvous_timeout_s=config.parallel.rendezvous_timeout_s,
+    ) as run:
+        run.split = world
+        if world is not None and world.generates:
+            return 0 if dry_run else _generate(config, run, training_layout, log)
+        return _train(config, run, env, dry_run, log)
+
+
+def _generate(config, run, training_layout: ParallelLayout, log) -> int:
+    """A generation rank of split placement: its engine, then batches until the end."""
+    from rl_megatron.trainer.split_rollouts import GenerationSide
+
+    try:
+        side = GenerationSide(config, run.split, run, training_layout, log)
+        side.handshake()
+        side.run()
+    except user_errors() as exc:
+        if run.env.rank == 0:
+            print_line(f"error (generation ranks): {exc}")
+        return 2
+    return 0
+
+
+def _train(config, run, env, dry_run: bool, log) -> int:
+    with run_dir_lock(config.run_dir, log) as lock:
         # One run per run directory (utils/run_lock.py); every rank learns the refusal.
         if lock.refusal:
             if env.rank == 0:

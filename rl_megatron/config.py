@@ -454,7 +454,8 @@ class TrainerConfig:
     total_epochs: int = 1
     # sync: generate a whole batch, train, sync (the default). colocated_async: partial
     # rollouts on the same GPUs (rollout.partial, rollout.max_staleness). split_async:
-    # separate generation ranks (placement.rollout_ranks): not built yet, refused.
+    # the last placement.rollout_ranks ranks only generate, the others only train, the
+    # next batches generated while a step trains (rollout.max_staleness versions behind).
     mode: Literal["sync", "colocated_async", "split_async"] = "sync"
     total_epochs: int = 1
     seed: int = 1234
@@ -509,6 +510,13 @@ class LoggingConfig:
 
 
 @dataclass
+class PlacementConfig:
+    # trainer.mode: split_async: the last this many ranks of the launch only generate (the
+    # rest train, at the parallel.* layout); a multiple of rollout.tp.
+    rollout_ranks: int = 0
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -521,6 +529,7 @@ class Config:
     environment: EnvironmentConfig = field(default_factory=EnvironmentConfig)
     data: DataConfig = field(default_factory=DataConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 

@@ -42,6 +42,8 @@ def validate(config: Config, world_size: int) -> ParallelLayout:
     """
     p = config.parallel
     _check_model(config.model)
+    # split_async: the training layout spans the ranks that do not generate.
+    world_size = _check_placement(config, world_size)
     layout = _check_parallel(p, config.model, world_size)
     _check_rollout(config.rollout, p, config.model)
     _check_context_parallel(config)
@@ -707,6 +709,53 @@ def _check_environment(config: Config) -> None:
     )
 
 
+def _check_placement(config: Config, world_size: int) -> int:
+    """placement.rollout_ranks against trainer.mode; returns the training ranks' count."""
+    ranks, split = config.placement.rollout_ranks, config.trainer.mode == "split_async"
+    _require(
+        split or ranks == 0,
+        "placement.rollout_ranks",
+        f"{ranks} generation ranks need trainer.mode=split_async (got {config.trainer.mode})",
+    )
+    if not split:
+        return world_size
+    _require(
+        world_size >= 2,
+        "trainer.mode",
+        f"split_async needs a launch of 2 ranks or more (one generates), got {world_size}",
+    )
+    _require(
+        0 < ranks < world_size,
+        "placement.rollout_ranks",
+        f"trainer.mode=split_async needs 1 to {world_size - 1} generation ranks of the "
+        f"{world_size} launched, got {ranks}",
+    )
+    _require(
+        ranks % config.rollout.tp == 0,
+        "placement.rollout_ranks",
+        f"{ranks} is not a multiple of rollout.tp={config.rollout.tp}",
+    )
+    p, train = config.parallel, world_size - ranks
+    _require(
+        train % (p.tp * p.pp * p.cp) == 0,
+        "placement.rollout_ranks",
+        f"{ranks} leaves {train} training ranks of the {world_size} launched, not a multiple "
+        f"of parallel.tp·pp·cp = {p.tp}·{p.pp}·{p.cp}",
+    )
+    r = config.rollout
+    for ok, key, why in (
+        (config.trainer.val_interval == 0, "trainer.val_interval", "evaluation"),
+        (r.sync_probe_prompts == 0, "rollout.sync_probe_prompts", "the sync probe"),
+        (r.verify_sync == "off", "rollout.verify_sync", "verified syncs"),
+        (r.quantization is None, "rollout.quantization", "an fp8 engine"),
+        (config.actor.lora.rank == 0, "actor.lora.rank", "a LoRA actor"),
+        (config.model.num_experts == 0, "model.num_experts", "an MoE model"),
+        (p.cp == 1, "parallel.cp", "context parallelism"),
+    ):
+        _require(ok, key, f"trainer.mode=split_async does not combine with {why} yet")
+    return train
+
+
 def _check_async(config: Config) -> None:
     """trainer.mode and what the asynchronous loop does not combine with yet."""
     r, mode = config.rollout, config.trainer.mode
@@ -724,11 +773,6 @@ def _check_async(config: Config) -> None:
     )
     if mode == "sync":
         return
-    _require(
-        mode != "split_async",
-        "trainer.mode",
-        "split_async (separate generation ranks) is not built yet; use colocated_async or sync",
-    )
     for ok, key, why in (
         (
             not config.algorithm.dynamic_sampling.enable,

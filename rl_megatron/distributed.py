@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron.parallel import MEGATRON_RANK_ORDER, ParallelGroups, ParallelLayout
+from rl_megatron.placement import SplitWorld
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,8 @@ class DistributedRun:
     coordinates: dict[str, int]  # this rank's, from the layout
     device: torch.device
     groups: ParallelGroups | None = None  # megatron-core's, once initialised
+    # split placement (`placement.py`): the launch beyond this side's ranks; None: one side
+    split: SplitWorld | None = None
     stop_requested: bool = False  # set by SIGTERM; the trainer checkpoints and exits
     _previous_handlers: dict = field(default_factory=dict, repr=False)
 

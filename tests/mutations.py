@@ -519,7 +519,7 @@ MUTATIONS = [
     (
         "memory: the phases' on-device peaks not told what the engine holds asleep",
         TRAINER,
-        "self.phases = PhaseTimer(off_device_bytes=engine.unmapped_bytes)",
+        "self.phases = PhaseTimer(off_device_bytes=engine.unmapped_bytes if engine else None)",
         "self.phases = PhaseTimer()",
         "tests/multirank/test_engine_sleep.py::test_sleep_level[default]",
     ),

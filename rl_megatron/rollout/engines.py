@@ -45,3 +45,11 @@ def build_engine(
     return _module(config.rollout.engine, "build").build(
         config, info, actor_chunks, tokenizer, groups
     )
+
+
+def build_standalone_engine(
+    config: Config, info: HFModelInfo, tokenizer: Any, groups: ParallelGroups
+) -> tuple[RolloutEngine, Any]:
+    """Split placement's generation side: the engine of `rollout.engine` with weights of
+    its own (`groups`: the generation ranks'), and the `ReshardTarget` they arrive through."""
+    return _module(config.rollout.engine, "build").build_standalone(config, info, tokenizer, groups)

@@ -48,7 +48,9 @@ from rl_megatron.trainer.partial_rollouts import PartialRollouts, ReplicaStates,
 from rl_megatron.trainer.reporting import batch_stats, console_line, throughput
 from rl_megatron.trainer.roles import MegatronRole
 from rl_megatron.trainer.rollout_records import RolloutRecords
+from rl_megatron.trainer.sampling_seeds import step_sampling
 from rl_megatron.trainer.scoring import RewardScorer
+from rl_megatron.trainer.split_rollouts import TrainingSide
 from rl_megatron.utils.metrics import MetricsTracker, wandb_settings
 from rl_megatron.utils.timers import PhaseTimer, device_used_gb
 
@@ -79,8 +81,11 @@ class PPOTrainer:
         engine,
         total_steps: int,
         logger,
+        split: TrainingSide | None = None,
     ) -> None:
         self.config, self.run, self.data, self.info = config, run, data, info
+        # trainer.mode: split_async: other ranks generate (`split_rollouts.py`); no engine here.
+        self.split = split
         self.device = run.device  # where collectives' tensors live (NCCL needs the GPU)
         self.roles, self.engine, self.total_steps, self.log = roles, engine, total_steps, logger
         self.dp_group = run.groups.dp
@@ -161,7 +166,7 @@ class PPOTrainer:
             else None
         )
         # The phases' `_on_device` peaks: torch counts the engine's memory asleep as allocated.
-        self.phases = PhaseTimer(off_device_bytes=engine.unmapped_bytes)
+        self.phases = PhaseTimer(off_device_bytes=engine.unmapped_bytes if engine else None)
         # trainer.dump_rollouts: each step's trajectories as JSONL, for the user to read.
         self.rollout_records = (
             RolloutRecords(
@@ -209,6 +214,8 @@ class PPOTrainer:
                 print(console_line(self.step, self.total_steps, metrics), flush=True)
             if stop:
                 self.log.info("SIGTERM: stopped after step %d (checkpoint saved)", self.step)
+                if self.split is not None:
+                    self.split.stop()  # the generation ranks end too
                 break
         if cfg.trainer.manual_gc:
             gc.enable()
@@ -299,7 +306,7 @@ class PPOTrainer:
                 kl_to=beside,
                 while_last_step_runs=(
                     self._wake_engine_weights_early
-                    if cfg.rollout.wake_weights_during_update
+                    if cfg.rollout.wake_weights_during_update and self.engine is not None
                     else None
                 ),
             )
@@ -324,12 +331,16 @@ class PPOTrainer:
                 metrics["rollout/routing_mismatch_frac"] = routing_mismatch
         if self.session is not None:  # turns, tool calls, ... of the rows trained on
             metrics.update(mt.step_metrics(collected.per_row, self.dp_group))
-        if self.partial is not None:  # staleness of the tokens trained on, the phase's counts
+        if self.partial is not None or self.split is not None:
+            # Staleness of the tokens trained on, the phase's counts.
             versions = collected.per_row["async/token_versions"].to(mask.device)
             metrics.update(staleness_metrics(versions, mask, self.step, self.dp_group))
             phase = {**self._phase_metrics}
             phase["async/partial_fraction"] = collected.per_row["async/partial"].mean().item()
             metrics.update(ex.dp_mean(phase, self.dp_group, sums=_ASYNC_SUMS))
+        if self.split is not None:  # the generation side's throughput, apart from training's
+            generate_s = max(metrics["split/generate_s"], 1e-9)
+            metrics["split/generate_tokens_per_s"] = metrics["async/generated_tokens"] / generate_s
         metrics.update(correction_metrics, **collected.metrics)
         metrics.update(actor_metrics, **critic_metrics, **sync, **probe, **self.sampler.metrics())
         metrics.update(self.data.metrics())  # rollout/prompts_truncated: counted at load
@@ -371,36 +382,24 @@ class PPOTrainer:
     def _sampling(
         self, step: int, evaluation: bool = False, round_index: int = 0
     ) -> SamplingParams:
-        r, ds = self.config.rollout, self.config.algorithm.dynamic_sampling
-        eos = self.data.tokenizer.eos_token_id
-        n = 1 if evaluation else r.n
-        local = self.sampler.local_batch_size
-        # Seeds unique per (step, round, replica, prompt, sample[, turn]) and a function of
-        # these only, so a resumed run draws exactly the samples the uninterrupted run drew.
-        # A multi-turn trajectory draws one seed per turn (`turn_seed`).
-        rounds = 1 + ds.max_extra_rounds if ds.enable and not evaluation else 1
-        draw = step * rounds + round_index
-        per_sample = r.multi_turn.max_turns if self.session is not None else 1
-        seed = self.config.trainer.seed + (
-            (draw * self.dp_size + self.dp_rank) * local * r.n * per_sample
-        )
-        return SamplingParams(
-            temperature=r.val_temperature if evaluation else r.temperature,
-            top_p=1.0 if evaluation else r.top_p,
-            top_k=-1 if evaluation else r.top_k,
-            max_new_tokens=r.max_response_length,
-            n=n,
-            seed=seed,
-            prompt_overflow="reject" if r.prompt_overflow == "reject" else "truncate_left",
-            max_prompt_len=r.max_prompt_length,
-            # The tokenizer's EOS ends a response, whatever the checkpoint's config says.
-            stop_token_ids=None if eos is None else (eos,),
+        return step_sampling(
+            self.config,
+            self.data.tokenizer.eos_token_id,
+            step,
+            self.dp_rank,
+            self.dp_size,
+            self.sampler.local_batch_size,
+            multi_turn=self.session is not None,
+            evaluation=evaluation,
+            round_index=round_index,
         )
 
     def _rollout(self) -> tuple[Collected, dict[str, float]]:
         """Sync the engine to the actor's weights (version = step), then the step's rounds
         of generation and scoring (`dynamic_sampling.collect_groups`); the engine sleeps
         after each, and while the roles train."""
+        if self.split is not None:
+            return self._split_rollout()
         ds = self.config.algorithm.dynamic_sampling
         with contextlib.ExitStack() as actor_on_device:
             actor_on_device.enter_context(self.roles.actor.on_device())
@@ -427,6 +426,38 @@ class PPOTrainer:
                 self.dp_group,
                 self.log,
             )
+        return collected, sync
+
+    def _split_rollout(self) -> tuple[Collected, dict[str, float]]:
+        """split_async: this step's batch from the generation ranks (after the weights the
+        schedule sends first); the records must be the ones this replica draws next."""
+        if self.split.schedule is None:  # first step of this process: where the run stands
+            r = self.config.rollout
+            self.split.start(
+                self.step, self.total_steps, r.max_staleness, self.sampler.state_dict()
+            )
+        with self.roles.actor.on_device():
+            received, sync = self.split.rollout(self.step, self.roles.actor.model, self.phases.time)
+        records = self.sampler.next_batch()
+        if list(records) != list(received.records):
+            raise RuntimeError(
+                f"split_async: step {self.step}'s batch holds records {received.records[:4]}..., "
+                f"this replica draws {list(records)[:4]}...: the two sides' data positions differ"
+            )
+        rollout = received.rollout
+        samples = [records[int(g)] for g in rollout.group_index]
+        per_row = {
+            "async/token_versions": torch.full(
+                tuple(rollout.responses.shape), received.version, dtype=torch.int64
+            ),
+            "async/partial": torch.zeros(rollout.responses.shape[0], dtype=torch.float64),
+            "async/record": torch.tensor(samples, dtype=torch.int64),
+        }
+        round_ = self._scored_round(rollout, samples, per_row, None)
+        collected = collect_groups(
+            lambda _: round_, len(records), self.config.rollout.n, False, 0, self.dp_group, self.log
+        )
+        self._phase_metrics = dict(received.generator)
         return collected, sync
 
     def _rollout_round(self, round_index: int) -> Round:
@@ -847,5 +878,10 @@ def build_trainer(config: Config, run: DistributedRun, logger) -> PPOTrainer:
         config.trainer.total_epochs * (len(data.train) // config.data.train_batch_size)
     )
     roles = build_roles(config, info, total_steps, run.groups)
+    if config.trainer.mode == "split_async":
+        from rl_megatron.trainer.split_rollouts import training_side
+
+        split = training_side(config, info, run)
+        return PPOTrainer(config, run, data, info, roles, None, total_steps, logger, split)
     engine = build_engine(config, info, roles.actor, data.tokenizer, run)
     return PPOTrainer(config, run, data, info, roles, engine, total_steps, logger)

@@ -111,9 +111,9 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
     from rl_megatron.resharding.targets import TensorStoreTarget
     from rl_megatron.resharding.weight_sync import WeightSync
     from rl_megatron.rollout.megatron.engine import MegatronEngine
+    from rl_megatron.rollout.megatron.target import MegatronEngineTarget
     from rl_megatron.rollout.sampling import SamplingParams
     from rl_megatron.rollout.vllm import specs as vllm_layout
-    from tests.megatron_target import MegatronEngineTarget
     from tests.reshard_refs import megatron_reference, vllm_reference
 
     infos = {m: load_hf_config(spec["ckpts"][m]) for m in MODELS}
@@ -266,8 +266,8 @@ def _refusals(actors, infos, engine) -> dict:
     write; and `generate` refuses in the middle of an update."""
     from rl_megatron.resharding.layouts import TrainingLayout
     from rl_megatron.resharding.weight_sync import WeightSync
+    from rl_megatron.rollout.megatron.target import MegatronEngineTarget
     from rl_megatron.rollout.sampling import SamplingParams
-    from tests.megatron_target import MegatronEngineTarget
 
     out: dict = {"kind": "refusals", "version_before": engine.weight_version}
     training = TrainingLayout(*MEMORY_LAYOUT)  # TP2·PP2 on 4 ranks, PP2 on 2 (GPUs)

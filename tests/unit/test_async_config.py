@@ -41,8 +41,7 @@ def test_sync_is_the_default_and_async_turns_the_correction_on():
         (["rollout.partial.in_flight_batches=0"],
          "rollout.partial.in_flight_batches: must be >= 1, got 0"),
         (["rollout.partial.chunk_tokens=0"], "rollout.partial.chunk_tokens: 0 must be in [1, "),
-        (["trainer.mode=split_async"], "trainer.mode: split_async (separate generation ranks) "
-         "is not built yet"),
+        (["trainer.mode=split_async"], "trainer.mode: split_async needs a launch of 2 ranks"),
         (["trainer.mode=colocated_async", "algorithm.dynamic_sampling.enable=true",
           "rollout.n=4", "algorithm.adv_estimator=grpo"],
          "algorithm.dynamic_sampling.enable: trainer.mode=colocated_async does not combine"),
@@ -56,3 +55,39 @@ def test_async_config_checks_name_the_key(overrides, expected):
     with pytest.raises(ConfigError) as info:
         validate(load_config(TINY, ONE_RANK + overrides), world_size=1)
     assert str(info.value).startswith(expected) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["trainer.mode=split_async"], "placement.rollout_ranks: trainer.mode=split_async needs "
+         "1 to 3 generation ranks of the 4 launched, got 0"),
+        (["trainer.mode=split_async", "placement.rollout_ranks=4"],
+         "placement.rollout_ranks: trainer.mode=split_async needs 1 to 3"),
+        (["placement.rollout_ranks=2"],
+         "placement.rollout_ranks: 2 generation ranks need trainer.mode=split_async (got sync)"),
+        (["trainer.mode=split_async", "placement.rollout_ranks=3", "rollout.tp=2",
+          "parallel.tp=1"], "placement.rollout_ranks: 3 is not a multiple of rollout.tp=2"),
+        (["trainer.mode=split_async", "placement.rollout_ranks=2", "trainer.val_interval=5"],
+         "trainer.val_interval: trainer.mode=split_async does not combine with evaluation"),
+        (["trainer.mode=split_async", "placement.rollout_ranks=2", "rollout.verify_sync=sample"],
+         "rollout.verify_sync: trainer.mode=split_async does not combine with verified syncs"),
+        (["trainer.mode=split_async", "placement.rollout_ranks=2", "actor.lora.rank=4"],
+         "actor.lora.rank: trainer.mode=split_async does not combine with a LoRA actor"),
+        # The training layout spans the ranks that do not generate: 4 - 3 = 1, not tp=2.
+        (["trainer.mode=split_async", "placement.rollout_ranks=3", "parallel.tp=2",
+          "rollout.tp=1"], "placement.rollout_ranks: 3 leaves 1 training ranks of the 4 "
+         "launched, not a multiple of parallel.tp·pp·cp = 2·1·1"),
+    ],
+)  # fmt: skip
+def test_split_placement_checks_name_the_key(overrides, expected):
+    with pytest.raises(ConfigError) as info:
+        validate(load_config(TINY, ONE_RANK + ["trainer.val_interval=0"] + overrides), world_size=4)
+    assert str(info.value).startswith(expected) and "\n" not in str(info.value)
+
+
+def test_split_placement_trains_on_the_ranks_that_do_not_generate():
+    overrides = ["trainer.mode=split_async", "placement.rollout_ranks=2", "parallel.tp=2"]
+    config = load_config(TINY, ONE_RANK + ["trainer.val_interval=0"] + overrides)
+    layout = validate(config, world_size=6)
+    assert (layout.tp, layout.dp, layout.world_size) == (2, 2, 4)

@@ -43,6 +43,7 @@ def _trainer(tmp_path, clock: _Clock, total_steps: int, stop_after: int | None =
         hf_snapshots=None,
         peft_snapshots=None,
         session=None,  # single-turn
+        split=None,  # the engine on these ranks
         step=0,
         total_steps=total_steps,
         saved=[],

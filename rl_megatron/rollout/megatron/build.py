@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from rl_megatron.config import Config
+from rl_megatron.config import DTYPE_NAMES, Config
 from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.parallel import ParallelGroups
 from rl_megatron.rollout.megatron.engine import MegatronEngine
@@ -40,3 +41,36 @@ def build(
     )
     engine.sleep_level = r.sleep_level  # frees nothing here; the version bookkeeping is the same
     return engine
+
+
+def build_standalone(config: Config, info: HFModelInfo, tokenizer: Any, groups: ParallelGroups):
+    """Split placement's generation side: an engine on a model of its own at the
+    generation layout (`groups`: the generation ranks' own, TP = rollout.tp, PP 1), whose
+    weights come from the training ranks (`trainer/split_rollouts.py`); and its target."""
+    from rl_megatron.models.builders import build_gpt_chunks
+    from rl_megatron.rollout.megatron.target import MegatronEngineTarget
+
+    r, m = config.rollout, config.model
+    # Left uninitialised: the first thing the engine gets is the training side's weights.
+    chunks = build_gpt_chunks(
+        info,
+        groups.layout,
+        dtype=getattr(torch, DTYPE_NAMES[m.dtype]),
+        make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
+        perform_initialization=False,
+    )
+    eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
+    engine = MegatronEngine(
+        chunks,
+        info,
+        eos_token_ids=eos,
+        max_model_len=r.max_prompt_length + r.max_response_length,
+        tp_group=groups.tp,
+        seed=config.trainer.seed,
+        # Every row of the training replicas this generation replica serves.
+        max_batch_size=max(1, config.data.train_batch_size * r.n // groups.layout.dp),
+        pad_token_id=tokenizer.pad_token_id or 0,
+        use_cuda_graphs=not r.enforce_eager,
+        expert_group=groups.expert_model,
+    )
+    return engine, MegatronEngineTarget(engine)

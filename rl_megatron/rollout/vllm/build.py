@@ -35,6 +35,47 @@ def build(
     """
     del actor_chunks  # vLLM keeps its own weights; the sync copies the actor's in
     r, layout = config.rollout, groups.layout
+    args = _engine_args(config, tokenizer)
+    # Each training data-parallel replica passes its own prompts.
+    engine = VllmEngine(args, prompt_groups=[layout.replica_ranks(k) for k in range(layout.dp)])
+    engine.pair_with(
+        info,
+        layout,
+        bucket_mb=r.weight_sync_bucket_mb,
+        verify_sync=r.verify_sync,
+        verify_interval=r.verify_sync_interval,
+    )
+    if config.actor.lora.rank > 0 and r.lora_sync == "adapter":
+        from rl_megatron.rollout.vllm.lora_sync import AdapterSync
+
+        engine.adapter_sync = AdapterSync(
+            engine,
+            info=info,
+            groups=groups,
+            lora=config.actor.lora,
+            base_model=config.model.hf_path,
+            run_dir=config.run_dir,
+        )
+    engine.sleep_level = r.sleep_level  # what it keeps while the roles train
+    return engine
+
+
+def build_standalone(config: Config, info: HFModelInfo, tokenizer: Any, groups: ParallelGroups):
+    """Split placement's generation side: vLLM on the generation ranks (`groups`: theirs,
+    TP = rollout.tp, PP 1), its weights from the training ranks through its own target
+    (`trainer/split_rollouts.py`); the engine and that target."""
+    from rl_megatron.rollout.vllm.target import VllmEngineTarget
+
+    del info  # checked against the trainer's by the training side's plan
+    layout = groups.layout
+    args = _engine_args(config, tokenizer)
+    engine = VllmEngine(args, prompt_groups=[layout.replica_ranks(k) for k in range(layout.dp)])
+    return engine, VllmEngineTarget(engine)
+
+
+def _engine_args(config: Config, tokenizer: Any) -> VllmEngineArgs:
+    """`rollout.*` as vLLM's arguments; a random init's config.json written first."""
+    r = config.rollout
     model_dir, load_format = config.model.hf_path, "auto"
     if model_dir is None:
         # A random init: vLLM builds the architecture from a config.json with random
@@ -67,28 +108,7 @@ def build(
         kv_cache_dtype=r.kv_cache_dtype,
         extra={**dict(r.engine_kwargs), **_lora_kwargs(config)},
     )
-    # Each training data-parallel replica passes its own prompts.
-    engine = VllmEngine(args, prompt_groups=[layout.replica_ranks(k) for k in range(layout.dp)])
-    engine.pair_with(
-        info,
-        layout,
-        bucket_mb=r.weight_sync_bucket_mb,
-        verify_sync=r.verify_sync,
-        verify_interval=r.verify_sync_interval,
-    )
-    if config.actor.lora.rank > 0 and r.lora_sync == "adapter":
-        from rl_megatron.rollout.vllm.lora_sync import AdapterSync
-
-        engine.adapter_sync = AdapterSync(
-            engine,
-            info=info,
-            groups=groups,
-            lora=config.actor.lora,
-            base_model=config.model.hf_path,
-            run_dir=config.run_dir,
-        )
-    engine.sleep_level = r.sleep_level  # what it keeps while the roles train
-    return engine
+    return args
 
 
 # vLLM's accepted `max_lora_rank` values (vllm.config.lora.MaxLoRARanks).

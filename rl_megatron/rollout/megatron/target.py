@@ -1,9 +1,10 @@
-"""A Megatron engine model as a weight-sync target (test support).
+"""A Megatron engine model as a weight-sync target.
 
 `MegatronEngineTarget` writes resharded rows into a `GPTModel` at its own TP size (PP 1),
-through the engine's begin / finish API. No production path needs it (the Megatron engine
-generates with the trainer's own modules, at the training layout); the resharding tests use
-it to check plans into a Megatron layout at another TP size.
+through the engine's begin / finish API. A colocated run needs none (its Megatron engine
+generates with the trainer's own modules, at the training layout); split placement's
+generation ranks (`trainer/split_rollouts.py`) write what they receive through it, and the
+resharding tests check plans into a Megatron layout at another TP size with it.
 """
 
 from __future__ import annotations
