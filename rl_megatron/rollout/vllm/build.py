@@ -9,6 +9,7 @@ engine on every rank and makes its weight sync (`VllmEngine.pair_with`).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron.config import DTYPE_NAMES, Config
-from rl_megatron.distributed import launch_env
 from rl_megatron.models.hf_config import HFModelInfo, random_init_hf_config
 from rl_megatron.parallel import ParallelGroups
 from rl_megatron.rollout.vllm.engine import VllmEngine, VllmEngineArgs
@@ -81,10 +81,14 @@ def _engine_args(config: Config, tokenizer: Any) -> VllmEngineArgs:
         # A random init: vLLM builds the architecture from a config.json with random
         # weights, and the first sync (step 0) puts the actor's weights in.
         model_dir, load_format = str(config.run_dir / "rollout_model"), "dummy"
-        if launch_env().local_rank == 0:  # one writer per node
-            Path(model_dir).mkdir(parents=True, exist_ok=True)
-            text = json.dumps(random_init_hf_config(config), indent=2)
-            (Path(model_dir) / "config.json").write_text(text + "\n")
+        # Every rank writes the same bytes and renames them into place: whichever
+        # lands last, a reader never sees a partial file. (Not "local rank 0 writes":
+        # with split placement the generating ranks may have no local rank 0.)
+        Path(model_dir).mkdir(parents=True, exist_ok=True)
+        text = json.dumps(random_init_hf_config(config), indent=2)
+        partial = Path(model_dir) / f".config.json.{os.getpid()}"
+        partial.write_text(text + "\n")
+        os.replace(partial, Path(model_dir) / "config.json")
         dist.barrier()
     args = VllmEngineArgs(
         model=model_dir,
