@@ -117,14 +117,14 @@ def _run(args: argparse.Namespace, config, layout: ParallelLayout, env, log) -> 
     if config.trainer.mode == "split_async":
         # The last placement.rollout_ranks ranks only generate, each side in a process
         # group of its own (rl_megatron/placement.py); from here on `env` is the side's.
-        from rl_megatron.placement import init_split_world
+        from rl_megatron.placement import generating_layout, init_split_world
 
-        p, t_g = config.parallel, config.rollout.tp
+        p = config.parallel
         world, _ = init_split_world(
             env, config.placement.rollout_ranks, p.timeout_s, p.rendezvous_timeout_s
         )
         if world.generates:
-            layout = ParallelLayout(tp=t_g, pp=1, dp=world.rollout_ranks // t_g)
+            layout = generating_layout(config.rollout.tp, world.rollout_ranks)
         env = launch_env()
     with distributed_run(
         layout,

@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rl_megatron.parallel import ParallelLayout
+
 
 @dataclass(frozen=True)
 class SplitWorld:
@@ -67,6 +69,11 @@ class SplitWorld:
     def recv(self, tensor: torch.Tensor, src: int) -> None:
         """Into `tensor` from launch rank `src` (blocks until it has arrived)."""
         self.bridge.recv([tensor], src, 0).wait()
+
+
+def generating_layout(rollout_tp: int, rollout_ranks: int) -> ParallelLayout:
+    """The generation ranks' own layout: TP groups of `rollout.tp`, one replica each."""
+    return ParallelLayout(tp=rollout_tp, pp=1, dp=rollout_ranks // rollout_tp)
 
 
 def check_split(world_size: int, rollout_ranks: int) -> None:

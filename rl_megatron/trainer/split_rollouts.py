@@ -383,6 +383,10 @@ class GenerationSide:
                 waited = 0.0
         self.log.info("split_async: generated the run's last batch (%d)", schedule.total - 1)
 
+    def _generate(self, prompts: list[list[int]], sampling):
+        """The engine's samples (a benchmark wraps this, as it wraps the trainer's)."""
+        return self.engine.generate(prompts, sampling, output_layout="full")
+
     def _generate_and_send(self, step: int, waited_for_weights: float) -> None:
         from rl_megatron.trainer.sampling_seeds import step_sampling
 
@@ -393,7 +397,7 @@ class GenerationSide:
             prompts = [self.data.train.input_ids[k] for k in records]
             sampling = step_sampling(self.config, eos, step, i, d, len(records))
             t0 = time.perf_counter()
-            rollout = self.engine.generate(prompts, sampling, output_layout="full")
+            rollout = self._generate(prompts, sampling)
             generate_s = time.perf_counter() - t0
             if self.gen_tp != 0:
                 continue  # the TP group's first rank sends what every rank of it sampled

@@ -145,3 +145,55 @@ def test_kills_during_a_save_and_an_update_lose_and_repeat_no_record(tmp_path):
         assert sorted(r[:2] for r in got[step]) == sorted(r[:2] for r in want[step]), step
     epoch0 = Counter(record for step in range(1, 5) for _, record, _ in got[step])
     assert sorted(epoch0) == list(range(64)) and set(epoch0.values()) == {4}
+
+
+@pytest.mark.slow
+def test_the_demo_task_learns_with_staleness_two(tmp_path):
+    """The CPU demo (40 steps, as tests/e2e/test_training.py's), generated two versions
+    behind from the third step on: the reward climbs by the same bound."""
+    from tests.e2e.test_training import MIN_IMPROVEMENT, _improvement
+
+    run = _train(
+        tmp_path,
+        *SPLIT,
+        "rollout.max_staleness=2",
+        "trainer.total_steps=40",
+        "checkpoint.save_interval=0",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = _metrics(tmp_path / "tiny_cpu")
+    assert max(r["async/staleness_max"] for r in rows) == 2
+    gain = _improvement(rows)
+    assert gain > MIN_IMPROVEMENT, f"reward improved by {gain:.3f} only"
+
+
+@pytest.mark.slow
+def test_the_split_benchmark_caps_both_sides_alike(tmp_path):
+    """benchmarks/split_ab.py's CPU smoke run: one round (a split launch, a sync launch);
+    the length sampler caps the generation ranks' samples as it caps the co-located
+    engine's, so both sides train the same response lengths (tokens differ: the split
+    side's second batch is one version behind), and the ratio is the rates' ratio."""
+    import subprocess
+    import sys
+
+    from tests.e2e.test_launcher import ROOT
+
+    out = tmp_path / "split_ab.json"
+    cmd = [sys.executable, "benchmarks/split_ab.py", "--config", "yaml_configs/tiny_cpu.yaml"]
+    cmd += ["--gpus", "4", "--rounds", "1", "--warmup-steps", "1", "--steps", "2"]
+    cmd += ["--out-json", str(out), "parallel.tp=1", "rollout.tp=1", "actor.micro_batch_size=8"]
+    cmd += ["rollout.max_response_length=32"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    (record,) = result["rounds"]
+    split, sync = record["split"], record["sync"]
+    assert [s["rollout/response_length_mean"] for s in split["steps"]] == [
+        s["rollout/response_length_mean"] for s in sync["steps"]
+    ]
+    assert max(s["rollout/response_length_mean"] for s in split["steps"]) < 32  # capped
+    assert split["gpus"] == sync["gpus"] == 4
+    rate = split["trained_tokens"] / split["seconds"] / 4
+    assert split["tokens_per_s_per_gpu"] == pytest.approx(rate)
+    assert record["ratio"] == pytest.approx(rate / sync["tokens_per_s_per_gpu"])
+    assert result["targets"][0]["ratio_median"] == pytest.approx(record["ratio"])
