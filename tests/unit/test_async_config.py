@@ -91,3 +91,5 @@ def test_split_placement_trains_on_the_ranks_that_do_not_generate():
     config = load_config(TINY, ONE_RANK + ["trainer.val_interval=0"] + overrides)
     layout = validate(config, world_size=6)
     assert (layout.tp, layout.dp, layout.world_size) == (2, 2, 4)
+    # Batches a version or more behind: the asynchronous correction, as colocated_async's.
+    assert config.algorithm.rollout_correction.level == "token"
