@@ -140,6 +140,18 @@ class DistributedRun:
         return f"rank {self.env.rank} (tp={c['tp']}, pp={c['pp']}, dp={c['dp']}, cp={c['cp']})"
 
 
+def rank_device(env: LaunchEnv) -> tuple[str, torch.device]:
+    """This rank's backend and device: NCCL on its GPU, else gloo on the CPU (with the
+    shim megatron-core needs there, `cpu_compat`)."""
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
+        return "nccl", torch.device("cuda", torch.cuda.current_device())
+    from rl_megatron import cpu_compat
+
+    cpu_compat.enable()
+    return "gloo", torch.device("cpu")
+
+
 def init_process_group(
     env: LaunchEnv, timeout_s: int, rendezvous_timeout_s: float = 600
 ) -> torch.device:
@@ -149,14 +161,7 @@ def init_process_group(
     gives up after `rendezvous_timeout_s` with a `RendezvousError`; under torchrun its agents
     have met already and the ranks use the agent's store.
     """
-    if torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-        backend, device = "nccl", torch.device("cuda", torch.cuda.current_device())
-    else:
-        from rl_megatron import cpu_compat
-
-        cpu_compat.enable()
-        backend, device = "gloo", torch.device("cpu")
+    backend, device = rank_device(env)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", env.master_addr)
         os.environ.setdefault("MASTER_PORT", str(env.master_port))

@@ -105,14 +105,9 @@ def init_split_world(
 ) -> tuple[SplitWorld, torch.device]:
     """The side's default process group and the bridge (collective over the launch)."""
     check_split(env.world_size, rollout_ranks)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(env.local_rank % torch.cuda.device_count())
-        backend, device = "nccl", torch.device("cuda", torch.cuda.current_device())
-    else:
-        from rl_megatron import cpu_compat
+    from rl_megatron.distributed import rank_device
 
-        cpu_compat.enable()
-        backend, device = "gloo", torch.device("cpu")
+    backend, device = rank_device(env)
     store = launch_store(env, rendezvous_timeout_s)
     store.set_timeout(datetime.timedelta(seconds=timeout_s))
     timeout = datetime.timedelta(seconds=timeout_s)
