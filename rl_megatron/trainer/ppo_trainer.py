@@ -192,6 +192,11 @@ class PPOTrainer:
         """Train until `total_steps`, evaluating and checkpointing on schedule or SIGTERM."""
         self.resume()
         cfg = self.config
+        if self.split is not None:  # the generation ranks learn where the run stands
+            r = cfg.rollout
+            self.split.start(
+                self.step, self.total_steps, r.max_staleness, self.sampler.state_dict()
+            )
         while self.step < self.total_steps:
             started = time.perf_counter()
             metrics = self.train_step()
@@ -431,11 +436,6 @@ class PPOTrainer:
     def _split_rollout(self) -> tuple[Collected, dict[str, float]]:
         """split_async: this step's batch from the generation ranks (after the weights the
         schedule sends first); the records must be the ones this replica draws next."""
-        if self.split.schedule is None:  # first step of this process: where the run stands
-            r = self.config.rollout
-            self.split.start(
-                self.step, self.total_steps, r.max_staleness, self.sampler.state_dict()
-            )
         with self.roles.actor.on_device():
             received, sync = self.split.rollout(self.step, self.roles.actor.model, self.phases.time)
         records = self.sampler.next_batch()

@@ -70,6 +70,8 @@ class SplitSchedule:
         return max(self.start, batch - self.max_staleness)
 
     def ops(self) -> list[Op]:
+        if self.start >= self.total:
+            return []  # a run resumed at its end: nothing to generate, no weights wanted
         out: list[Op] = [("weights", self.start)]
         for b in range(self.start, self.total):
             if b > self.start and self.version_for(b) != self.version_for(b - 1):
@@ -381,7 +383,8 @@ class GenerationSide:
             else:
                 self._generate_and_send(index, waited)
                 waited = 0.0
-        self.log.info("split_async: generated the run's last batch (%d)", schedule.total - 1)
+        if schedule.ops():
+            self.log.info("split_async: generated the run's last batch (%d)", schedule.total - 1)
 
     def _generate(self, prompts: list[list[int]], sampling):
         """The engine's samples (a benchmark wraps this, as it wraps the trainer's)."""

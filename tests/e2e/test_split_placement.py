@@ -137,6 +137,10 @@ def test_kills_during_a_save_and_an_update_lose_and_repeat_no_record(tmp_path):
             assert f"step_{resumes_from:08d} at step {resumes_from}" in out, out[-3000:]
         if attempt == 0:
             assert not (checkpoints / "step_00000004").exists(), "killed after the commit"
+    # Launched again at its end: both sides see there is nothing left and exit.
+    again = _train(killed, *run_args)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "step_00000006 at step 6" in again.stdout + again.stderr
     got = _rows(killed)
     assert sorted(got) == list(range(1, 7))
     for step in range(1, 7):
@@ -197,3 +201,64 @@ def test_the_split_benchmark_caps_both_sides_alike(tmp_path):
     assert split["tokens_per_s_per_gpu"] == pytest.approx(rate)
     assert record["ratio"] == pytest.approx(rate / sync["tokens_per_s_per_gpu"])
     assert result["targets"][0]["ratio_median"] == pytest.approx(record["ratio"])
+
+
+@pytest.mark.slow
+def test_sigterm_stops_both_sides_and_the_run_resumes(tmp_path):
+    """SIGTERM to torchrun: the training ranks finish their step, save it, drain what the
+    generation ranks sent meanwhile and send them a stop; every rank exits (none waits
+    for a partner that left) and a rerun resumes from the saved step to the end."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.e2e.test_launcher import ROOT, TINY
+
+    run_args = [*SPLIT, "rollout.max_staleness=1", "checkpoint.save_interval=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
+    cmd += ["launch/ppo.py", "--config", TINY, f"trainer.output_dir={tmp_path}", *run_args]
+    log = tmp_path / "stderr.log"
+    with log.open("w") as err:
+        proc = subprocess.Popen(
+            [*cmd, "trainer.total_steps=1000"],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+        )
+        for line in proc.stdout:
+            if line.startswith("step 2/"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        proc.stdout.read()
+        proc.wait(timeout=120)
+    # torchrun gives its ranks 30 s after passing SIGTERM on, then kills the ones left:
+    # nobody had to be killed, and no generation rank failed on a training rank that left
+    # while it waited (gloo: "Connection closed by peer").
+    console = log.read_text()
+    assert "closing signal SIGTERM" in console, console[-3000:]
+    assert "SIGKILL" not in console, console[-3000:]
+    # (torchrun's own traceback of the signal it got is expected: not a rank's.)
+    assert "] failed:" not in console and "Connection closed" not in console, console[-3000:]
+    steps = [r["step"] for r in _metrics(tmp_path / "tiny_cpu")]
+    last = steps[-1]
+    assert 2 <= last < 1000 and steps == list(range(1, last + 1))
+    saved = sorted(p.name for p in (tmp_path / "tiny_cpu" / "checkpoints").iterdir())
+    assert saved == [f"step_{last:08d}"], saved
+    rerun = subprocess.run(
+        [*cmd, f"trainer.total_steps={last + 2}"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"step_{last:08d} at step {last}" in rerun.stdout + rerun.stderr
+    rows = _metrics(tmp_path / "tiny_cpu")
+    assert [r["step"] for r in rows][-2:] == [last + 1, last + 2]

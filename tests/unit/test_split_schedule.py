@@ -87,6 +87,11 @@ def test_one_step_off():
     assert schedule.needed_by_step(1) == 4
 
 
+def test_a_run_resumed_at_its_end_transfers_nothing():
+    # The generation side then ends after the start message; neither side waits.
+    assert SplitSchedule(1, 6, 6).ops() == []
+
+
 def test_a_resumed_run_starts_from_its_own_weights():
     schedule = SplitSchedule(2, 5, 9)
     assert schedule.ops()[:4] == [("weights", 5), ("batch", 5), ("batch", 6), ("batch", 7)]
