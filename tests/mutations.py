@@ -17,7 +17,7 @@ dual clip engaged, routing replay's gate weights and sequence parallelism, dynam
 sampling across replicas, the restricted unpickler), and issue 39's per-prompt caps on
 new tokens in both engines, issue 38's environment-worker cap, and issue 41's LoRA
 merged weight sync and PEFT export (rows split two ways, shard order, the scale, the
-tool's merge).
+tool's merge), and issue 39's split placement (data position, seeds, the stop).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ LORA_TEST = "tests/multirank/test_lora.py::test_lora_across_layouts"
 LORA_SYNC_TEST = "tests/multirank/test_lora_sync.py"
 PEFT = "rl_megatron/checkpoint/peft_export.py"
 PEFT_TEST = "tests/multirank/test_peft_export.py"
+SPLIT = "rl_megatron/trainer/split_rollouts.py"
+SPLIT_TEST = "tests/e2e/test_split_placement.py"
 
 # (name, file, exact text, replacement, the test that must fail)
 MUTATIONS = [
@@ -929,6 +931,27 @@ MUTATIONS = [
         "tensors[j] = merged_weight(tensors[j], lora)",
         "tensors[j] = tensors[j]",
         PEFT_TEST + "::test_trainer_writes_the_adapter_beside_the_merged_model",
+    ),
+    (
+        "split: the generation ranks ignore the checkpoint's data position",
+        SPLIT,
+        'self.samplers[i].load_state_dict(first[i]["sampler"])',
+        "pass",
+        f"{SPLIT_TEST}::test_kills_during_a_save_and_an_update_lose_and_repeat_no_record",
+    ),
+    (
+        "split: the generation ranks seed a batch as the next step's",
+        SPLIT,
+        "sampling = step_sampling(self.config, eos, step, i, d, len(records))",
+        "sampling = step_sampling(self.config, eos, step + 1, i, d, len(records))",
+        f"{SPLIT_TEST}::test_staleness_zero_is_the_synchronous_loop_on_the_training_ranks",
+    ),
+    (
+        "split: the trainer stops without telling the generation ranks",
+        TRAINER,
+        "self.split.stop()  # the generation ranks end too",
+        "pass",
+        f"{SPLIT_TEST}::test_sigterm_stops_both_sides_and_the_run_resumes",
     ),
 ]
 
