@@ -742,6 +742,15 @@ def _check_placement(config: Config, world_size: int) -> int:
         f"{ranks} leaves {train} training ranks of the {world_size} launched, not a multiple "
         f"of parallel.tp·pp·cp = {p.tp}·{p.pp}·{p.cp}",
     )
+    replicas, served = ranks // config.rollout.tp, train // (p.tp * p.pp * p.cp)
+    _require(
+        replicas <= served,
+        "placement.rollout_ranks",
+        f"{ranks} ranks make {replicas} generation replicas at rollout.tp="
+        f"{config.rollout.tp}, more than the {served} training replicas they generate for "
+        "(each generates whole batches of its training replicas): fewer ranks, or a larger "
+        "rollout.tp",
+    )
     r = config.rollout
     for ok, key, why in (
         (config.trainer.val_interval == 0, "trainer.val_interval", "evaluation"),

@@ -3,7 +3,9 @@
 Ranks 0-1 train (an actor at TP 2, built from an HF checkpoint by the trainer's builder);
 ranks 2-3 generate, each a Megatron engine at TP 1 whose weights start as NaN. The
 training TP group holds two generation micro-replicas (t_g = 1 divides t = 2): generation
-replica 0 takes its shards from training rank 0, replica 1 from training rank 1. Two
+replica 0 takes its shards from training rank 0, replica 1 from training rank 1 (a run's
+config refuses more generation replicas than training replicas for now, as each generates
+whole batches of its own; the weight path is the general one, micro-replicas included). Two
 versions cross: the checkpoint's weights, then every actor weight times 1.5 (what an
 update does, as far as the layout is concerned: new values everywhere). After each, every
 parameter of each engine must equal, bit for bit, what Megatron loads from the checkpoint

@@ -74,6 +74,9 @@ def test_async_config_checks_name_the_key(overrides, expected):
          "rollout.verify_sync: trainer.mode=split_async does not combine with verified syncs"),
         (["trainer.mode=split_async", "placement.rollout_ranks=2", "actor.lora.rank=4"],
          "actor.lora.rank: trainer.mode=split_async does not combine with a LoRA actor"),
+        (["trainer.mode=split_async", "placement.rollout_ranks=2", "parallel.tp=2",
+          "rollout.tp=1"], "placement.rollout_ranks: 2 ranks make 2 generation replicas at "
+         "rollout.tp=1, more than the 1 training replicas"),
         # The training layout spans the ranks that do not generate: 4 - 3 = 1, not tp=2.
         (["trainer.mode=split_async", "placement.rollout_ranks=3", "parallel.tp=2",
           "rollout.tp=1"], "placement.rollout_ranks: 3 leaves 1 training ranks of the 4 "
