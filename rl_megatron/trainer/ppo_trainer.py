@@ -192,11 +192,8 @@ class PPOTrainer:
         """Train until `total_steps`, evaluating and checkpointing on schedule or SIGTERM."""
         self.resume()
         cfg = self.config
-        if self.split is not None:  # the generation ranks learn where the run stands
-            r = cfg.rollout
-            self.split.start(
-                self.step, self.total_steps, r.max_staleness, self.sampler.state_dict()
-            )
+        # Before any step: a run resumed at its end tells the generation ranks so, too.
+        self._start_split()
         while self.step < self.total_steps:
             started = time.perf_counter()
             metrics = self.train_step()
@@ -433,9 +430,19 @@ class PPOTrainer:
             )
         return collected, sync
 
+    def _start_split(self) -> None:
+        """split_async, once per process: tell the generation ranks where the run stands
+        (the step and this replica's data position)."""
+        if self.split is not None and self.split.schedule is None:
+            r = self.config.rollout
+            self.split.start(
+                self.step, self.total_steps, r.max_staleness, self.sampler.state_dict()
+            )
+
     def _split_rollout(self) -> tuple[Collected, dict[str, float]]:
         """split_async: this step's batch from the generation ranks (after the weights the
         schedule sends first); the records must be the ones this replica draws next."""
+        self._start_split()  # (train_step alone, as benchmarks call it, starts here)
         with self.roles.actor.on_device():
             received, sync = self.split.rollout(self.step, self.roles.actor.model, self.phases.time)
         records = self.sampler.next_batch()

@@ -74,6 +74,7 @@ def _trainer(tmp_path, clock: _Clock, total_steps: int, stop_after: int | None =
     fake.checkpoints = SimpleNamespace(save=save_checkpoint)
     fake.save = lambda: PPOTrainer.save(fake)
     fake.resume = lambda: None
+    fake._start_split = lambda: PPOTrainer._start_split(fake)
     fake._stop_requested = lambda: stop_after is not None and fake.step >= stop_after
     return fake
 
