@@ -51,6 +51,7 @@ from rl_megatron.trainer.rollout_records import RolloutRecords
 from rl_megatron.trainer.sampling_seeds import step_sampling
 from rl_megatron.trainer.scoring import RewardScorer
 from rl_megatron.trainer.split_rollouts import TrainingSide
+from rl_megatron.trainer.split_rollouts import total_steps as count_steps
 from rl_megatron.utils.metrics import MetricsTracker, wandb_settings
 from rl_megatron.utils.timers import PhaseTimer, device_used_gb
 
@@ -881,9 +882,7 @@ def build_trainer(config: Config, run: DistributedRun, logger) -> PPOTrainer:
 
     data = build_data(config, logger)
     info = model_info(config)
-    total_steps = config.trainer.total_steps or (
-        config.trainer.total_epochs * (len(data.train) // config.data.train_batch_size)
-    )
+    total_steps = count_steps(config, len(data.train))
     roles = build_roles(config, info, total_steps, run.groups)
     if config.trainer.mode == "split_async":
         from rl_megatron.trainer.split_rollouts import training_side

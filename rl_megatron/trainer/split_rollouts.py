@@ -42,6 +42,7 @@ weights; without one the generation side ends by itself after its last batch.
 
 from __future__ import annotations
 
+import functools
 import io
 import pickle
 import time
@@ -69,7 +70,14 @@ class SplitSchedule:
         """The weight version batch `batch` is generated with."""
         return max(self.start, batch - self.max_staleness)
 
+    @functools.cached_property
+    def _ops(self) -> tuple[Op, ...]:
+        return tuple(self._make_ops())
+
     def ops(self) -> list[Op]:
+        return list(self._ops)
+
+    def _make_ops(self) -> list[Op]:
         if self.start >= self.total:
             return []  # a run resumed at its end: nothing to generate, no weights wanted
         out: list[Op] = [("weights", self.start)]
@@ -83,8 +91,7 @@ class SplitSchedule:
         """How many of `ops()` the training side must have run before it trains `step`:
         through batch `step` and through the weights it holds then (version `step`),
         which the generation side takes only after the batches before it in the list."""
-        ops = self.ops()
-        return 1 + max(i for i, (_, index) in enumerate(ops) if index <= step)
+        return 1 + max(i for i, (_, index) in enumerate(self._ops) if index <= step)
 
 
 # --------------------------------------------------------------------- the wire
@@ -225,10 +232,16 @@ class TrainingSide:
             )
         return batch
 
+    def _destinations(self) -> list[int]:
+        """Launch ranks of the generation ranks that take their weights from this rank."""
+        tp = self.pairing.generation_tp
+        pairs = self.pairing.weight_destinations(self.rank)
+        return [self.world.generation_rank(j * tp + r) for j, r in pairs]
+
     def _send_header(self, version: int, stop: bool = False) -> None:
         header = torch.tensor([version, int(stop)], dtype=torch.int64, device=self.device)
-        for j, r in self.pairing.weight_destinations(self.rank):
-            self.world.send(header, self.world.generation_rank(j * self.pairing.generation_tp + r))
+        for dst in self._destinations():
+            self.world.send(header, dst)
 
     def _send_weights(self, actor_chunks, version: int) -> dict[str, float]:
         """Reshard into the staging store (collective over the training side), then each
@@ -237,9 +250,8 @@ class TrainingSide:
         stats = self.weight_sync.sync(actor_chunks, version)
         t1 = time.perf_counter()
         sent = 0
-        for j, r in self.pairing.weight_destinations(self.rank):
-            dst = self.world.generation_rank(j * self.pairing.generation_tp + r)
-            self.world.send(torch.tensor([version, 0], dtype=torch.int64, device=self.device), dst)
+        self._send_header(version)
+        for dst in self._destinations():
             for spec in self.staging.specs:
                 tensor = self.staging.tensors[spec.name]
                 self.world.send(tensor, dst)

@@ -23,20 +23,15 @@ def build(
 ) -> MegatronEngine:
     """The engine on every rank (collective), decoding with `actor_chunks`."""
     r, layout = config.rollout, groups.layout
-    eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
     dp_rank = layout.coordinates(dist.get_rank())["dp"]
-    engine = MegatronEngine(
-        actor_chunks,
+    engine = _engine(
+        config,
         info,
-        eos_token_ids=eos,
-        max_model_len=r.max_prompt_length + r.max_response_length,
-        tp_group=groups.tp,
+        actor_chunks,
+        tokenizer,
+        groups,
         # Every TP rank of a replica samples with the same seed; replicas differ.
         seed=config.trainer.seed + 7919 * dp_rank,
-        max_batch_size=max(1, config.data.train_batch_size // layout.dp * r.n),
-        pad_token_id=tokenizer.pad_token_id or 0,
-        use_cuda_graphs=not r.enforce_eager,
-        expert_group=groups.expert_model,
         record_routing=config.actor.router_replay,
     )
     engine.sleep_level = r.sleep_level  # frees nothing here; the version bookkeeping is the same
@@ -50,7 +45,7 @@ def build_standalone(config: Config, info: HFModelInfo, tokenizer: Any, groups: 
     from rl_megatron.models.builders import build_gpt_chunks
     from rl_megatron.rollout.megatron.target import MegatronEngineTarget
 
-    r, m = config.rollout, config.model
+    m = config.model
     # Left uninitialised: the first thing the engine gets is the training side's weights.
     chunks = build_gpt_chunks(
         info,
@@ -59,18 +54,34 @@ def build_standalone(config: Config, info: HFModelInfo, tokenizer: Any, groups: 
         make_vocab_size_divisible_by=m.make_vocab_size_divisible_by,
         perform_initialization=False,
     )
+    engine = _engine(config, info, chunks, tokenizer, groups, seed=config.trainer.seed)
+    return engine, MegatronEngineTarget(engine)
+
+
+def _engine(
+    config: Config,
+    info: HFModelInfo,
+    chunks: list,
+    tokenizer: Any,
+    groups: ParallelGroups,
+    *,
+    seed: int,
+    record_routing: bool = False,
+) -> MegatronEngine:
+    """The engine on `chunks` with the `rollout.*` settings; its batch holds every row of
+    a step's prompts of one data-parallel replica of `groups`."""
+    r = config.rollout
     eos = () if tokenizer.eos_token_id is None else (tokenizer.eos_token_id,)
-    engine = MegatronEngine(
+    return MegatronEngine(
         chunks,
         info,
         eos_token_ids=eos,
         max_model_len=r.max_prompt_length + r.max_response_length,
         tp_group=groups.tp,
-        seed=config.trainer.seed,
-        # Every row of the training replicas this generation replica serves.
-        max_batch_size=max(1, config.data.train_batch_size * r.n // groups.layout.dp),
+        seed=seed,
+        max_batch_size=max(1, config.data.train_batch_size // groups.layout.dp * r.n),
         pad_token_id=tokenizer.pad_token_id or 0,
         use_cuda_graphs=not r.enforce_eager,
         expert_group=groups.expert_model,
+        record_routing=record_routing,
     )
-    return engine, MegatronEngineTarget(engine)
