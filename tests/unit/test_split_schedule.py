@@ -134,3 +134,19 @@ def test_more_training_replicas_than_generation_replicas():
     assert (p.served_by(0), p.served_by(1)) == ([0, 2], [1, 3])
     assert [p.generator_of(i) for i in range(4)] == [0, 1, 0, 1]
     assert p.weight_destinations(2) == p.weight_destinations(3) == []
+
+
+def test_each_training_rank_sends_its_shard_to_the_generation_rank_that_takes_it():
+    """Launch ranks of the weights' destinations: 4 training ranks (TP 2 x DP 2), 4
+    generation ranks (two replicas at TP 2). Generation replica j, TP rank r sits at launch
+    rank 4 + 2j + r and takes its shard from training replica j's TP rank r."""
+    from rl_megatron.placement import SplitWorld
+    from rl_megatron.trainer.split_rollouts import TrainingSide
+
+    pairing = _pairing(2, 1, 2, 2, 2)
+    want = {0: [4], 1: [5], 2: [6], 3: [7]}
+    for rank, destinations in want.items():
+        side = object.__new__(TrainingSide)  # only what `_destinations` reads
+        side.pairing, side.rank = pairing, rank
+        side.world = SplitWorld(rank=rank, world_size=8, rollout_ranks=4, bridge=None)
+        assert side._destinations() == destinations, rank
