@@ -9,7 +9,7 @@
 #   STEPS="e2e_8b" bash benchmarks/gpu/whole_step.sh  # alone: it needs most of a call
 #   STEPS="async_ab_1.5b" bash benchmarks/gpu/whole_step.sh  # alone too (issue 39)
 #   STEPS="fp8_rollout_8b" bash benchmarks/gpu/whole_step.sh  # alone too (issue 40)
-#   STEPS="lora_8b_full" ..., then STEPS="lora_8b_rank8" ...  # each alone (issue 41)
+#   STEPS="lora_8b_rank8 lora_8b_full" ...  # together (issue 41)
 #   STEPS="lora_hf_8b", then "lora_8b_sync_merged", then "lora_8b_sync_adapter"  # (issue 41)
 SUITE=whole_step
 source "$(dirname "$0")/common.sh"
@@ -243,14 +243,16 @@ step e2e_8b 580 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h20
 # (memory_gb/update_actor_peak), one warm-up and two timed steps each. Both generate with
 # the Megatron engine (a LoRA actor needs it until the vLLM sync merges adapters) and a
 # small batch (4 prompts x 8, one optimizer step of 32 rows), so the update is what differs.
-# Not run yet; ~200-300 s each, estimated from e2e_8b's phases. Each alone in a call.
-LORA_8B="rollout.engine=megatron rollout.engine_kwargs={} data.train_batch_size=4 actor.mini_batch_size=32"
-step lora_8b_full 580 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_8b.yaml \
-  --algorithms grpo --no-plain --warmup-steps 1 --steps 2 \
-  --out-json "$RES/lora_h200_8b_full_$TAG.json" $LORA_8B
+# Responses of at most 256 tokens (the Megatron engine's eager decode is the slow part;
+# the update's rows stay 511 + up to 256 tokens), so both fit one call: rank 8 first.
+# Not run yet; ~150-250 s each, estimated from e2e_8b's phases.
+LORA_8B="rollout.engine=megatron rollout.engine_kwargs={} data.train_batch_size=4 actor.mini_batch_size=32 rollout.max_response_length=256"
 step lora_8b_rank8 580 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_8b.yaml \
   --algorithms grpo --no-plain --warmup-steps 1 --steps 2 \
   --out-json "$RES/lora_h200_8b_rank8_$TAG.json" $LORA_8B actor.lora.rank=8
+step lora_8b_full 580 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_8b.yaml \
+  --algorithms grpo --no-plain --warmup-steps 1 --steps 2 \
+  --out-json "$RES/lora_h200_8b_full_$TAG.json" $LORA_8B
 kill $HOST_MEMORY_PID 2>/dev/null
 
 # LoRA's two vLLM syncs at the 8B shape (issue 41): merged (every adapted weight, each step)
