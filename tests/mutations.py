@@ -789,8 +789,8 @@ MUTATIONS = [
     (
         "sync verification: an FP8 weight compared as sent, not quantized",
         "rl_megatron/resharding/verify.py",
-        "stored = form.encode(sent) if form is not None else {name: sent}",
-        "stored = {name: sent}",
+        "for stored_name, expected in (form.encode(sent) if form else {name: sent}).items():",
+        "for stored_name, expected in {name: sent}.items():",
         "tests/unit/test_sync_verify.py",
     ),
     (
@@ -818,10 +818,26 @@ MUTATIONS = [
     (
         "sync verification: sample checks the same tensor of each kind every time",
         "rl_megatron/resharding/verify.py",
-        "    chosen = {group[index % len(group)] for group in by_kind.values()}",
-        "    chosen = {group[0] for group in by_kind.values()}",
+        "            name = group[j % len(group)]",
+        "            name = group[0]",
         "tests/unit/test_sync_verify.py::"
         "test_sample_covers_every_kind_each_time_and_every_parameter_in_turn",
+    ),
+    (
+        "sync verification: a window's source rows shifted the wrong way",
+        "rl_megatron/resharding/verify.py",
+        '            fields["src_offset"] = m.src_offset + (lo - m.dst_offset)',
+        '            fields["src_offset"] = m.src_offset - (lo - m.dst_offset)',
+        "tests/unit/test_sync_verify.py::"
+        "test_a_windowed_restricted_plan_writes_exactly_those_rows_of_the_sync",
+    ),
+    (
+        "sync verification: a window's mismatch named at its index in the window",
+        "rl_megatron/resharding/verify.py",
+        "        index = tuple(i + start if d == dim else i for d, i in enumerate(index))",
+        "        index = tuple(index)",
+        "tests/unit/test_sync_verify.py::"
+        "test_sample_bounds_a_checks_bytes_by_the_window_and_names_the_whole_tensors_index",
     ),
     (
         "sync verification: sample leaves out a kind (the norms)",

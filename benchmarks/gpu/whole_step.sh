@@ -145,7 +145,9 @@ step sync_ab_085b 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \
 # without the verifier against with it, interleaved in the one trainer (--verify-ab):
 # target <= 5 % at the median. ~100 s (sync_ab_085b's start-up and two sets of rounds).
 # Run 21 (H200): 76 s, +36 % (17.9 vs 13.6 ms; 352 MB of 7 tensors read, ~5 ms a check),
-# before the device-side word comparison and the cached programs (verify.py); rerun.
+# before the device-side word comparison and the cached programs (verify.py). Run 22 (H100):
+# +24.5 % and +16.7 %, 3-5 ms a check, still host-bound. Since then: row windows of at most
+# 16 MiB, a lockstep rotation whose sets compile at the first check, per-name engine reads.
 step sync_ab_085b_verify 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 --verify-ab \
   --out-json "$RES/sync_ab_h200_085b_verify_$TAG.json"
 step sync_ab_7b 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 \

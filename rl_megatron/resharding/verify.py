@@ -6,8 +6,8 @@
 The sync writes into the engine's storage in place; an engine that repacked a parameter
 after loading (kernel-private layouts, quantized weights) would be written wrongly and
 silently. So after a sync the engine's parameters are read back through the engine itself
-(`read_engine`, supplied by the engine's package: for vLLM the live module's
-`named_parameters()`, not the views the copy program wrote) and compared bit for bit with
+(`read_engine`, supplied by the engine's package: for vLLM the live module's parameters,
+looked up by name, not the views the copy program wrote) and compared bit for bit with
 what the trainer sent.
 
 "What was sent" is computed again, independently of the engine's storage: the sync's plan
@@ -24,18 +24,23 @@ function of the plan's parameter names and the count of verifications only.
 Scratch memory: the chosen tensors are verified in chunks of at most the sync's bucket
 (`rollout.weight_sync_bucket_mb`), or one tensor if it is larger.
 
-Cost: on the first H200 run (`sync_ab --verify-ab`, 0.85B, run 21) `sample` read 352 MB
-(the embedding and the LM head are 262 MB of it) in ~5 ms against a 14 ms sync. So each
-chunk's tensors are compared on the device as their widest integer words (`differs`: one
-flag per tensor, one host sync per chunk; the element that differs is looked for only
-when one does), and each chosen set's restricted plan and copy program are compiled once
-per plan (`sample` rotates through as many sets as its largest kind has tensors).
+Cost (`sync_ab --verify-ab`, 0.85B): on the first H200 run `sample` read 352 MB (the
+embedding and the LM head 262 MB of it) in ~5 ms against a 14 ms sync, and an H100 rerun
+still spent 3-5 ms, mostly on the host: every check compiled a new restricted plan (the
+kinds' rotations had a period of hundreds of checks), grouped every name by kind, and read
+all of the engine's parameters. So now (`Rotation`): a tensor larger than
+`SAMPLE_WINDOW_BYTES` is compared one row window at a time (the window moves on each time
+the tensor's turn comes), which bounds a check's bytes whatever the model's size; the
+kinds rotate in lockstep with a period of the longest kind's turns, and the period's sets
+are compiled once, at a plan's first check; only the chosen parameters are read from the
+engine; and each chunk's tensors are compared on the device as their widest integer words
+(`differs`), with one host sync per chunk, one for `sample` (the element that differs is looked for only
+when one does).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
@@ -47,7 +52,8 @@ from rl_megatron.models.hf_config import HFModelInfo
 from rl_megatron.resharding.agreement import all_max
 from rl_megatron.resharding.copy_program import compile_program
 from rl_megatron.resharding.executor import execute
-from rl_megatron.resharding.plan import RankRound, ReshardPlan
+from rl_megatron.resharding.plan import Move, RankRound, ReshardPlan
+from rl_megatron.resharding.shards import ShardSpec, Span
 from rl_megatron.resharding.targets import ReshardTarget
 
 VerifyMode = Literal["off", "sample", "full"]
@@ -70,6 +76,13 @@ KINDS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # Same-size integer views: a bitwise comparison (NaN == NaN, -0 != +0).
 _BITS = ((1, torch.uint8), (2, torch.int16), (4, torch.int32), (8, torch.int64))
 
+# `sample` compares at most this many bytes of one tensor per check: a larger one (the
+# vocabulary matrices, an 8B model's MLP weights) is checked a row window at a time.
+SAMPLE_WINDOW_BYTES = 16 << 20
+
+# A parameter's rows [start, start + rows) along its shard's row dim (`ShardSpec.dim`).
+Window = tuple[int, int]
+
 
 class SyncVerifyError(RuntimeError):
     """The engine's parameter differs from what the sync sent (one line, every rank)."""
@@ -84,19 +97,44 @@ def kind_of(name: str) -> str:
 
 
 def choose(names: Sequence[str], mode: VerifyMode, index: int) -> list[str]:
-    """The parameters to verify at the `index`-th verification, in `names`' order.
-
-    `full`: all. `sample`: one of each kind, the kind's `index mod count`-th, so every
-    kind is checked every time and every parameter within as many verifications as its
-    kind has parameters.
-    """
+    """The parameters to verify at the `index`-th verification, in `names`' order (whole
+    tensors; `Rotation` adds the row windows)."""
     if mode == "full":
         return list(names)
-    by_kind: dict[str, list[str]] = {}
-    for name in names:
-        by_kind.setdefault(kind_of(name), []).append(name)
-    chosen = {group[index % len(group)] for group in by_kind.values()}
-    return [n for n in names if n in chosen]
+    return [name for name, _ in Rotation(names, {}).picks(index)]
+
+
+class Rotation:
+    """What `sample` checks at each verification: one (parameter, row window) of each kind.
+
+    Within a kind the parameters take turns, and a parameter of `windows[name]` windows
+    (1 if absent) moves its window on each turn: at step `j` of the kind's cycle, parameter
+    `j mod n` and, on that parameter's `(j div n)`-th turn, its window `(j div n) mod w`. The
+    kinds step together, with the period of the longest kind's cycle (`period`): so a
+    period holds `period` distinct sets (compiled once), every kind is checked every time,
+    and every window of every parameter within two periods.
+    """
+
+    def __init__(self, names: Sequence[str], windows: Mapping[str, int]) -> None:
+        by_kind: dict[str, list[str]] = {}
+        for name in names:
+            by_kind.setdefault(kind_of(name), []).append(name)
+        self.order = {name: i for i, name in enumerate(names)}
+        self.windows = dict(windows)
+        self.kinds = list(by_kind.values())
+        self.cycles = [len(g) * max(self.windows.get(n, 1) for n in g) for g in self.kinds]
+        self.period = max(self.cycles, default=1)
+
+    def picks(self, index: int) -> list[tuple[str, int | None]]:
+        """(parameter, its window's number or None for the whole tensor), in names' order."""
+        step = index % self.period
+        out = []
+        for group, cycle in zip(self.kinds, self.cycles, strict=True):
+            j = step % cycle
+            name = group[j % len(group)]
+            count = self.windows.get(name, 1)
+            out.append((name, (j // len(group)) % count if count > 1 else None))
+        return sorted(out, key=lambda pick: self.order[pick[0]])
 
 
 def first_difference(
@@ -133,25 +171,68 @@ def differs(engine: torch.Tensor, sent: torch.Tensor) -> torch.Tensor:
     raise AssertionError("unreachable: the element's own size always tiles its bytes")
 
 
-def restricted_plan(plan: ReshardPlan, names: set[str]) -> ReshardPlan:
-    """`plan` with only the moves and fills into generation parameters `names` (pure).
+def restricted_plan(
+    plan: ReshardPlan, names: set[str], windows: Mapping[str, Window] | None = None
+) -> ReshardPlan:
+    """`plan` with only the moves and fills into generation parameters `names` (pure);
+    a parameter in `windows` only its rows `[start, start + rows)` along its row dim,
+    renumbered from 0 (its shard spec becomes the window's shape).
 
-    Every rank restricts the same plan to the same names, so a message's moves shrink
-    alike on its sender and its receiver."""
+    Every rank restricts the same plan to the same names and windows, so a message's moves
+    shrink alike on its sender and its receiver (a window is in the destination's rows)."""
+    windows = windows or {}
+
+    def clip(m):
+        if m.dst_param not in names:
+            return None
+        if m.dst_param not in windows:
+            return m
+        start, rows = windows[m.dst_param]
+        lo, hi = max(start, m.dst_offset), min(start + rows, m.dst_offset + m.rows)
+        if lo >= hi:
+            return None
+        if getattr(m, "dst_slot_rows", 0):  # `_window_rows` never windows a stacked one
+            raise AssertionError(f"{m.dst_param}: a row window of a stacked parameter")
+        fields = dict(dst_offset=lo - start, rows=hi - lo)
+        if isinstance(m, Move):
+            fields["src_offset"] = m.src_offset + (lo - m.dst_offset)
+        return dataclasses.replace(m, **fields)
 
     def keep(moves):
-        return [m for m in moves if m.dst_param in names]
+        return [c for c in map(clip, moves) if c is not None]
 
     def part(r: RankRound) -> RankRound:
         sends = {p: ms for p, ms in ((p, keep(ms)) for p, ms in r.sends.items()) if ms}
         recvs = {p: ms for p, ms in ((p, keep(ms)) for p, ms in r.recvs.items()) if ms}
         return RankRound(r.index, keep(r.writes), sends, recvs)
 
+    def spec(s: ShardSpec) -> ShardSpec:
+        if s.name not in windows:
+            return s
+        start, rows = windows[s.name]
+        rows = min(rows, s.shape[s.dim] - start)
+        spans = []
+        for span in s.spans:
+            lo, hi = max(start, span.offset), min(start + rows, span.offset + span.length)
+            if lo < hi:
+                hf_start = span.hf_start + (lo - span.offset) if span.hf_name else 0
+                spans.append(Span(lo - start, hi - lo, span.hf_name, hf_start))
+        shape = tuple(rows if d == s.dim else n for d, n in enumerate(s.shape))
+        return dataclasses.replace(s, shape=shape, spans=tuple(spans))
+
+    rounds = tuple(tuple(part(r) for r in rank_rounds) for rank_rounds in plan.rounds)
+    writes = []
+    for rank_rounds in rounds:  # local moves, fills and received moves, as `build_plan`
+        count: dict[str, int] = {}
+        for r in rank_rounds:
+            for m in (*r.writes, *(m for ms in r.recvs.values() for m in ms)):
+                count[m.dst_param] = count.get(m.dst_param, 0) + 1
+        writes.append(count)
     return dataclasses.replace(
         plan,
-        targets=tuple(tuple(s for s in specs if s.name in names) for specs in plan.targets),
-        rounds=tuple(tuple(part(r) for r in rounds) for rounds in plan.rounds),
-        writes=tuple({n: c for n, c in w.items() if n in names} for w in plan.writes),
+        targets=tuple(tuple(spec(s) for s in specs if s.name in names) for specs in plan.targets),
+        rounds=rounds,
+        writes=tuple(writes),
     )
 
 
@@ -164,18 +245,22 @@ class StoredForm:
     sent_dtype: torch.dtype  # the dtype the sync sends it in (the trainer's)
     # what was sent -> the engine's tensors it becomes, by engine parameter name
     encode: Callable[[torch.Tensor], Mapping[str, torch.Tensor]]
+    stored: tuple[str, ...]  # the names `encode` returns (read from the engine)
 
 
 class ScratchTarget(ReshardTarget):
     """Fresh tensors (zeros) in the engine tensors' shapes and dtypes (or the dtype sent,
-    for a parameter stored in another form): what a sync sends."""
+    for a parameter stored in another form; or the shapes given): what a sync sends."""
 
     def __init__(
-        self, like: Mapping[str, torch.Tensor], dtypes: Mapping[str, torch.dtype] | None = None
+        self,
+        like: Mapping[str, torch.Tensor],
+        dtypes: Mapping[str, torch.dtype] | None = None,
+        shapes: Mapping[str, tuple[int, ...]] | None = None,
     ) -> None:
-        dtypes = dtypes or {}
+        dtypes, shapes = dtypes or {}, shapes or {}
         self.tensors = {
-            n: torch.zeros(t.shape, dtype=dtypes.get(n, t.dtype), device=t.device)
+            n: torch.zeros(shapes.get(n, t.shape), dtype=dtypes.get(n, t.dtype), device=t.device)
             for n, t in like.items()
         }
 
@@ -208,6 +293,29 @@ class VerifyStats:
     unreadable: int = 0  # parameters the engine does not hold in the format sent
 
 
+@dataclasses.dataclass
+class _Check:
+    """One chunk of a verification: its parameters' windows, restricted plan and program."""
+
+    names: list[str]
+    windows: dict[str, Window]
+    plan: ReshardPlan
+    program: object  # `CopyProgram` on this rank
+
+
+@dataclasses.dataclass
+class _Selection:
+    """A plan's verifications, worked out at its first: what is comparable, the rotation,
+    and each of the period's sets as compiled chunks."""
+
+    plan: ReshardPlan
+    shapes: dict[str, tuple[int, ...]]  # this rank's generation shards, by name
+    dims: dict[str, int]  # each parameter's row dim (`ShardSpec.dim`)
+    unreadable: int
+    rotation: Rotation | None  # None: `full`
+    sets: dict[int, list[_Check]]  # period step (0 for `full`) -> its chunks
+
+
 class SyncVerifier:
     """Checks, after every `interval`-th sync, the engine's parameters against what was sent.
 
@@ -215,8 +323,10 @@ class SyncVerifier:
         mode: `sample` (a few tensors, every kind, rotating) or `full` (all).
         interval: verify every `interval`-th sync (`rollout.verify_sync_interval`).
         read_engine: the engine's own parameters on this rank, name → tensor, read through
-            the engine (its package supplies it: `rollout/vllm/verify.py`).
+            the engine (its package supplies it: `rollout/vllm/verify.py`); called with the
+            names wanted, or None for all of them.
         forms: parameters the engine stores in another form than sent, by name.
+        window_bytes: `sample`'s row window (`SAMPLE_WINDOW_BYTES`).
     """
 
     def __init__(
@@ -224,17 +334,18 @@ class SyncVerifier:
         mode: VerifyMode,
         *,
         interval: int,
-        read_engine: Callable[[], Mapping[str, torch.Tensor]],
+        read_engine: Callable[[Sequence[str] | None], Mapping[str, torch.Tensor]],
         forms: Mapping[str, StoredForm] | None = None,
+        window_bytes: int = SAMPLE_WINDOW_BYTES,
     ) -> None:
         if mode not in ("sample", "full"):
             raise ValueError(f"rollout.verify_sync: no verifier for {mode!r}")
         self.mode, self.interval, self.read_engine = mode, interval, read_engine
         self.forms = dict(forms or {})
+        self.window_bytes = window_bytes
         self.syncs = 0  # syncs seen
         self.verifications = 0  # verifications run (the sample's rotation)
-        # this plan's chosen chunks -> their restricted plans and compiled copy programs
-        self._programs: tuple[ReshardPlan, dict] | None = None
+        self._selection: _Selection | None = None  # of the last plan verified
 
     def due(self) -> bool:
         """Count a sync; whether this one is verified."""
@@ -254,53 +365,58 @@ class SyncVerifier:
         raise on (None if all ranks' checks held): this rank's first mismatch, or a line
         saying another rank found one."""
         t0 = time.perf_counter()
-        stats = VerifyStats()
-        local = plan.local_rank(rank)
-        specs = plan.targets[local]
-        engine = self.read_engine()
-        names = [s.name for s in plan.targets[0]]  # the same names on every rank
-        shapes = {s.name: s.shape for s in specs}
-        # A parameter the engine keeps in another shape (repacked after loading: vLLM's CPU
-        # build) cannot be compared bitwise; skipped on every rank if on any.
-        flags = [0 if n in engine and tuple(engine[n].shape) == shapes[n] else 1 for n in names]
-        flags = all_max(flags, group)
-        readable = [n for n, f in zip(names, flags, strict=True) if not f]
-        stats.unreadable = len(names) - len(readable)
-        chosen = choose(readable, self.mode, self.verifications)
+        selection = self._select(plan, rank, group)
+        stats = VerifyStats(unreadable=selection.unreadable)
+        rotation = selection.rotation
+        checks = selection.sets[0 if rotation is None else self.verifications % rotation.period]
         self.verifications += 1
+        chosen = [n for check in checks for n in check.names]
+        stored = [n for name in chosen for n in self._stored_names(name)]
+        engine = self.read_engine(stored)
         problem = None
-        for chunk in self._chunks(plan, chosen):
-            like = {n: engine[n] for n in chunk}
-            dtypes = {n: self.forms[n].sent_dtype for n in chunk if n in self.forms}
-            scratch = ScratchTarget(like, dtypes)
-            sub, program = self._program(plan, local, chunk)
-            execute(sub, program, rank, sources, scratch, group=group)
-            compared: list[tuple[str, torch.Tensor, StoredForm | None]] = []
-            for name in chunk:
-                sent = scratch.tensors[name]
+        for name in chosen:  # what was comparable at the plan's first check still is
+            if name not in engine or tuple(engine[name].shape) != selection.shapes[name]:
+                have = tuple(engine[name].shape) if name in engine else "absent"
+                problem = problem or (
+                    f"weight sync verification failed on rank {rank}: engine parameter "
+                    f"{name} is {have}, not {selection.shapes[name]} as at the first check "
+                    "(rollout.verify_sync)"
+                )
+        local = plan.local_rank(rank)
+        first = next(iter(sources.values()), torch.empty(0))
+        for check in checks:
+            ok = [n for n in check.names if n in engine and problem is None]
+            like = {n: self._window(engine[n], selection.dims[n], check.windows.get(n)) for n in ok}
+            # The program writes every chosen parameter: scratch for those not compared too.
+            dtypes = {n: like[n].dtype if n in like else first.dtype for n in check.names}
+            dtypes |= {n: self.forms[n].sent_dtype for n in check.names if n in self.forms}
+            scratch = ScratchTarget(
+                {n: like.get(n, first) for n in check.names},
+                dtypes,
+                {sp.name: sp.shape for sp in check.plan.targets[local]},
+            )
+            execute(check.plan, check.program, rank, sources, scratch, group=group)
+            compared: list[tuple[str, torch.Tensor, torch.Tensor, StoredForm | None, int]] = []
+            for name in ok:
                 form = self.forms.get(name)
-                stored = form.encode(sent) if form is not None else {name: sent}
-                for stored_name, expected in stored.items():
-                    stats.verified_tensors += 1
-                    stats.verified_bytes += engine[stored_name].nbytes
-                    compared.append((stored_name, expected, form))
-            flags = torch.stack([differs(engine[n], want) for n, want, _ in compared]).tolist()
-            for (stored_name, expected, form), flagged in zip(compared, flags, strict=True):
-                if flagged and problem is None:
-                    diff = first_difference(engine[stored_name], expected)
-                    if diff:
-                        index, have, want = diff
-                        how = (
-                            "what the trainer sent"
-                            if form is None
-                            else ("the trainer's weight quantized as the engine stores it")
-                        )
-                        problem = (
-                            f"weight sync verification failed on rank {rank}: engine "
-                            f"parameter {stored_name} differs from {how} at index "
-                            f"{list(index)}: engine {have!r}, sent {want!r} "
-                            "(rollout.verify_sync)"
-                        )
+                start = check.windows[name][0] if name in check.windows else 0
+                sent = scratch.tensors[name]
+                for stored_name, expected in (form.encode(sent) if form else {name: sent}).items():
+                    have = engine[stored_name] if form else like[name]
+                    compared.append((stored_name, have, expected, form, start))
+            stats.verified_tensors += len(compared)
+            stats.verified_bytes += sum(have.nbytes for _, have, _, _, _ in compared)
+            # One host sync per chunk (one chunk for `sample`'s windows): a flag per tensor.
+            flags = (
+                torch.stack([differs(h, e) for _, h, e, _, _ in compared]).tolist()
+                if compared
+                else []
+            )
+            for (stored_name, have, expected, form, start), flagged in zip(
+                compared, flags, strict=True
+            ):
+                if flagged and problem is None and (diff := first_difference(have, expected)):
+                    problem = self._mismatch(rank, stored_name, diff, form, start, selection)
             del scratch, like, compared
         failing = all_max([1 if problem else 0], group)[0]
         if failing and problem is None:
@@ -308,27 +424,100 @@ class SyncVerifier:
         stats.verify_s = time.perf_counter() - t0
         return stats, problem
 
-    def _program(self, plan: ReshardPlan, local: int, chunk: list[str]):
-        """`plan` restricted to `chunk` and its copy program on local rank `local`, compiled
-        once per plan (every rank restricts the same plan to the same names alike)."""
-        if self._programs is None or self._programs[0] is not plan:
-            self._programs = (plan, {})
-        cache = self._programs[1]
-        key = tuple(chunk)
-        if key not in cache:
-            sub = restricted_plan(plan, set(chunk))
-            cache[key] = (sub, compile_program(sub, local))
-        return cache[key]
+    @staticmethod
+    def _mismatch(rank, name, diff, form, start, selection) -> str:
+        """The one-line error for `name`'s first differing element (`diff`), its index in the
+        whole tensor (a window's rows start at `start`)."""
+        index, engine_value, sent_value = diff
+        dim = selection.dims.get(name, 0)
+        index = tuple(i + start if d == dim else i for d, i in enumerate(index))
+        how = (
+            "what the trainer sent"
+            if form is None
+            else "the trainer's weight quantized as the engine stores it"
+        )
+        return (
+            f"weight sync verification failed on rank {rank}: engine parameter {name} "
+            f"differs from {how} at index {list(index)}: engine {engine_value!r}, sent "
+            f"{sent_value!r} (rollout.verify_sync)"
+        )
+
+    def _stored_names(self, name: str) -> tuple[str, ...]:
+        form = self.forms.get(name)
+        return form.stored if form is not None else (name,)
 
     @staticmethod
-    def _chunks(plan: ReshardPlan, chosen: list[str]) -> list[list[str]]:
+    def _window(tensor: torch.Tensor, dim: int, window: Window | None) -> torch.Tensor:
+        return tensor if window is None else tensor.narrow(dim, window[0], window[1])
+
+    def _select(self, plan: ReshardPlan, rank: int, group) -> _Selection:
+        """The plan's selection, worked out at its first verification (collective then:
+        which parameters every rank's engine holds in the shape sent)."""
+        if self._selection is not None and self._selection.plan is plan:
+            return self._selection
+        local = plan.local_rank(rank)
+        specs = plan.targets[local]
+        names = [s.name for s in plan.targets[0]]  # the same names on every rank
+        shapes = {s.name: tuple(s.shape) for s in specs}
+        engine = self.read_engine(None)
+        # A parameter the engine keeps in another shape (repacked after loading: vLLM's CPU
+        # build) cannot be compared bitwise; left out on every rank if on any.
+        flags = [0 if n in engine and tuple(engine[n].shape) == shapes[n] else 1 for n in names]
+        flags = all_max(flags, group)
+        readable = [n for n, f in zip(names, flags, strict=True) if not f]
+        del engine
+        windows = self._window_rows(plan, readable) if self.mode == "sample" else {}
+        rotation = Rotation(readable, {n: len(w) for n, w in windows.items()})
+        sets: dict[int, list[_Check]] = {}
+        for step in range(rotation.period) if self.mode == "sample" else [0]:
+            picks = rotation.picks(step) if self.mode == "sample" else [(n, None) for n in readable]
+            chosen = {n: windows[n][w] for n, w in picks if w is not None}
+            sets[step] = []
+            for chunk in self._chunks(plan, [n for n, _ in picks], chosen):
+                mine = {n: chosen[n] for n in chunk if n in chosen}
+                sub = restricted_plan(plan, set(chunk), mine)
+                sets[step].append(_Check(chunk, mine, sub, compile_program(sub, local)))
+        self._selection = _Selection(
+            plan=plan,
+            shapes=shapes,
+            dims={s.name: s.dim for s in specs},
+            unreadable=len(names) - len(readable),
+            rotation=rotation if self.mode == "sample" else None,
+            sets=sets,
+        )
+        return self._selection
+
+    def _window_rows(self, plan: ReshardPlan, names: list[str]) -> dict[str, list[Window]]:
+        """`sample`'s row windows of each parameter larger than `window_bytes` (not a
+        stacked one, nor one stored in another form): the same on every rank (from the
+        largest of the plan's ranks' shards)."""
+        specs: dict[str, list[ShardSpec]] = {}
+        for rank_specs in plan.targets:
+            for sp in rank_specs:
+                specs.setdefault(sp.name, []).append(sp)
+        out: dict[str, list[Window]] = {}
+        for name in names:
+            if name in self.forms or any(sp.stack for sp in specs[name]):
+                continue
+            rows = max(sp.shape[sp.dim] for sp in specs[name])
+            row_bytes = max(sp.row_numel for sp in specs[name]) * plan.key.elem_size
+            per = max(1, self.window_bytes // row_bytes)
+            if per < rows:
+                out[name] = [(start, min(per, rows - start)) for start in range(0, rows, per)]
+        return out
+
+    @staticmethod
+    def _chunks(
+        plan: ReshardPlan, chosen: list[str], windows: Mapping[str, Window]
+    ) -> list[list[str]]:
         """`chosen` cut into runs of at most one bucket of scratch (every rank alike: sizes
-        are the largest over the plan's ranks)."""
+        are the largest over the plan's ranks; a windowed parameter's its window's)."""
         size = {n: 0 for n in chosen}
         for specs in plan.targets:
-            for s in specs:
-                if s.name in size:
-                    size[s.name] = max(size[s.name], math.prod(s.shape) * plan.key.elem_size)
+            for sp in specs:
+                if sp.name in size:
+                    rows = windows[sp.name][1] if sp.name in windows else sp.rows
+                    size[sp.name] = max(size[sp.name], rows * sp.row_numel * plan.key.elem_size)
         chunks: list[list[str]] = []
         used = 0
         for name in chosen:

@@ -116,7 +116,7 @@ def test_a_restricted_plan_moves_only_the_chosen_rows():
 
 
 def engine_reading(store, corrupt: str | None, flat: int = 0):
-    def read():
+    def read(names=None):
         tensors = dict(store.tensors)
         if corrupt is not None:
             tensors[corrupt] = nudged(tensors[corrupt], flat)
@@ -174,7 +174,7 @@ def test_each_chosen_set_is_compiled_once_per_plan(monkeypatch):
     )
     case = Case("llama_gqa")
     names = names_of(case)
-    verifier = SyncVerifier("sample", interval=1, read_engine=lambda: case.store.tensors)
+    verifier = SyncVerifier("sample", interval=1, read_engine=lambda names: case.store.tensors)
     weight_sync = WeightSync(case.store, info=case.info, training=case.training,
                              bucket_mb=BUCKET_MB, verifier=verifier)  # fmt: skip
     sets = {tuple(choose(names, "sample", i)) for i in range(len(names))}
@@ -191,18 +191,22 @@ def test_an_honest_engine_passes_and_off_reads_nothing():
     case = Case("qwen3_moe")
     reads = []
 
-    def read():
-        reads.append(1)
+    def read(names):
+        reads.append(names)
         return case.store.tensors
 
     verifier = SyncVerifier("full", interval=1, read_engine=read)
     weight_sync = WeightSync(case.store, info=case.info, training=case.training,
                              bucket_mb=BUCKET_MB, verifier=verifier)  # fmt: skip
     stats = weight_sync.sync([case.chunk], version=1)
-    assert stats.verify.verified_tensors == len(names_of(case)) and len(reads) == 1
+    # the plan's first check reads every parameter (which are comparable), then the chosen
+    assert stats.verify.verified_tensors == len(names_of(case))
+    assert reads[0] is None and sorted(reads[1]) == sorted(names_of(case)) and len(reads) == 2
+    weight_sync.sync([case.chunk], version=2)
+    assert len(reads) == 3 and sorted(reads[2]) == sorted(names_of(case))
     assert stats.verify.verified_bytes == sum(t.nbytes for t in case.store.tensors.values())
     # off: the trainer's sync has no verifier, and its stats say nothing was verified
-    stats = case.weight_sync.sync([case.chunk], version=2)
+    stats = case.weight_sync.sync([case.chunk], version=3)
     assert case.weight_sync.verifier is None and stats.verify is None
 
 
@@ -236,7 +240,7 @@ def test_a_parameter_stored_as_fp8_is_compared_with_the_sent_weight_quantized(co
         quantize_blockwise_(sent, out, scale, name)
         return {name: out, scale_name: scale}
 
-    def read():
+    def read(names):
         tensors = dict(case.store.tensors)
         tensors.update(quantized(tensors[name]))  # what an honest FP8 target holds
         if corrupt is not None:
@@ -248,7 +252,7 @@ def test_a_parameter_stored_as_fp8_is_compared_with_the_sent_weight_quantized(co
 
     sent_dtype = case.store.tensors[name].dtype
     verifier = SyncVerifier("full", interval=1, read_engine=read,
-                            forms={name: StoredForm(sent_dtype, quantized)})  # fmt: skip
+                            forms={name: StoredForm(sent_dtype, quantized, (name, scale_name))})  # fmt: skip
     weight_sync = WeightSync(case.store, info=case.info, training=case.training,
                              bucket_mb=BUCKET_MB, verifier=verifier)  # fmt: skip
     if corrupt is None:
@@ -261,3 +265,149 @@ def test_a_parameter_stored_as_fp8_is_compared_with_the_sent_weight_quantized(co
     key = name if corrupt == "weight" else scale_name
     assert f"engine parameter {key} differs from the trainer's weight quantized" in str(err.value)
     assert f"at index {[0, 1] if corrupt == 'weight' else [0, 0]}" in str(err.value)
+
+
+# ---------------------------------------------------------------- sample's row windows
+
+
+def window_verifier(case: Case, read, window_bytes: int) -> tuple[SyncVerifier, WeightSync]:
+    verifier = SyncVerifier("sample", interval=1, read_engine=read, window_bytes=window_bytes)
+    weight_sync = WeightSync(case.store, info=case.info, training=case.training,
+                             bucket_mb=BUCKET_MB, verifier=verifier)  # fmt: skip
+    return verifier, weight_sync
+
+
+def hf_rows(spec) -> list[tuple[str | None, int]]:
+    """Each row of `spec` along its dim: (HF tensor, its row), or (None, 0) for padding."""
+    rows = []
+    for span in spec.spans:
+        for i in range(span.length):
+            rows.append((span.hf_name, span.hf_start + i if span.hf_name else 0))
+    return rows
+
+
+def test_a_windowed_restricted_plan_writes_exactly_those_rows_of_the_sync():
+    """Every window of every parameter, run into scratch, is bit for bit the window's rows
+    of what the whole sync wrote (a source offset shifted wrongly, or a window renumbered
+    from its start in the wrong direction, moves other rows)."""
+    from rl_megatron.resharding.copy_program import compile_program
+    from rl_megatron.resharding.executor import execute
+    from rl_megatron.resharding.verify import ScratchTarget
+
+    case = Case("qwen3_padded_vocab")  # vocab padding rows: fills clipped too
+    synced = case.sync()
+    plan = case.weight_sync._program[0]  # the plan the sync ran
+    sources = case.weight_sync._sources([case.chunk])
+    checked = 0
+    for spec in plan.targets[0]:
+        if spec.stack:
+            continue
+        rows = spec.shape[spec.dim]
+        for start, length in ((0, 1), (rows // 3, max(1, rows // 2)), (rows - 2, 2)):
+            if not 0 <= start < rows:
+                continue
+            sub = restricted_plan(plan, {spec.name}, {spec.name: (start, length)})
+            (window_spec,) = sub.targets[0]
+            want = synced.tensors[spec.name].narrow(spec.dim, start, min(length, rows - start))
+            assert window_spec.shape == tuple(want.shape)
+            # its spans still say which HF row each row holds
+            assert hf_rows(window_spec) == hf_rows(spec)[start : start + want.shape[spec.dim]]
+            scratch = ScratchTarget({spec.name: want}, None, {spec.name: window_spec.shape})
+            scratch.tensors[spec.name].fill_(float("nan"))  # every row must be written
+            execute(sub, compile_program(sub, 0), 0, sources, scratch, group=None)
+            assert torch.equal(scratch.tensors[spec.name], want), (spec.name, start)
+            checked += 1
+    assert checked > 10
+
+
+def test_windowed_moves_shrink_alike_on_sender_and_receiver():
+    case = Case("llama_gqa")
+    training = TrainingLayout(2, 1, 1)
+    gen = generation_layout_for(training, 1)
+    key = PlanKey(case.info, training, gen, vllm_layout.vllm_specs, case.train_vocab * 2,
+                  case.gen_vocab, 1 << 12, 4)  # fmt: skip
+    plan = build_plan(key)
+    name = "lm_head.weight"
+    (spec,) = [s for s in plan.targets[0] if s.name == name]
+    sub = restricted_plan(plan, {name}, {name: (100, 300)})
+    sent = [m for r in sub.rounds[1] for m in r.sends.get(0, [])]
+    got = [m for r in sub.rounds[0] for m in r.recvs.get(1, [])]
+    local = [m for r in sub.rounds[0] for m in r.writes]
+    assert sent == got
+    # the window's 300 rows, each written once, renumbered from 0
+    rows = sorted((m.dst_offset, m.dst_offset + m.rows) for m in [*got, *local])
+    assert rows[0][0] == 0 and rows[-1][1] == 300
+    assert all(a[1] == b[0] for a, b in zip(rows, rows[1:]))
+    assert sub.writes[0] == {name: len(got) + len(local)}
+    assert sub.targets[0][0].shape == (300, *spec.shape[1:])
+
+
+def test_rotation_checks_every_kind_each_time_and_every_window_within_two_periods():
+    from rl_megatron.resharding.verify import Rotation
+
+    names = names_of(Case("llama_gqa"))
+    windows = {n: 3 for n in names if "embed" in n or "lm_head" in n or "gate_up" in n}
+    rotation = Rotation(names, windows)
+    kinds = {kind_of(n) for n in names}
+    pairs = {(n, w) for n in names for w in (range(windows[n]) if n in windows else [None])}
+    seen = set()
+    for index in range(2 * rotation.period):
+        picks = rotation.picks(index)
+        assert sorted(kind_of(n) for n, _ in picks) == sorted(kinds)
+        assert picks == rotation.picks(index + rotation.period)  # periodic: sets compile once
+        seen |= set(picks)
+    assert seen == pairs
+    # the longest kind's cycle: two layers' gate_up x 3 windows, or the norms
+    groups = {}
+    for n in names:
+        groups.setdefault(kind_of(n), []).append(n)
+    assert rotation.period == max(
+        len(g) * max(windows.get(n, 1) for n in g) for g in groups.values()
+    )
+
+
+def test_sample_bounds_a_checks_bytes_by_the_window_and_names_the_whole_tensors_index():
+    """With windows smaller than the vocabulary matrices, a check reads at most a window of
+    each; a changed element of the LM head is caught when its window comes round, and the
+    error names its index in the whole tensor."""
+    case = Case("llama_gqa")
+    name = "lm_head.weight"
+    shape = case.store.tensors[name].shape
+    row = shape[0] - 3  # in the last window
+    flat = row * shape[1] + 5
+    window_bytes = 64 * shape[1] * 4  # 64 rows of fp32
+    verifier, weight_sync = window_verifier(
+        case, engine_reading(case.store, name, flat), window_bytes
+    )
+    caught = None
+    for version in range(64):
+        try:
+            stats = weight_sync.sync([case.chunk], version=version)
+        except SyncVerifyError as err:
+            caught = (version, str(err))
+            break
+        assert (
+            stats.verify.verified_bytes <= len({kind_of(n) for n in names_of(case)}) * window_bytes
+        )
+    assert caught is not None, "the changed row's window never came round"
+    assert f"engine parameter {name} differs" in caught[1]
+    assert f"at index {[row, 5]}" in caught[1]
+    windows = verifier._selection.rotation.windows[name]
+    assert windows == -(-shape[0] // 64) and caught[0] < 2 * verifier._selection.rotation.period
+
+
+def test_a_parameter_reshaped_after_the_first_check_is_an_error():
+    case = Case("llama_gqa")
+    name = "model.layers.0.mlp.down_proj.weight"
+
+    def read(names):
+        tensors = dict(case.store.tensors)
+        if names is not None:  # after the plan's first look: the engine swapped it
+            tensors[name] = tensors[name].t().contiguous()
+        return tensors
+
+    verifier = SyncVerifier("full", interval=1, read_engine=read)
+    weight_sync = WeightSync(case.store, info=case.info, training=case.training,
+                             bucket_mb=BUCKET_MB, verifier=verifier)  # fmt: skip
+    with pytest.raises(SyncVerifyError, match=f"{name} is .* as at the first check"):
+        weight_sync.sync([case.chunk], version=1)

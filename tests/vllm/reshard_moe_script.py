@@ -121,7 +121,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from rl_megatron.resharding.verify import SyncVerifier, SyncVerifyError
     from rl_megatron.rollout.vllm.verify import engine_parameters
 
-    read = functools.partial(engine_parameters, engine)
+    read = functools.partial(engine_parameters, engine, frozenset())
     engine.weight_sync.verifier = SyncVerifier("full", interval=1, read_engine=read)
     try:
         engine.sync_from(actor, version=version + 1)

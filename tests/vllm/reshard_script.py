@@ -73,10 +73,11 @@ def verification(engine, actor, version: int, prompts, greedy) -> tuple[dict[str
     for kind, name in sorted(picks.items()):
         version += 1
 
-        def corrupted(name=name):
-            params = engine_parameters(engine, leave_out)
-            t = params[name]
-            t.reshape(-1).view(bits[t.element_size()])[t.numel() // 2] += 1
+        def corrupted(names=None, name=name):
+            params = engine_parameters(engine, leave_out, names)
+            if name in params:  # the live tensor, changed in place (each read nudges it)
+                t = params[name]
+                t.reshape(-1).view(bits[t.element_size()])[t.numel() // 2] += 1
             return params
 
         weight_sync.verifier = SyncVerifier("full", interval=1, read_engine=corrupted)

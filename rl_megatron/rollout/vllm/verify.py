@@ -9,6 +9,7 @@ believes it wrote.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,17 +20,22 @@ from rl_megatron.rollout.vllm.repacked import repacked_parameters
 from rl_megatron.rollout.vllm.target import _plain_tensor_reads, _rpc_model, fp8_weights
 
 
-def _rpc_parameters(worker: Any) -> dict[str, torch.Tensor]:
-    # `.data`: vLLM's parameter subclasses as plain tensors of the same storage.
-    return {name: p.data for name, p in worker.model_runner.model.named_parameters()}
+def _rpc_parameters(worker: Any, names: Sequence[str] | None) -> dict[str, torch.Tensor]:
+    # `.data`: vLLM's parameter subclasses as plain tensors of the same storage. A name is
+    # looked up in the live module tree each time (`get_parameter`), never kept.
+    model = worker.model_runner.model
+    if names is None:
+        return {name: p.data for name, p in model.named_parameters()}
+    return {name: model.get_parameter(name).data for name in names}
 
 
 def engine_parameters(
-    engine: Any, leave_out: frozenset[str] = frozenset()
+    engine: Any, leave_out: frozenset[str] = frozenset(), names: Sequence[str] | None = None
 ) -> dict[str, torch.Tensor]:
-    """This rank's vLLM parameters, name → tensor, as its model runner holds them now
-    (less `leave_out`)."""
-    params = engine.llm.collective_rpc(_rpc_parameters)[0]
+    """This rank's vLLM parameters `names` (None: all), name → tensor, as its model runner
+    holds them now (less `leave_out`)."""
+    wanted = None if names is None else [n for n in names if n not in leave_out]
+    params = engine.llm.collective_rpc(_rpc_parameters, args=(wanted,))[0]
     return {n: t for n, t in params.items() if n not in leave_out}
 
 
@@ -71,7 +77,9 @@ def fp8_forms(fp8: dict[str, str], sent_dtype: torch.dtype) -> dict[str, StoredF
         return {name: out, scale_name: scale}
 
     return {
-        name: StoredForm(sent_dtype, functools.partial(quantized, name, scale_name))
+        name: StoredForm(
+            sent_dtype, functools.partial(quantized, name, scale_name), (name, scale_name)
+        )
         for name, scale_name in fp8.items()
     }
 
