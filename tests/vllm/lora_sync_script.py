@@ -228,7 +228,9 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         case: dict[str, Any] = {"layout": [t, p], "syncs": []}
         # Every engine tensor read back through vLLM, compared with what was sent.
         verifier = SyncVerifier(
-            "full", interval=1, read_engine=functools.partial(engine_parameters, engine, frozenset())
+            "full",
+            interval=1,
+            read_engine=functools.partial(engine_parameters, engine, frozenset()),
         )
         engine.weight_sync = WeightSync(
             VllmEngineTarget(engine),
