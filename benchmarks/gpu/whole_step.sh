@@ -248,7 +248,9 @@ step e2e_8b 580 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h20
 # Responses of at most 256 tokens (the Megatron engine's eager decode is the slow part;
 # the update's rows stay 511 + up to 256 tokens), so both fit one call: rank 8 first.
 # Not run yet; ~150-250 s each, estimated from e2e_8b's phases.
-LORA_8B="rollout.engine=megatron rollout.engine_kwargs={} data.train_batch_size=4 actor.mini_batch_size=32 rollout.max_response_length=256"
+# On an H100 (80 GB) full fine-tuning needs more of its optimizer on the host: run both
+# with LORA_EXTRA="actor.optim.cpu_offload_fraction=0.8" (the same config on both sides).
+LORA_8B="rollout.engine=megatron rollout.engine_kwargs={} data.train_batch_size=4 actor.mini_batch_size=32 rollout.max_response_length=256 ${LORA_EXTRA:-}"
 step lora_8b_rank8 580 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_8b.yaml \
   --algorithms grpo --no-plain --warmup-steps 1 --steps 2 \
   --out-json "$RES/lora_h200_8b_rank8_$TAG.json" $LORA_8B actor.lora.rank=8
