@@ -78,7 +78,7 @@ _BITS = ((1, torch.uint8), (2, torch.int16), (4, torch.int32), (8, torch.int64))
 
 # `sample` compares at most this many bytes of one tensor per check: a larger one (the
 # vocabulary matrices, an 8B model's MLP weights) is checked a row window at a time.
-SAMPLE_WINDOW_BYTES = 16 << 20
+SAMPLE_WINDOW_BYTES = 8 << 20
 
 # A parameter's rows [start, start + rows) along its shard's row dim (`ShardSpec.dim`).
 Window = tuple[int, int]
@@ -249,7 +249,8 @@ class StoredForm:
 
 
 class ScratchTarget(ReshardTarget):
-    """Fresh tensors (zeros) in the engine tensors' shapes and dtypes (or the dtype sent,
+    """Fresh tensors (uninitialised: a plan writes every element of its targets, padding
+    rows by its fills) in the engine tensors' shapes and dtypes (or the dtype sent,
     for a parameter stored in another form; or the shapes given): what a sync sends."""
 
     def __init__(
@@ -260,7 +261,7 @@ class ScratchTarget(ReshardTarget):
     ) -> None:
         dtypes, shapes = dtypes or {}, shapes or {}
         self.tensors = {
-            n: torch.zeros(shapes.get(n, t.shape), dtype=dtypes.get(n, t.dtype), device=t.device)
+            n: torch.empty(shapes.get(n, t.shape), dtype=dtypes.get(n, t.dtype), device=t.device)
             for n, t in like.items()
         }
 
