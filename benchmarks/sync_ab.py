@@ -136,6 +136,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="build with rollout.verify_sync=sample and also time the sync without the "
         "verifier against with it, interleaved (issue 40's <= 5 %%)",
     )
+    p.add_argument(
+        "--verify-control",
+        action="store_true",
+        help="with --verify-ab: also the sync without the verifier against itself, in the "
+        "same rounds (how far two rounds of identical work fall apart here)",
+    )
+    p.add_argument(
+        "--calls-per-round",
+        type=int,
+        default=1,
+        help="with --verify-ab: timed calls of each side per round (a round's ratio is that "
+        "of the sums, ab.py)",
+    )
     p.add_argument("--tiny", action="store_true", help="CPU smoke: tiny fp32 shape")
     p.add_argument("--run-dir", default="runs/sync_ab")
     p.add_argument("--out-json", type=Path, default=None)
@@ -208,8 +221,10 @@ def time_verification(engine, trainer_sync, args, sync, pause):
         finally:
             weight_sync.verifier = verifier
 
-    return interleave(without, trainer_sync, args.repeats, warmup=args.warmup, sync=sync,
-                      pause=pause)  # fmt: skip
+    rounds = dict(warmup=args.warmup, sync=sync, pause=pause, calls_per_round=args.calls_per_round)
+    ab = interleave(without, trainer_sync, args.repeats, **rounds)
+    control = interleave(without, without, args.repeats, **rounds) if args.verify_control else None
+    return ab, control
 
 
 def weight_bytes(chunks) -> int:
@@ -361,9 +376,11 @@ def main(argv: list[str] | None = None) -> int:
                     pause=engine_asleep,
                 )
                 synced_trainer_sync()  # the actor's weights back in, after the wakes
-            verify_ab = None
+            verify_ab = verify_control = None
             if args.verify_ab:
-                verify_ab = time_verification(engine, synced_trainer_sync, args, sync, pause)
+                verify_ab, verify_control = time_verification(
+                    engine, synced_trainer_sync, args, sync, pause
+                )
             # The engine slept and woke at the configured level, and was synced the same
             # weights again at every round: it must still generate what it did before.
             greedy_after = greedy_tokens()
@@ -415,6 +432,8 @@ def main(argv: list[str] | None = None) -> int:
                 "verified_tensors": parts.get("sync/verified_tensors", []),
                 "verified_bytes": parts.get("sync/verified_bytes", []),
             }
+            if verify_control is not None:  # the same sync without the verifier on both sides
+                result["verify_ab"]["control"] = verify_control.as_dict()
         shape = f"{args.layers}L h{args.hidden}"
         command = "torchrun --standalone --nproc_per_node 1 benchmarks/sync_ab.py " + " ".join(
             sys.argv[1:]
@@ -466,6 +485,13 @@ def main(argv: list[str] | None = None) -> int:
                     f"{v['ratio_max']:.3f}]",
                     flush=True,
                 )
+                if "control" in v:
+                    c = v["control"]
+                    print(
+                        f"control (without ÷ without): ratio median {c['ratio_median']:.3f} "
+                        f"[{c['ratio_min']:.3f}, {c['ratio_max']:.3f}]",
+                        flush=True,
+                    )
             if args.out_json:
                 args.out_json.parent.mkdir(parents=True, exist_ok=True)
                 args.out_json.write_text(json.dumps(result, indent=2, default=str) + "\n")

@@ -148,11 +148,13 @@ step sync_ab_085b 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 7 \
 # before the device-side word comparison and the cached programs (verify.py). Run 22 (H100):
 # +24.5 % and +16.7 %, 3-5 ms a check, still host-bound. Since then: row windows of at most
 # 8 MiB, a lockstep rotation whose sets compile at the first check, per-name engine reads.
-# Run 23 (H100, 16 MiB windows): 0.993x, 1.034x, 1.116x at 7 rounds and 1.117x at 25; the
-# calls fall in two modes (~10 and ~14 ms, on both sides), so 25 rounds; then three
-# verified syncs profiled (torch.profiler and cProfile: where a check's time goes).
+# Run 23 (H100, 16 MiB windows): 0.993x, 1.034x, 1.116x at 7 rounds and 1.117x at 25; with
+# 8 MiB windows 1.010x and 1.002x at 25, rounds 0.70-1.41: single calls fall in two modes
+# (~10 and ~14 ms, on both sides). So rounds of 4 calls of each side, and the control (the
+# sync without the verifier against itself, the same rounds): how far rounds of identical
+# work fall apart here. Then three verified syncs profiled (torch.profiler and cProfile).
 step sync_ab_085b_verify 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 25 --verify-ab \
-  --out-json "$RES/sync_ab_h200_085b_verify_$TAG.json"
+  --verify-control --calls-per-round 4 --out-json "$RES/sync_ab_h200_085b_verify_$TAG.json"
 step sync_ab_085b_verify_profile 150 $TR1 benchmarks/sync_ab.py $SHAPE_085B --repeats 3 \
   --verify-ab --profile-dir "$RES" --out-json "$RES/sync_ab_h200_085b_verify_profile_$TAG.json"
 step sync_ab_7b 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 \
