@@ -70,6 +70,21 @@ class SplitWorld:
         """Into `tensor` from launch rank `src` (blocks until it has arrived)."""
         self.bridge.recv([tensor], src, 0).wait()
 
+    def exchange(
+        self,
+        sends: list[tuple[torch.Tensor, int]],
+        recvs: list[tuple[torch.Tensor, int]],
+    ) -> None:
+        """A resharding round over the bridge (`executor.Transport`): every send and
+        receive posted, then waited for. Posted in launch-rank order on both ends: a rank
+        of split placement's weight plan only sends (training) or only receives
+        (generation), so ordered posting cannot wait in a cycle where a transport runs
+        one pair at a time (NCCL's point-to-point on one communicator)."""
+        works = [self.bridge.send([t], dst, 0) for t, dst in sorted(sends, key=lambda m: m[1])]
+        works += [self.bridge.recv([t], src, 0) for t, src in sorted(recvs, key=lambda m: m[1])]
+        for work in works:
+            work.wait()
+
 
 def generating_layout(rollout_tp: int, rollout_ranks: int) -> ParallelLayout:
     """The generation ranks' own layout: TP groups of `rollout.tp`, one replica each."""

@@ -17,7 +17,8 @@ dual clip engaged, routing replay's gate weights and sequence parallelism, dynam
 sampling across replicas, the restricted unpickler), and issue 39's per-prompt caps on
 new tokens in both engines, issue 38's environment-worker cap, and issue 41's LoRA
 merged weight sync and PEFT export (rows split two ways, shard order, the scale, the
-tool's merge), and issue 39's split placement (data position, seeds, the stop).
+tool's merge), and issue 39's split placement (data position, seeds, the stop, the weight plan's
+destinations).
 """
 
 from __future__ import annotations
@@ -968,6 +969,21 @@ MUTATIONS = [
         "self.split.stop()  # the generation ranks end too",
         "pass",
         f"{SPLIT_TEST}::test_sigterm_stops_both_sides_and_the_run_resumes",
+    ),
+    (
+        "split: every generation rank of a TP replica planned as its first",
+        "rl_megatron/resharding/plan.py",
+        "        key.target(key.info, t_g, r, key.generation_padded_vocab) for r in range(t_g)",
+        "        key.target(key.info, t_g, 0, key.generation_padded_vocab) for r in range(t_g)",
+        "tests/unit/test_split_schedule.py::"
+        "test_the_remote_plan_sends_every_generation_row_once_from_a_training_rank",
+    ),
+    (
+        "split: the weights sent to the generation ranks of no replica",
+        "rl_megatron/trainer/split_rollouts.py",
+        "            world.generation_rank(r) for r in generation",
+        "            world.training_rank(r) for r in generation",
+        "tests/unit/test_split_schedule.py::test_weight_peers_are_launch_ranks_of_both_sides",
     ),
 ]
 

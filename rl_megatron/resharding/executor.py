@@ -30,8 +30,9 @@ group's timeout, as with any collective.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,6 +42,16 @@ from rl_megatron.resharding.copy_program import CopyProgram, KeptViews, Tensors,
 from rl_megatron.resharding.plan import ReshardPlan
 from rl_megatron.resharding.targets import ReshardTarget
 from rl_megatron.resharding.tensor_facts import TensorFacts
+
+# A round's messages: (buffer, peer rank) to send, then to receive into; posts and waits.
+Transport = Callable[[list[tuple[torch.Tensor, int]], list[tuple[torch.Tensor, int]]], None]
+
+
+def _batch_p2p(sends, recvs, *, group: dist.ProcessGroup | None) -> None:
+    ops = [dist.P2POp(dist.isend, buffer, peer, group) for buffer, peer in sends]
+    ops += [dist.P2POp(dist.irecv, buffer, peer, group) for buffer, peer in recvs]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
 
 
 class StagingTracker:
@@ -101,6 +112,10 @@ def execute(
     group: dist.ProcessGroup | None = None,
     tracker: StagingTracker | None = None,
     measure_peak: bool = False,
+    peers: Sequence[int] | None = None,
+    transport: Transport | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
 ) -> SyncStats:
     """Run `program` (this rank's part of `plan`) on global `rank` (collective over the
     rank's training replica).
@@ -118,11 +133,26 @@ def execute(
             which the trainer's phase figures read, and its two reads of the allocator's
             statistics (`torch.cuda.memory_stats`, a dict of ~160 entries built in
             Python) took ~0.3 ms of the 0.85B sync's host time on an H200 (benchmarks/runs/2026-12-02-h200-run13-sync-after-graphs.md).
+        peers: each local rank's rank in `group` (None: the plan's own numbering,
+            `ReshardPlan.global_rank`); split placement's plan spans two sides
+            (`plan.build_remote_plan`).
+        transport: posts a round's sends and receives, (buffer, rank) each, and waits for
+            them (None: `dist.batch_isend_irecv` over `group`; split placement's bridge is
+            a process group of its own, `placement.SplitWorld.exchange`).
+        dtype, device: of the transfer buffers, for a rank without sources (a generation
+            rank of split placement); otherwise the sources'.
     """
     tracker = tracker or StagingTracker()
     elem = plan.key.elem_size
-    dtype = next(iter(sources.values())).dtype if sources else torch.float32
-    device = next(iter(sources.values())).device if sources else torch.device("cpu")
+    first = next(iter(sources.values()), None)
+    dtype = dtype or (first.dtype if first is not None else torch.float32)
+    device = device or (first.device if first is not None else torch.device("cpu"))
+
+    elem_bytes = dtype.itemsize
+
+    def peer_rank(local: int) -> int:
+        return plan.global_rank(local, rank) if peers is None else peers[local]
+
     stats = SyncStats(rank=rank)
     peak = measure_peak and device.type == "cuda"
     if peak:
@@ -152,20 +182,14 @@ def execute(
             for name in step.completed:
                 target.param_done(name)
         issue(bind(prog.pack, tensors))  # send buffers are packed before they are posted
-        ops = []
-        for peer, start, n in prog.sends:
-            ops.append(dist.P2POp(dist.isend, arena[start : start + n],
-                                  plan.global_rank(peer, rank), group))  # fmt: skip
-            stats.bytes_sent += n * arena.element_size()
-            stats.messages_sent += 1
-        for peer, start, n in prog.recvs:
-            ops.append(dist.P2POp(dist.irecv, arena[start : start + n],
-                                  plan.global_rank(peer, rank), group))  # fmt: skip
-            stats.bytes_received += n * arena.element_size()
-            stats.messages_received += 1
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+        sends = [(arena[start : start + n], peer_rank(peer)) for peer, start, n in prog.sends]
+        recvs = [(arena[start : start + n], peer_rank(peer)) for peer, start, n in prog.recvs]
+        stats.bytes_sent += sum(b.numel() for b, _ in sends) * elem_bytes
+        stats.bytes_received += sum(b.numel() for b, _ in recvs) * elem_bytes
+        stats.messages_sent += len(sends)
+        stats.messages_received += len(recvs)
+        if sends or recvs:
+            (transport or functools.partial(_batch_p2p, group=group))(sends, recvs)
         for step in prog.unpack:  # before the next round reuses the arena
             issue(bind(step.ops, tensors))
             for name in step.completed:

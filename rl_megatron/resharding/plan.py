@@ -27,6 +27,10 @@ data-parallel replicas (EP over DP), so a block is the fewest consecutive ranks 
 every dense row and every expert, lcm(t·cp·p, etp·ep·p); its replicas hold the same dense
 rows and the plan still takes each row from the receiver itself where it can.
 
+Split placement (`trainer.mode: split_async`) sends to generation ranks of their own:
+`build_remote_plan` makes the same plan over one block's training ranks and one generation
+replica's ranks appended to them as local ranks of their own (`resharding/remote.py`).
+
 Plans are pure functions of their `PlanKey` (model, layout pair, target, vocab padding,
 bucket, dtype); a weight sync keeps the one it runs (`agreement.PlanAgreement`).
 """
@@ -334,13 +338,43 @@ def _split_rows(move: Move, max_rows: int) -> list[Move]:
 def build_plan(key: PlanKey) -> ReshardPlan:
     """The plan for one replica (pure). See the module docstring."""
     _check_key(key)
-    size = plan_block(key.training)
+    return _build(key, source_specs(key), target_specs(key))
+
+
+def build_remote_plan(key: PlanKey) -> ReshardPlan:
+    """Split placement's plan (`trainer.mode: split_async`, pure): one training plan block
+    straight into one generation replica on ranks of its own.
+
+    Local ranks 0 … B−1 are the block's training ranks (sources, nothing to write), B …
+    B+t_g−1 the generation replica's TP ranks in order (targets, no sources). So every move
+    is a message from a training rank to a generation rank, each row crosses once, and the
+    training side holds no copy of the generation shards. Rows that several training ranks
+    hold (replicated norms, TP-replicated rows) are sent by the one that has sent least so
+    far, as in `build_plan`. The plan's `replica_size` is B + t_g: its `global_rank` means
+    nothing here, so the executor is handed each local rank's rank (`execute(peers=...)`).
+    """
+    _check_key(key)
+    t_g = key.generation.tp
     sources = source_specs(key)
-    targets = target_specs(key)
-    names = [s.name for s in targets[0]]
-    for r, specs in enumerate(targets):
-        if [s.name for s in specs] != names:
-            raise AssertionError(f"generation rank {r} has different parameters than rank 0")
+    targets = [[] for _ in sources] + [
+        key.target(key.info, t_g, r, key.generation_padded_vocab) for r in range(t_g)
+    ]
+    return _build(key, sources + [[] for _ in range(t_g)], targets)
+
+
+def _build(
+    key: PlanKey, sources: list[list[ShardSpec]], targets: list[list[ShardSpec]]
+) -> ReshardPlan:
+    """The plan moving `sources` (per local rank) into `targets` (per local rank; a rank
+    may have none): see the module docstring."""
+    size = len(sources)
+    receivers = [r for r in range(size) if targets[r]]
+    names = [s.name for s in targets[receivers[0]]]
+    for r in receivers:
+        if [s.name for s in targets[r]] != names:
+            raise AssertionError(
+                f"generation rank {r} has different parameters than rank {receivers[0]}"
+            )
     index = _index_holdings(sources)
     sent = [0] * size
 
@@ -348,7 +382,7 @@ def build_plan(key: PlanKey) -> ReshardPlan:
     # targets that post-process a finished parameter see them arrive in order.
     items: list[Move | Fill] = []
     for p_idx in range(len(names)):
-        for dst in range(size):
+        for dst in receivers:
             items += _assign_sources(dst, targets[dst][p_idx], index, sent)
 
     bucket_numel = key.bucket_bytes // key.elem_size

@@ -18,13 +18,14 @@ tag or a queue. The training side runs the list only as far as step k needs (bat
 version k where the list puts it before batch k), so batch k + 1 … is generated while step
 k trains.
 
-Weights. The training ranks reshard the actor into the generation layout with the
-resharding module (`WeightSync` into a `TensorStoreTarget`: the engine's own parameter
-naming and TP split, on the training ranks) and send each shard to the generation ranks
-that hold it; the generation side writes them into its engine's parameters through the
-engine's `ReshardTarget` (begin, each parameter in place, finish with the version), the
-API a colocated sync uses. Generation replica j takes its weights from training replica
-j mod d (micro-replica (j div d) mod m of it, `resharding/layouts.py`).
+Weights. Training replica j (one plan block of t·p ranks) sends its weights straight into
+generation replica j's engine with the resharding module's plan, its destinations on the
+generation ranks (`resharding/remote.py`, `plan.build_remote_plan`): each row crosses the
+bridge once, from a training rank that holds it, and lands in the engine's own parameter
+through the engine's `ReshardTarget` (begin, each parameter in place as its last rows
+land, finish with the version), the API a colocated sync uses. The training side holds
+no copy of the generation shards. Training replicas beyond the G generation replicas send
+nothing (G <= d, `config_checks`).
 
 Data. Each generation replica serves the training replicas i with i mod G = j (G
 generation replicas) and draws their prompts with their own `PromptSampler`s and seeds
@@ -53,7 +54,8 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron.placement import SplitWorld
-from rl_megatron.resharding.layouts import GenerationLayout, TrainingLayout, micro_dp
+from rl_megatron.resharding.layouts import TrainingLayout
+from rl_megatron.resharding.plan import plan_block
 
 Op = tuple[str, int]  # ("weights", version) or ("batch", step)
 
@@ -133,25 +135,23 @@ class Pairing:
     def generator_of(self, train_replica: int) -> int:
         return train_replica % self.generation_replicas
 
-    def weight_source(self, gen_replica: int, gen_tp: int) -> int:
-        """The training rank (training side's numbering) holding the generation shard
-        `gen_tp` that generation replica `gen_replica` takes."""
-        t = self.training
-        m = micro_dp(t, self._staging_layout())
-        replica, micro = gen_replica % t.dp, (gen_replica // t.dp) % m
-        return replica * t.model_parallel_size + micro * self.generation_tp + gen_tp
+    def weight_block(self, gen_replica: int) -> tuple[list[int], list[int]]:
+        """The ranks of generation replica `gen_replica`'s weight plan, each side in its
+        own numbering: training replica `gen_replica`'s plan block (t·p consecutive ranks,
+        the rank order's dp outermost), then the replica's t_g generation ranks."""
+        block = plan_block(self.training)
+        first = gen_replica * block
+        return (
+            list(range(first, first + block)),
+            list(range(gen_replica * self.generation_tp, (gen_replica + 1) * self.generation_tp)),
+        )
 
-    def weight_destinations(self, train_rank: int) -> list[tuple[int, int]]:
-        """(generation replica, gen_tp) pairs that training rank `train_rank` sends to."""
-        return [
-            (j, r)
-            for j in range(self.generation_replicas)
-            for r in range(self.generation_tp)
-            if self.weight_source(j, r) == train_rank
+    def weight_peers(self, gen_replica: int, world: SplitWorld) -> list[int]:
+        """`weight_block`'s ranks as launch ranks (the bridge's numbering)."""
+        training, generation = self.weight_block(gen_replica)
+        return [world.training_rank(r) for r in training] + [
+            world.generation_rank(r) for r in generation
         ]
-
-    def _staging_layout(self) -> GenerationLayout:
-        return GenerationLayout(tp=self.generation_tp, world_size=self.training.world_size)
 
 
 # ------------------------------------------------------------ training side
@@ -173,15 +173,14 @@ class TrainingSide:
         self,
         world: SplitWorld,
         pairing: Pairing,
-        weight_sync,
-        staging,
+        sender,
         dp_rank: int,
         device: torch.device,
         replica_group: dist.ProcessGroup,
     ) -> None:
         self.world, self.pairing, self.device = world, pairing, device
         self.replica_group = replica_group
-        self.weight_sync, self.staging = weight_sync, staging  # WeightSync → TensorStoreTarget
+        self.sender = sender  # resharding.remote.RemoteSender
         self.dp_rank = dp_rank
         self.rank = dist.get_rank()  # on the training side
         gen_replica = pairing.generator_of(dp_rank)
@@ -220,7 +219,7 @@ class TrainingSide:
         operation and send a stop there (module docstring)."""
         for kind, index in self._ops or ():
             if kind == "weights":
-                self._send_header(index, stop=True)
+                self.sender.stop(index)
                 return
             self._receive(index)  # generated, never trained: the resume generates it again
 
@@ -232,97 +231,55 @@ class TrainingSide:
             )
         return batch
 
-    def _destinations(self) -> list[int]:
-        """Launch ranks of the generation ranks that take their weights from this rank."""
-        tp = self.pairing.generation_tp
-        pairs = self.pairing.weight_destinations(self.rank)
-        return [self.world.generation_rank(j * tp + r) for j, r in pairs]
-
-    def _send_header(self, version: int, stop: bool = False) -> None:
-        header = torch.tensor([version, int(stop)], dtype=torch.int64, device=self.device)
-        for dst in self._destinations():
-            self.world.send(header, dst)
-
     def _send_weights(self, actor_chunks, version: int) -> dict[str, float]:
-        """Reshard into the staging store (collective over the training side), then each
-        shard to the generation ranks that take it from this rank."""
-        t0 = time.perf_counter()
-        stats = self.weight_sync.sync(actor_chunks, version)
-        t1 = time.perf_counter()
-        sent = 0
-        self._send_header(version)
-        for dst in self._destinations():
-            for spec in self.staging.specs:
-                tensor = self.staging.tensors[spec.name]
-                self.world.send(tensor, dst)
-                sent += tensor.numel() * tensor.element_size()
+        """Version `version` into the generation replica this rank's block feeds (collective
+        over the training side)."""
+        stats = self.sender.send(actor_chunks, version)
         return {
-            "reshard/stage_s": t1 - t0,
-            "reshard/send_s": time.perf_counter() - t1,
-            "reshard/sent_gb": sent / 1e9,
+            "reshard/send_s": stats.wall_s,
+            "reshard/sent_gb": stats.bytes_sent / 1e9,
             "reshard/plan_prepare_s": stats.prepare_s,
         }
 
 
 def training_side(config, info, run) -> TrainingSide:
     """The training rank's end, once the generation side has said its engine's layout
-    (`GenerationSide.handshake`): the staging store at that layout and its weight sync."""
-    from rl_megatron.resharding.targets import TensorStoreTarget
-    from rl_megatron.resharding.weight_sync import WeightSync
-    from rl_megatron.trainer.build import DTYPES
+    (`GenerationSide.handshake`): the sender of its block's weights."""
+    from rl_megatron.resharding.remote import RemoteSender
 
     world, t_g = run.split, config.rollout.tp
     facts = recv_object(world, world.generation_rank(0), run.device)
-    staging = TensorStoreTarget(
-        facts["shard_specs"],
-        info,
-        GenerationLayout(tp=t_g, world_size=run.layout.world_size),
-        dist.get_rank(),
-        facts["padded_vocab"],
-        dtype=DTYPES[config.model.dtype],
+    pairing = Pairing(run.layout, t_g, config.placement.rollout_ranks // t_g)
+    replica, local = divmod(dist.get_rank(), plan_block(run.layout))
+    feeds = replica < pairing.generation_replicas
+    sender = RemoteSender(
+        remote_key(config, info, run.layout, facts["shard_specs"], facts["padded_vocab"]),
+        transport=world.exchange,
+        send_header=world.send,
+        peers=pairing.weight_peers(replica, world) if feeds else None,
+        local=local,
         device=run.device,
     )
-    weight_sync = WeightSync(
-        staging, info=info, training=run.layout, bucket_mb=config.rollout.weight_sync_bucket_mb
-    )
-    pairing = Pairing(run.layout, t_g, config.placement.rollout_ranks // t_g)
     return TrainingSide(
-        world, pairing, weight_sync, staging, run.coordinates["dp"], run.device, run.groups.replica
+        world, pairing, sender, run.coordinates["dp"], run.device, run.groups.replica
+    )
+
+
+def remote_key(config, info, training: TrainingLayout, shard_specs, padded_vocab: int):
+    """What both sides build the weight plan from (`resharding.remote.RemoteKey`)."""
+    from rl_megatron.resharding.remote import RemoteKey
+
+    return RemoteKey(
+        info=info,
+        training=training,
+        rollout_tp=config.rollout.tp,
+        shard_specs=shard_specs,
+        generation_padded_vocab=padded_vocab,
+        bucket_mb=config.rollout.weight_sync_bucket_mb,
     )
 
 
 # ---------------------------------------------------------- generation side
-
-
-def receive_weights(world: SplitWorld, target, specs, src: int, device) -> int | None:
-    """One version from training rank `src` into the engine through its `target`
-    (begin, every parameter in place, finish); returns the version, None on a stop."""
-    header = torch.zeros(2, dtype=torch.int64, device=device)
-    world.recv(header, src)
-    version, stop = int(header[0]), bool(header[1])
-    if stop:
-        return None
-    target.begin(version)
-    try:
-        for spec in specs:
-            storage = target.writable(spec.name)
-            if tuple(storage.shape) != tuple(spec.shape):
-                raise RuntimeError(
-                    f"split_async: engine parameter {spec.name} has shape "
-                    f"{list(storage.shape)}, the sync sends {list(spec.shape)}"
-                )
-            if storage.is_contiguous():
-                world.recv(storage, src)
-            else:
-                staged = torch.empty(spec.shape, dtype=storage.dtype, device=storage.device)
-                world.recv(staged, src)
-                storage.copy_(staged)
-            target.param_done(spec.name)
-    except BaseException as exc:
-        target.abort(f"transfer failed: {exc}")
-        raise
-    target.finish()
-    return version
 
 
 class GenerationSide:
@@ -334,8 +291,9 @@ class GenerationSide:
 
     def __init__(self, config, world: SplitWorld, run, training: TrainingLayout, logger) -> None:
         from rl_megatron.data.sampler import PromptSampler
+        from rl_megatron.resharding.remote import RemoteReceiver
         from rl_megatron.rollout.engines import build_standalone_engine
-        from rl_megatron.trainer.build import build_data, model_info
+        from rl_megatron.trainer.build import DTYPES, build_data, model_info
 
         self.config, self.world, self.log, self.device = config, world, logger, run.device
         self.data = build_data(config, logger)
@@ -353,8 +311,17 @@ class GenerationSide:
             for i in self.served
         }
         self.total_steps = total_steps(config, len(self.data.train))
-        self.specs = self.target.shard_specs(
-            self.info, t_g, self.gen_tp, self.target.padded_vocab()
+        self.receiver = RemoteReceiver(
+            self.target,
+            remote_key(
+                config, self.info, training, self.target.shard_specs, self.target.padded_vocab()
+            ),
+            gen_tp=self.gen_tp,
+            transport=world.exchange,
+            recv_header=world.recv,
+            peers=self.pairing.weight_peers(self.replica, world),
+            dtype=DTYPES[config.model.dtype],
+            device=run.device,
         )
         self._waited_to_send = 0.0  # the last batch's send: the training side was busy
 
@@ -381,12 +348,11 @@ class GenerationSide:
         if len(steps) != 1:
             raise RuntimeError(f"split_async: training replicas start at different steps {steps}")
         schedule = SplitSchedule(config.rollout.max_staleness, steps.pop(), self.total_steps)
-        src = world.training_rank(self.pairing.weight_source(self.replica, self.gen_tp))
         waited = 0.0
         for kind, index in schedule.ops():
             if kind == "weights":
                 t0 = time.perf_counter()
-                if receive_weights(world, self.target, self.specs, src, self.device) is None:
+                if self.receiver.receive() is None:
                     self.log.info(
                         "split_async: stopped by the training side before batch %d", index
                     )

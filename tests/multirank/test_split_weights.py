@@ -1,12 +1,11 @@
 """Split placement's weight path on 4 gloo ranks, bit for bit (`trainer/split_rollouts.py`).
 
 Ranks 0-1 train (an actor at TP 2, built from an HF checkpoint by the trainer's builder);
-ranks 2-3 generate, each a Megatron engine at TP 1 whose weights start as NaN. The
-training TP group holds two generation micro-replicas (t_g = 1 divides t = 2): generation
-replica 0 takes its shards from training rank 0, replica 1 from training rank 1 (a run's
-config refuses more generation replicas than training replicas for now, as each generates
-whole batches of its own; the weight path is the general one, micro-replicas included). Two
-versions cross: the checkpoint's weights, then every actor weight times 1.5 (what an
+ranks 2-3 generate, each a Megatron engine at TP 1 whose weights start as NaN. Both take
+their weights from the one training replica: each gets the whole model, every row from
+the training rank of the TP 2 pair that holds it (`resharding/remote.py`; a run's config
+refuses more generation replicas than training replicas, as each generates whole batches
+of its own; the weight path takes any number of replicas per block). Two versions cross: the checkpoint's weights, then every actor weight times 1.5 (what an
 update does, as far as the layout is concerned: new values everywhere). After each, every
 parameter of each engine must equal, bit for bit, what Megatron loads from the checkpoint
 (scaled alike) at TP 1, computed here independently (`tests/reshard_refs.py`); the model
@@ -67,23 +66,31 @@ def _body(rank: int, world_size: int, spec: dict) -> None:
         placement=SimpleNamespace(rollout_ranks=2),
     )
     side = training_side(config, info, run)
-    assert side.pairing.weight_destinations(rank) == [(rank, 0)]
-    side._send_weights(actor, 0)
-    with torch.no_grad():
-        for chunk in actor:
-            for param in chunk.parameters():
-                param.mul_(SCALE)
-    side._send_weights(actor, 1)
-    side._send_header(2, stop=True)
+    sent = []
+    for version in (0, 1):
+        if version:
+            with torch.no_grad():
+                for chunk in actor:
+                    for param in chunk.parameters():
+                        param.mul_(SCALE)
+        for replica in (0, 1):  # the same block feeds both replicas, one after the other
+            side.sender.peers = side.pairing.weight_peers(0, world)[:2] + [2 + replica]
+            sent.append(side._send_weights(actor, version)["reshard/sent_gb"])
+    for replica in (0, 1):
+        side.sender.peers = side.pairing.weight_peers(0, world)[:2] + [2 + replica]
+        side.sender.stop(2)
+    # each rank sends what it holds of the model once per replica: about half of it
+    assert 0 < sent[0] == sent[1] == sent[2] == sent[3]
 
 
 def _generate(world, device, info, training, state) -> None:
     from rl_megatron.distributed import init_megatron
     from rl_megatron.models.builders import build_gpt_chunks
     from rl_megatron.parallel import ParallelLayout
+    from rl_megatron.resharding.remote import RemoteReceiver
     from rl_megatron.rollout.megatron.engine import MegatronEngine
     from rl_megatron.rollout.megatron.target import MegatronEngineTarget
-    from rl_megatron.trainer.split_rollouts import Pairing, receive_weights, send_object
+    from rl_megatron.trainer.split_rollouts import remote_key, send_object
     from tests.multirank.test_resharding import _mismatches
     from tests.reshard_refs import megatron_reference
 
@@ -98,20 +105,27 @@ def _generate(world, device, info, training, state) -> None:
         for rank in range(world.train_size):
             facts = {"shard_specs": target.shard_specs, "padded_vocab": padded}
             send_object(world, facts, world.training_rank(rank), device)
-    specs = target.shard_specs(info, 1, 0, padded)
-    pairing = Pairing(training, 1, 2)
-    src = world.training_rank(pairing.weight_source(world.side_rank, 0))
-    assert src == world.side_rank  # replica j takes micro-replica j: training rank j
+    config = SimpleNamespace(rollout=SimpleNamespace(tp=1, weight_sync_bucket_mb=1 / 64))
+    receiver = RemoteReceiver(
+        target,
+        remote_key(config, info, training, target.shard_specs, padded),
+        gen_tp=0,
+        transport=world.exchange,
+        recv_header=world.recv,
+        peers=[0, 1, world.rank],
+        dtype=torch.float32,
+        device=device,
+    )
     for version in (0, 1):
         for param in chunks[0].parameters():
             param.data.fill_(float("nan"))
-        assert receive_weights(world, target, specs, src, device) == version
+        assert receiver.receive() == version
         assert engine.weight_version == version
         scaled = {name: t * SCALE**version for name, t in state.items()}
         want = megatron_reference(scaled, info, 1, 0, padded)
         bad = _mismatches({k: v.data for k, v in target.params.items()}, want)
         assert not bad, f"version {version}: {bad[:4]}"
-    assert receive_weights(world, target, specs, src, device) is None  # the stop
+    assert receiver.receive() is None  # the stop
 
 
 @pytest.mark.skipif(ON_GPU, reason="gloo ranks: the bridge here is CPU tensors")

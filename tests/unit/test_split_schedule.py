@@ -7,7 +7,9 @@ import itertools
 
 import pytest
 
+from rl_megatron.models.conversions import padded_vocab_size
 from rl_megatron.parallel import ParallelLayout
+from rl_megatron.resharding.layouts import TrainingLayout
 from rl_megatron.trainer.split_rollouts import Pairing, SplitSchedule
 
 CASES = [
@@ -106,47 +108,77 @@ def test_one_generation_replica_per_training_replica():
     p = _pairing(1, 1, 2, 1, 2)
     assert (p.served_by(0), p.served_by(1)) == ([0], [1])
     assert (p.generator_of(0), p.generator_of(1)) == (0, 1)
-    assert (p.weight_source(0, 0), p.weight_source(1, 0)) == (0, 1)
-    assert (p.weight_destinations(0), p.weight_destinations(1)) == ([(0, 0)], [(1, 0)])
+    assert (p.weight_block(0), p.weight_block(1)) == (([0], [0]), ([1], [1]))
 
 
-def test_micro_replicas_of_one_training_replica_feed_two_generation_replicas():
-    # TP 2 training, t_g 1: each training rank holds a whole generation replica (micro-DP).
-    p = _pairing(2, 1, 1, 1, 2)
-    assert (p.served_by(0), p.served_by(1)) == ([0], [])
-    assert (p.weight_source(0, 0), p.weight_source(1, 0)) == (0, 1)
-
-
-def test_a_tp_generation_replica_takes_each_shard_from_its_holder():
-    # Training TP 2 x PP 2 (4 ranks a replica), DP 2; generation TP 2, one replica.
-    p = _pairing(2, 2, 2, 2, 1)
-    assert p.served_by(0) == [0, 1]
-    assert [p.weight_source(0, r) for r in range(2)] == [0, 1]
-    # Two micro-replicas per training replica; a second and third generation replica
-    # would take training replica 1's first and replica 0's second micro-replica.
-    q = _pairing(2, 2, 2, 2, 3)
-    assert [q.weight_source(j, 1) for j in range(3)] == [1, 5, 3]
-    assert q.weight_destinations(3) == [(2, 1)]
+def test_a_tp_generation_replica_takes_its_weights_from_one_training_block():
+    # Training TP 2 x PP 2 (4 ranks a replica), DP 2; generation TP 2, two replicas.
+    p = _pairing(2, 2, 2, 2, 2)
+    assert p.served_by(0) == [0] and p.served_by(1) == [1]
+    assert p.weight_block(0) == ([0, 1, 2, 3], [0, 1])
+    assert p.weight_block(1) == ([4, 5, 6, 7], [2, 3])
 
 
 def test_more_training_replicas_than_generation_replicas():
     p = _pairing(1, 1, 4, 1, 2)
     assert (p.served_by(0), p.served_by(1)) == ([0, 2], [1, 3])
     assert [p.generator_of(i) for i in range(4)] == [0, 1, 0, 1]
-    assert p.weight_destinations(2) == p.weight_destinations(3) == []
+    assert p.weight_block(1) == ([1], [1])  # replicas 2 and 3 feed none
 
 
-def test_each_training_rank_sends_its_shard_to_the_generation_rank_that_takes_it():
-    """Launch ranks of the weights' destinations: 4 training ranks (TP 2 x DP 2), 4
-    generation ranks (two replicas at TP 2). Generation replica j, TP rank r sits at launch
-    rank 4 + 2j + r and takes its shard from training replica j's TP rank r."""
+def test_weight_peers_are_launch_ranks_of_both_sides():
+    """4 training ranks (TP 2 x DP 2) at launch ranks 0-3, 4 generation ranks (two replicas
+    at TP 2) at 4-7: generation replica j's plan is training ranks 2j, 2j + 1, then launch
+    ranks 4 + 2j, 5 + 2j (a swapped side or replica index fails here)."""
     from rl_megatron.placement import SplitWorld
-    from rl_megatron.trainer.split_rollouts import TrainingSide
 
     pairing = _pairing(2, 1, 2, 2, 2)
-    want = {0: [4], 1: [5], 2: [6], 3: [7]}
-    for rank, destinations in want.items():
-        side = object.__new__(TrainingSide)  # only what `_destinations` reads
-        side.pairing, side.rank = pairing, rank
-        side.world = SplitWorld(rank=rank, world_size=8, rollout_ranks=4, bridge=None)
-        assert side._destinations() == destinations, rank
+    world = SplitWorld(rank=0, world_size=8, rollout_ranks=4, bridge=None)
+    assert pairing.weight_peers(0, world) == [0, 1, 4, 5]
+    assert pairing.weight_peers(1, world) == [2, 3, 6, 7]
+
+
+@pytest.mark.parametrize(
+    "tp, pp, t_g, model",
+    [(2, 1, 1, "qwen3_padded_vocab"), (1, 2, 1, "llama_gqa"), (2, 2, 2, "qwen3_padded_vocab"),
+     (1, 1, 1, "llama_gqa"), (4, 1, 2, "llama_gqa")],
+)  # fmt: skip
+def test_the_remote_plan_sends_every_generation_row_once_from_a_training_rank(tp, pp, t_g, model):
+    """Split placement's plan (`plan.build_remote_plan`): training ranks only send,
+    generation ranks only receive (and fill padding), every row of every generation shard
+    arrives exactly once, and sender and receiver agree on every message."""
+    from rl_megatron.resharding.layouts import GenerationLayout
+    from rl_megatron.resharding.plan import Fill, PlanKey, build_remote_plan
+    from rl_megatron.rollout.vllm import specs as vllm_layout
+    from tests.reshard_refs import model_info
+
+    info = model_info(model)
+    training = TrainingLayout(tp, pp, 1)
+    train_vocab = padded_vocab_size(info.vocab_size, 128, tp)
+    gen_vocab = vllm_layout.vllm_padded_vocab(info.vocab_size, t_g)
+    key = PlanKey(info, training, GenerationLayout(tp=t_g, world_size=tp * pp),
+                  vllm_layout.vllm_specs, train_vocab, gen_vocab, 1 << 12, 4)  # fmt: skip
+    plan = build_remote_plan(key)
+    block = tp * pp
+    assert plan.replica_size == block + t_g
+    for local in range(block):  # training ranks: sends only
+        assert not plan.targets[local]
+        for r in plan.rounds[local]:
+            assert not r.writes and not r.recvs
+            assert all(peer >= block for peer in r.sends)
+    for g in range(t_g):
+        local = block + g
+        assert not plan.sources[local]
+        specs = {s.name: s for s in plan.targets[local]}
+        assert specs == {s.name: s for s in vllm_layout.vllm_specs(info, t_g, g, gen_vocab)}
+        rows = {name: [0] * s.rows for name, s in specs.items()}
+        for r in plan.rounds[local]:
+            assert not r.sends and all(peer < block for peer in r.recvs)
+            assert all(isinstance(w, Fill) for w in r.writes)
+            for m in [*r.writes, *(m for ms in r.recvs.values() for m in ms)]:
+                for i in range(m.dst_offset, m.dst_offset + m.rows):
+                    rows[m.dst_param][i] += 1
+            for peer, moves in r.recvs.items():  # what the peer sends this rank, in order
+                sent = next(s for s in plan.rounds[peer] if s.index == r.index).sends[local]
+                assert sent == moves
+        assert all(set(counts) == {1} for counts in rows.values()), "a row twice or never"
