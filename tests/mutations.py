@@ -985,6 +985,13 @@ MUTATIONS = [
         "            world.training_rank(r) for r in generation",
         "tests/unit/test_split_schedule.py::test_weight_peers_are_launch_ranks_of_both_sides",
     ),
+    (
+        "split: every generation rank of a TP replica receives as its first",
+        "rl_megatron/resharding/remote.py",
+        "        self.local = len(self.peers) - key.rollout_tp + gen_tp",
+        "        self.local = len(self.peers) - key.rollout_tp + 0",
+        "tests/multirank/test_split_weights.py",
+    ),
 ]
 
 
