@@ -95,13 +95,18 @@ def test_sample_covers_every_kind_each_time_and_every_parameter_in_turn(model):
     assert choose(names, "full", 3) == names
 
 
-def test_a_restricted_plan_moves_only_the_chosen_rows():
+def tp2_plan():
+    """A plan from training TP 2 into one generation rank (t_g 1): messages between ranks."""
     case = Case("llama_gqa")
     training = TrainingLayout(2, 1, 1)
     gen = generation_layout_for(training, 1)
     key = PlanKey(case.info, training, gen, vllm_layout.vllm_specs, case.train_vocab * 2,
                   case.gen_vocab, 1 << 12, 4)  # fmt: skip
-    plan = build_plan(key)
+    return build_plan(key)
+
+
+def test_a_restricted_plan_moves_only_the_chosen_rows():
+    plan = tp2_plan()
     chosen = {"model.layers.0.self_attn.qkv_proj.weight", "model.norm.weight"}
     sub = restricted_plan(plan, chosen)
     for rounds in sub.rounds:
@@ -321,12 +326,7 @@ def test_a_windowed_restricted_plan_writes_exactly_those_rows_of_the_sync():
 
 
 def test_windowed_moves_shrink_alike_on_sender_and_receiver():
-    case = Case("llama_gqa")
-    training = TrainingLayout(2, 1, 1)
-    gen = generation_layout_for(training, 1)
-    key = PlanKey(case.info, training, gen, vllm_layout.vllm_specs, case.train_vocab * 2,
-                  case.gen_vocab, 1 << 12, 4)  # fmt: skip
-    plan = build_plan(key)
+    plan = tp2_plan()
     name = "lm_head.weight"
     (spec,) = [s for s in plan.targets[0] if s.name == name]
     sub = restricted_plan(plan, {name}, {name: (100, 300)})
