@@ -72,7 +72,7 @@ def raise_together(problems: list[str], rank: int, group: dist.ProcessGroup | No
     refuse(problems, rank, bool(all_max([1 if problems else 0], group)[0]))
 
 
-def _padded_vocab_of(sources: Mapping[str, torch.Tensor], tp: int) -> int:
+def padded_vocab_of(sources: Mapping[str, torch.Tensor], tp: int) -> int:
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         if name in sources:
             return sources[name].shape[0] * tp
@@ -161,7 +161,7 @@ class PlanAgreement:
         if len(dtypes) > 1:
             own.append(f"training parameters mix dtypes {sorted(map(str, dtypes))}")
         elem = next(iter(sources.values())).element_size() if sources else 0
-        mine = [_padded_vocab_of(sources, self.training.tp), self.target.padded_vocab(), elem]
+        mine = [padded_vocab_of(sources, self.training.tp), self.target.padded_vocab(), elem]
         # The engine's vocabulary is never guessed: every rank must report one, and equal.
         guess = [mine[0] or self.agreed[0], mine[1], mine[2] or self.agreed[2]]
 

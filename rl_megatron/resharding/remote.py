@@ -1,13 +1,15 @@
 """Weights to generation ranks of their own: split placement's sync (`trainer.mode:
 split_async`, `trainer/split_rollouts.py`).
 
-    # a training rank (every one of the training side: the plan's vocabulary is agreed)
-    sender = RemoteSender(info, training, specs, engine_vocab, rollout_tp, bucket_mb,
-                          transport=world.exchange, header=..., peers=block_ranks)
+    key = RemoteKey(info, training, rollout_tp, engine_shard_specs, engine_vocab, bucket_mb)
+    # a training rank (every one: the training side's vocabulary padding is agreed)
+    sender = RemoteSender(key, transport=world.exchange, send_header=world.send,
+                          peers=plan_ranks, local=rank_in_block, device=device)
     sender.send(actor_chunks, version)
     # a generation rank
-    receiver = RemoteReceiver(target, info, training, rollout_tp, gen_tp, bucket_mb,
-                              transport=world.exchange, header=..., peers=block_ranks)
+    receiver = RemoteReceiver(engine_target, key, gen_tp=gen_tp, transport=world.exchange,
+                              recv_header=world.recv, peers=plan_ranks, dtype=dtype,
+                              device=device)
     receiver.receive()    # the version now in the engine, or None when told to stop
 
 The plan is the colocated sync's, with its destinations on other ranks
@@ -35,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from rl_megatron.models.hf_config import HFModelInfo
-from rl_megatron.resharding.agreement import _padded_vocab_of, all_max
+from rl_megatron.resharding.agreement import MIB, all_max, padded_vocab_of
 from rl_megatron.resharding.copy_program import CopyProgram, compile_program
 from rl_megatron.resharding.executor import SyncStats, Transport, execute
 from rl_megatron.resharding.layouts import GenerationLayout, TrainingLayout
@@ -44,11 +46,9 @@ from rl_megatron.resharding.shards import spec_shapes
 from rl_megatron.resharding.sources import SourceTable
 from rl_megatron.resharding.targets import ReshardTarget
 
-MIB = 1 << 20
-
-# (version, stop, training padded vocabulary, element size), int64, to each generation rank
-HeaderSend = Callable[[torch.Tensor, int], None]
-HeaderRecv = Callable[[torch.Tensor, int], None]
+# Sends or receives a version's header — int64 (version, stop, training padded vocabulary,
+# element size) — to or from a launch rank (`SplitWorld.send` / `.recv`).
+HeaderIO = Callable[[torch.Tensor, int], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,7 @@ class RemoteSender:
         key: RemoteKey,
         *,
         transport: Transport,
-        send_header: HeaderSend,
+        send_header: HeaderIO,
         peers: Sequence[int] | None,
         local: int,
         device: torch.device,
@@ -176,7 +176,7 @@ class RemoteSender:
         if self._vocab_elem is None:
             elem = next(iter(sources.values())).element_size() if sources else 0
             vocab, elem = all_max(
-                [_padded_vocab_of(sources, self.key.training.tp), elem], self.group
+                [padded_vocab_of(sources, self.key.training.tp), elem], self.group
             )
             self._vocab_elem = (vocab, elem)
         return self._vocab_elem
@@ -201,7 +201,7 @@ class RemoteReceiver:
         *,
         gen_tp: int,
         transport: Transport,
-        recv_header: HeaderRecv,
+        recv_header: HeaderIO,
         peers: Sequence[int],
         dtype: torch.dtype,
         device: torch.device,
