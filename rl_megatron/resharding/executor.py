@@ -148,8 +148,6 @@ def execute(
     dtype = dtype or (first.dtype if first is not None else torch.float32)
     device = device or (first.device if first is not None else torch.device("cpu"))
 
-    elem_bytes = dtype.itemsize
-
     def peer_rank(local: int) -> int:
         return plan.global_rank(local, rank) if peers is None else peers[local]
 
@@ -184,8 +182,8 @@ def execute(
         issue(bind(prog.pack, tensors))  # send buffers are packed before they are posted
         sends = [(arena[start : start + n], peer_rank(peer)) for peer, start, n in prog.sends]
         recvs = [(arena[start : start + n], peer_rank(peer)) for peer, start, n in prog.recvs]
-        stats.bytes_sent += sum(b.numel() for b, _ in sends) * elem_bytes
-        stats.bytes_received += sum(b.numel() for b, _ in recvs) * elem_bytes
+        stats.bytes_sent += sum(b.numel() for b, _ in sends) * elem
+        stats.bytes_received += sum(b.numel() for b, _ in recvs) * elem
         stats.messages_sent += len(sends)
         stats.messages_received += len(recvs)
         if sends or recvs:

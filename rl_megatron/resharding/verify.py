@@ -34,8 +34,8 @@ the tensor's turn comes), which bounds a check's bytes whatever the model's size
 kinds rotate in lockstep with a period of the longest kind's turns, and the period's sets
 are compiled once, at a plan's first check; only the chosen parameters are read from the
 engine; and each chunk's tensors are compared on the device as their widest integer words
-(`differs`), with one host sync per chunk, one for `sample` (the element that differs is looked for only
-when one does).
+(`differs`), with one host sync per chunk (one chunk for `sample`; the element that differs
+is looked for only when one does).
 """
 
 from __future__ import annotations
@@ -94,14 +94,6 @@ def kind_of(name: str) -> str:
         if any(f in name for f in fragments):
             return kind
     return "other"
-
-
-def choose(names: Sequence[str], mode: VerifyMode, index: int) -> list[str]:
-    """The parameters to verify at the `index`-th verification, in `names`' order (whole
-    tensors; `Rotation` adds the row windows)."""
-    if mode == "full":
-        return list(names)
-    return [name for name, _ in Rotation(names, {}).picks(index)]
 
 
 class Rotation:
@@ -467,11 +459,15 @@ class SyncVerifier:
         flags = all_max(flags, group)
         readable = [n for n, f in zip(names, flags, strict=True) if not f]
         del engine
-        windows = self._window_rows(plan, readable) if self.mode == "sample" else {}
-        rotation = Rotation(readable, {n: len(w) for n, w in windows.items()})
+        if self.mode == "full":
+            rotation, windows = None, {}
+            steps = {0: [(n, None) for n in readable]}
+        else:
+            windows = self._window_rows(plan, readable)
+            rotation = Rotation(readable, {n: len(w) for n, w in windows.items()})
+            steps = {step: rotation.picks(step) for step in range(rotation.period)}
         sets: dict[int, list[_Check]] = {}
-        for step in range(rotation.period) if self.mode == "sample" else [0]:
-            picks = rotation.picks(step) if self.mode == "sample" else [(n, None) for n in readable]
+        for step, picks in steps.items():
             chosen = {n: windows[n][w] for n, w in picks if w is not None}
             sets[step] = []
             for chunk in self._chunks(plan, [n for n, _ in picks], chosen):
@@ -483,7 +479,7 @@ class SyncVerifier:
             shapes=shapes,
             dims={s.name: s.dim for s in specs},
             unreadable=len(names) - len(readable),
-            rotation=rotation if self.mode == "sample" else None,
+            rotation=rotation,
             sets=sets,
         )
         return self._selection

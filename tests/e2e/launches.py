@@ -17,16 +17,25 @@ from tests.e2e.test_launcher import ROOT, TINY
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def start_run(
-    output_dir: Path, *overrides: str, ranks: int = 4, log: Path | None = None
-) -> subprocess.Popen:
-    """torchrun launch/ppo.py on the tiny config, in a session of its own (so one killpg
-    reaches the agent and every rank); output to `log`, or discarded."""
+def launch_command(
+    output_dir: Path, *overrides: str, ranks: int = 4
+) -> tuple[list[str], dict[str, str]]:
+    """The torchrun command of launch/ppo.py on the tiny config, and its environment (one
+    thread a rank, no distributed variables of the test's own process)."""
     env = {key: value for key, value in os.environ.items() if key not in DIST_VARS}
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
     cmd += [f"--nproc_per_node={ranks}", "launch/ppo.py", "--config", TINY]
     cmd += [f"trainer.output_dir={output_dir}", *overrides]
+    return cmd, env
+
+
+def start_run(
+    output_dir: Path, *overrides: str, ranks: int = 4, log: Path | None = None
+) -> subprocess.Popen:
+    """torchrun launch/ppo.py on the tiny config, in a session of its own (so one killpg
+    reaches the agent and every rank); output to `log`, or discarded."""
+    cmd, env = launch_command(output_dir, *overrides, ranks=ranks)
     out = log.open("w") if log is not None else subprocess.DEVNULL
     try:
         return subprocess.Popen(

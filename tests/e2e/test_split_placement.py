@@ -208,19 +208,14 @@ def test_sigterm_stops_both_sides_and_the_run_resumes(tmp_path):
     """SIGTERM to torchrun: the training ranks finish their step, save it, drain what the
     generation ranks sent meanwhile and send them a stop; every rank exits (none waits
     for a partner that left) and a rerun resumes from the saved step to the end."""
-    import os
     import signal
     import subprocess
-    import sys
 
-    from tests.e2e.test_launcher import ROOT, TINY
+    from tests.e2e.launches import launch_command
+    from tests.e2e.test_launcher import ROOT
 
     run_args = [*SPLIT, "rollout.max_staleness=1", "checkpoint.save_interval=0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    cmd += ["launch/ppo.py", "--config", TINY, f"trainer.output_dir={tmp_path}", *run_args]
+    cmd, env = launch_command(tmp_path, *run_args)
     log = tmp_path / "stderr.log"
     with log.open("w") as err:
         proc = subprocess.Popen(

@@ -7,10 +7,8 @@ model) under torchrun on 4 gloo ranks, TP=2 × DP=2, as `make demo` does.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -302,12 +300,11 @@ def _where(a: bytes, b: bytes, path: Path) -> str:
 def test_sigterm_saves_and_stops(tmp_path):
     """SIGTERM (what Slurm sends before a job's time runs out) to torchrun: the ranks
     finish the step they are in, save it, and stop; a rerun resumes from there."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4"]
-    cmd += ["launch/ppo.py", "--config", TINY, f"trainer.output_dir={tmp_path}"]
-    cmd += ["trainer.total_steps=1000", "trainer.val_interval=0", "checkpoint.save_interval=0"]
+    from tests.e2e.launches import launch_command
+
+    cmd, env = launch_command(
+        tmp_path, "trainer.total_steps=1000", "trainer.val_interval=0", "checkpoint.save_interval=0"
+    )
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )

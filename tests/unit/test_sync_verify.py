@@ -16,9 +16,9 @@ import torch
 from rl_megatron.resharding.layouts import TrainingLayout, generation_layout_for
 from rl_megatron.resharding.plan import PlanKey, build_plan
 from rl_megatron.resharding.verify import (
+    Rotation,
     SyncVerifier,
     SyncVerifyError,
-    choose,
     differs,
     first_difference,
     kind_of,
@@ -29,6 +29,13 @@ from rl_megatron.rollout.vllm import specs as vllm_layout
 from tests.unit.test_reshard_caches import BUCKET_MB, Case, one_rank  # noqa: F401
 
 BITS = {2: torch.int16, 4: torch.int32}
+
+
+def choose(names, mode: str, index: int) -> list[str]:
+    """The parameters the `index`-th verification checks (whole tensors, no windows)."""
+    if mode == "full":
+        return list(names)
+    return [name for name, _ in Rotation(names, {}).picks(index)]
 
 
 def nudged(t: torch.Tensor, flat: int) -> torch.Tensor:
@@ -343,7 +350,6 @@ def test_windowed_moves_shrink_alike_on_sender_and_receiver():
 
 
 def test_rotation_checks_every_kind_each_time_and_every_window_within_two_periods():
-    from rl_megatron.resharding.verify import Rotation
 
     names = names_of(Case("llama_gqa"))
     windows = {n: 3 for n in names if "embed" in n or "lm_head" in n or "gate_up" in n}
