@@ -51,6 +51,17 @@ def start_run(
             out.close()  # the child holds its own descriptor
 
 
+def sigterm_at_step(proc: subprocess.Popen, step: int, timeout: float = 120) -> None:
+    """SIGTERM to torchrun (what Slurm sends before a job's time runs out) once its console
+    (`proc.stdout`, text) shows step `step`; then wait for the run to end."""
+    for line in proc.stdout:
+        if line.startswith(f"step {step}/"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    proc.stdout.read()
+    proc.wait(timeout=timeout)
+
+
 def kill_when(
     proc: subprocess.Popen,
     moment: Callable[[], bool],

@@ -208,10 +208,9 @@ def test_sigterm_stops_both_sides_and_the_run_resumes(tmp_path):
     """SIGTERM to torchrun: the training ranks finish their step, save it, drain what the
     generation ranks sent meanwhile and send them a stop; every rank exits (none waits
     for a partner that left) and a rerun resumes from the saved step to the end."""
-    import signal
     import subprocess
 
-    from tests.e2e.launches import launch_command
+    from tests.e2e.launches import launch_command, sigterm_at_step
     from tests.e2e.test_launcher import ROOT
 
     run_args = [*SPLIT, "rollout.max_staleness=1", "checkpoint.save_interval=0"]
@@ -226,12 +225,7 @@ def test_sigterm_stops_both_sides_and_the_run_resumes(tmp_path):
             stderr=err,
             text=True,
         )
-        for line in proc.stdout:
-            if line.startswith("step 2/"):
-                proc.send_signal(signal.SIGTERM)
-                break
-        proc.stdout.read()
-        proc.wait(timeout=120)
+        sigterm_at_step(proc, 2)
     # torchrun gives its ranks 30 s after passing SIGTERM on, then kills the ones left:
     # nobody had to be killed, and no generation rank failed on a training rank that left
     # while it waited (gloo: "Connection closed by peer").

@@ -7,7 +7,6 @@ model) under torchrun on 4 gloo ranks, TP=2 × DP=2, as `make demo` does.
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
 from pathlib import Path
 
@@ -300,7 +299,7 @@ def _where(a: bytes, b: bytes, path: Path) -> str:
 def test_sigterm_saves_and_stops(tmp_path):
     """SIGTERM (what Slurm sends before a job's time runs out) to torchrun: the ranks
     finish the step they are in, save it, and stop; a rerun resumes from there."""
-    from tests.e2e.launches import launch_command
+    from tests.e2e.launches import launch_command, sigterm_at_step
 
     cmd, env = launch_command(
         tmp_path, "trainer.total_steps=1000", "trainer.val_interval=0", "checkpoint.save_interval=0"
@@ -308,12 +307,7 @@ def test_sigterm_saves_and_stops(tmp_path):
     proc = subprocess.Popen(
         cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
     )
-    for line in proc.stdout:
-        if line.startswith("step 2/"):
-            proc.send_signal(signal.SIGTERM)
-            break
-    proc.stdout.read()
-    proc.wait(timeout=120)
+    sigterm_at_step(proc, 2)
     steps = [r["step"] for r in _metrics(tmp_path / "tiny_cpu")]
     assert 2 <= steps[-1] < 1000 and steps == list(range(1, steps[-1] + 1))
     saved = sorted(p.name for p in (tmp_path / "tiny_cpu" / "checkpoints").iterdir())
