@@ -841,6 +841,13 @@ MUTATIONS = [
         "test_sample_bounds_a_checks_bytes_by_the_window_and_names_the_whole_tensors_index",
     ),
     (
+        "sync verification: scratch chunks sized by whole tensors, not their windows",
+        "rl_megatron/resharding/verify.py",
+        "                    rows = windows[sp.name][1] if sp.name in windows else sp.rows",
+        "                    rows = sp.rows",
+        "tests/unit/test_sync_verify.py::test_a_sample_check_is_one_chunk_sized_by_its_windows",
+    ),
+    (
         "sync verification: sample leaves out a kind (the norms)",
         "rl_megatron/resharding/verify.py",
         '    ("norm", ("norm",)),',

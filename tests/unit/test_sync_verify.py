@@ -402,6 +402,24 @@ def test_sample_bounds_a_checks_bytes_by_the_window_and_names_the_whole_tensors_
     assert windows == -(-shape[0] // 64) and caught[0] < 2 * verifier._selection.rotation.period
 
 
+def test_a_sample_check_is_one_chunk_sized_by_its_windows():
+    """Scratch is cut by the windows' bytes, not the whole tensors': with 4 KiB windows and
+    a 64 KiB bucket every set of the period is one chunk (one program, one host sync),
+    where the whole vocabulary matrices (128 KiB each) would not fit one."""
+    case = Case("llama_gqa")
+    verifier = SyncVerifier(
+        "sample", interval=1, read_engine=lambda names: case.store.tensors, window_bytes=4096
+    )
+    weight_sync = WeightSync(
+        case.store, info=case.info, training=case.training, bucket_mb=1 / 16, verifier=verifier
+    )
+    weight_sync.sync([case.chunk], version=0)
+    sets = verifier._selection.sets
+    assert len(sets) == verifier._selection.rotation.period > 1
+    assert all(len(chunks) == 1 for chunks in sets.values())
+    assert case.store.tensors["lm_head.weight"].nbytes > 64 * 1024 // 2
+
+
 def test_a_parameter_reshaped_after_the_first_check_is_an_error():
     case = Case("llama_gqa")
     name = "model.layers.0.mlp.down_proj.weight"
