@@ -36,8 +36,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -136,9 +138,30 @@ def main() -> None:
         seeds = itertools.count(1000, 1000)
         tokens = args.records * args.samples * args.turns * per_turn
 
+        loop = engine._core_loop
+        split: dict[str, list[dict[str, float]]] = {"multi_turn": [], "single_turn": []}
+
+        def engine_split(name: str, call):
+            """`call` with its wall time split into engine-core steps and the rest."""
+            seconds, steps, started = loop.step_seconds, loop.steps, time.perf_counter()
+            out = call()
+            wall = time.perf_counter() - started
+            in_steps = loop.step_seconds - seconds
+            split[name].append(
+                {
+                    "wall_s": wall,
+                    "engine_steps_s": in_steps,
+                    "outside_steps_s": wall - in_steps,
+                    "engine_steps": loop.steps - steps,
+                }
+            )
+            return out
+
         def multi_turn() -> dict[str, float]:
             sampling = SamplingParams(max_new_tokens=per_turn, n=args.samples, seed=next(seeds))
-            trajectories, metrics = engine.generate_trajectories(records, sampling, session)
+            trajectories, metrics = engine_split(
+                "multi_turn", lambda: engine.generate_trajectories(records, sampling, session)
+            )
             sampled = sum(sum(e - s for s, e in t.turns) for t in trajectories)
             assert sampled == tokens, (sampled, tokens)
             return metrics
@@ -150,10 +173,11 @@ def main() -> None:
                 seed=next(seeds),
                 ignore_eos=True,
             )
-            batch = engine.generate(prompts, sampling)
+            batch = engine_split("single_turn", lambda: engine.generate(prompts, sampling))
             assert int(batch.response_lengths.sum()) == tokens
 
         r = interleave(multi_turn, single_turn, args.repeats, warmup=args.warmup, sync=sync)
+        timed = {name: list(calls) for name, calls in split.items()}  # not the profiled ones
         if args.profile_dir is not None:
             for name, call in (("multi_turn", multi_turn), ("single_turn", single_turn)):
                 result[f"profile_{name}"] = str(python_profile(call, 2, args.profile_dir, name))
@@ -171,6 +195,13 @@ def main() -> None:
         "target": TARGET,
         "met_median": r.ratio_median >= TARGET,
         "last_multi_turn_metrics": r.last_a,
+        # Per call (the warm-up's included, first): the engine-core steps' share of the wall
+        # time, and what the driver spent outside them (its host work between steps).
+        "engine_split": timed,
+        "engine_split_medians": {
+            name: {k: statistics.median(c[k] for c in calls) for k in calls[0]}
+            for name, calls in timed.items()
+        },
     }
     print(json.dumps(result, indent=1))
     print(
@@ -179,6 +210,12 @@ def main() -> None:
         f"{tokens} sampled tokens per call; target >= {TARGET} at the median: "
         f"{'met' if r.ratio_median >= TARGET else 'NOT met'}"
     )
+    for name, med in result["engine_split_medians"].items():
+        print(
+            f"{name}: median call {med['wall_s']:.3f} s = engine steps {med['engine_steps_s']:.3f} s "
+            f"({med['engine_steps']:.0f} steps, {1e3 * med['engine_steps_s'] / med['engine_steps']:.2f} "
+            f"ms each) + outside them {med['outside_steps_s']:.3f} s"
+        )
     if args.out_json:
         args.out_json.write_text(json.dumps(result, indent=1))
     os._exit(0)  # vLLM's engine core goes with the process (rollout_ab.py does the same)

@@ -226,6 +226,7 @@ def run_trajectories(
         pool.step(t, text)
 
     started, timeouts_before, waited_before = time.monotonic(), pool.timeouts, pool.waited
+    forks_before = pool.forks
     pool.seconds.clear()  # per trajectory index, of this call
     for t, sample in enumerate(s for s in samples for _ in range(n)):
         pool.start(t, sample)
@@ -244,13 +245,14 @@ def run_trajectories(
     finally:
         for t in list(live):
             pool.close(t)
-        pool.ready(0.0)  # collects the closes' acknowledgements that are already in
+        pool.wait_for_closes()  # so the next call's starts reuse these workers
     timeouts = pool.timeouts - timeouts_before
     wall_s = time.monotonic() - started
     for t, traj in enumerate(trajs):
         traj.env_seconds = float(pool.seconds.get(t, 0.0))
     metrics = _metrics(trajs, turn_count, pool.seconds, timeouts, env_metrics, wall_s)
     metrics["multi_turn/waited_for_worker"] = float(pool.waited - waited_before)
+    metrics["multi_turn/env_workers_forked"] = float(pool.forks - forks_before)
     return trajs, metrics
 
 

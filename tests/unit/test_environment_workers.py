@@ -216,6 +216,34 @@ def test_no_cap_forks_one_worker_per_trajectory_and_none_waits():
         pool.shutdown()
 
 
+class Closing(Counter):
+    """Counter whose close takes 0.3 s, or hangs for key "hang_close"."""
+
+    def close(self):
+        time.sleep(60 if self.key == "hang_close" else 0.3)
+
+
+def test_wait_for_closes_frees_the_workers_and_kills_a_hung_close():
+    pool = EnvironmentPool(Closing, name="t", timeout_s=1.0, max_concurrent=0)
+    try:
+        for i, key in enumerate(["ok", "ok", "hang_close"]):
+            pool.start(i, {"key": key})
+        collect(pool, 3)
+        for i in range(3):
+            pool.close(i)
+        started = time.monotonic()
+        pool.wait_for_closes()
+        waited = time.monotonic() - started
+        assert 0.9 <= waited < 5.0  # the hung close's 1 s limit, not its 60 s
+        assert len(pool._workers) == 2 and pool.timeouts == 0  # a close is not a call
+        assert all(w.call is None and w.traj_id is None for w in pool._workers)
+        for i in range(3, 5):
+            pool.start(i, {"key": "ok"})
+        assert pool.forks == 3  # the two freed workers took the new trajectories
+    finally:
+        pool.shutdown()
+
+
 def test_the_worker_ignores_sigterm_and_dies_with_a_kill(pool):
     import signal
 

@@ -280,6 +280,32 @@ def test_a_slow_environment_holds_only_its_own_trajectory(pool):
     assert metrics["multi_turn/env_time_s"] >= 3.0
 
 
+class SlowCloseEnv(KeyEnv):
+    def close(self):
+        time.sleep(0.2)
+
+
+def test_the_next_call_reuses_the_workers_the_last_one_closed():
+    """The call ends only once its workers' closes are acknowledged: run 22's benchmark
+    forked workers for every rollout while the last rollout's were still closing."""
+    tokenizer = make_chat_tokenizer("qwen2.5")
+    records = [{"id": i, "key": 7} for i in range(4)]
+    pool = EnvironmentPool(SlowCloseEnv, name="t", timeout_s=3.0, max_concurrent=0)
+    try:
+        forked = []
+        for _ in range(2):
+            engine = FakeEngine(tokenizer, calls_then_answer(1))
+            trajs, metrics = run_trajectories(
+                records, 1, pool, ChatIncrements(tokenizer), engine, BUDGET
+            )
+            assert [t.finish_reason for t in trajs] == ["done"] * 4
+            assert all(w.call is None and w.traj_id is None for w in pool._workers)
+            forked.append(metrics["multi_turn/env_workers_forked"])
+        assert forked == [4.0, 0.0] and pool.forks == 4
+    finally:
+        pool.shutdown()
+
+
 # --------------------------------------------------------------------------- config
 
 TINY = Path(__file__).resolve().parents[2] / "yaml_configs" / "tiny_cpu.yaml"

@@ -27,6 +27,7 @@ equal `LLM.generate`'s for the same requests and seeds (tests/vllm/test_vllm_eng
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Hashable, Sequence
 from copy import copy
 from dataclasses import dataclass, field
@@ -80,6 +81,11 @@ class CoreLoop:
         self._live: dict[str, tuple[Hashable, CoreSample]] = {}
         # The LoRA adapter every request runs with (`rollout.lora_sync: adapter`); None: none.
         self.lora_request: Any = None
+        # Engine-core steps and the seconds inside them since construction (a step blocks until its
+        # outputs are read back): what a call spends outside them is this loop's and its
+        # caller's host work (benchmarks/multi_turn_generation.py splits a call by it).
+        self.step_seconds = 0.0
+        self.steps = 0
 
     @property
     def running(self) -> int:
@@ -98,7 +104,11 @@ class CoreLoop:
         """One engine-core step (`get_output`): every running request's new tokens are
         appended; returns the requests that finished in it, as (key, sample)."""
         done = []
-        for out in self._client.get_output().outputs:
+        started = time.perf_counter()
+        outputs = self._client.get_output().outputs
+        self.step_seconds += time.perf_counter() - started
+        self.steps += 1
+        for out in outputs:
             entry = self._live.get(out.request_id)
             if entry is None:
                 continue  # a request of an earlier, aborted call
