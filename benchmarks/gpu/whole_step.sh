@@ -187,8 +187,11 @@ step sync_ab_7b_l0 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 --sleep-
 # which 180 s captured nine CUDA graphs (the Triton block-fp8 kernels compile per batch
 # size) and most of the rest warmed the same kernels up. Hence one capture size: with
 # ignore_eos every decode step of a call runs all 256 rows, so a graph of 256 serves
-# them all (the prefill runs piecewise either way). Estimate, not measured: fp8 start
-# ~210 s, bf16 ~80 s, (1 warm-up + 2) rounds x 2 calls x ~25 s = ~150 s, ~490 s in all.
+# them all (the prefill runs piecewise either way). Runs 22 and 24 (H100): fp8 start
+# 196-211 s, bf16 51-52 s, 446 s and 520 s in all. In run 24 the fp8 engine's warm-up call
+# and its first timed call took 54-58 s and its second 20 s (bf16: 26 s each), so one
+# round was a warm-up's, at 0.45x: two warm-up rounds now (--warmup 2, ~+50 s; the timed
+# rounds may be cut to one by the limit, and the JSON says how many ran).
 # Alone in a call (STEPS="fp8_rollout_8b"). JSON written after every round.
 SHAPE_8B="--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256"
 step fp8_rollout_8b 580 python3 benchmarks/fp8_rollout.py $SHAPE_8B --dtype bfloat16 \
