@@ -57,14 +57,23 @@ class ScriptedCore:
 
 
 class InputProcessor:
-    def process_inputs(self, request_id, prompt, params, supported_tasks):
+    model_config = SimpleNamespace(max_model_len=8)
+
+    def __init__(self):
+        self.processed = 0
+
+    def process_inputs(self, request_id, prompt, params, supported_tasks, **adapter):
         assert prompt == {"type": "token", "prompt_token_ids": prompt["prompt_token_ids"]}
         assert supported_tasks == ("generate",)
+        self.processed += 1
         return SimpleNamespace(
             request_id=request_id,
+            external_req_id=None,
             prompt_token_ids=prompt["prompt_token_ids"],
             sampling_params=params.clone(),
             params=None,
+            arrival_time=0.0,
+            lora_request=adapter.get("lora_request"),
         )
 
     @staticmethod
@@ -190,3 +199,41 @@ def test_requests_added_one_by_one_finish_step_by_step_under_their_keys():
     assert core.aborted == ["rl-1-abcd"]
     with pytest.raises(ValueError, match="one sample per request.*n = 2"):
         loop.add("x", [1], vllm.SamplingParams(n=2))
+
+
+def test_turns_are_copies_of_the_first_processed_request_with_their_prompt_seed_and_cap():
+    """`add_turn`: vLLM's input processor runs once per `like` (and adapter); every later
+    turn is a copy carrying its own prompt, seed and max_tokens, its params its own."""
+    loop, core = make_loop(lambda reqs: [])
+    processor = loop._engine.input_processor
+    like = vllm.SamplingParams(n=1, seed=None, max_tokens=5, logprobs=0, stop_token_ids=[2])
+    loop.add_turn("0-0", [1, 2], like, 100, 3)
+    loop.add_turn("1-0", [3], like, 101, 4)
+    loop.add_turn("0-1", [1, 2, 5, 6, 7, 8, 9, 10], like, 102, 1)
+    assert processor.processed == 1
+    assert [r.prompt_token_ids for r in core.requests] == [[1, 2], [3], [1, 2, 5, 6, 7, 8, 9, 10]]
+    assert [r.sampling_params.seed for r in core.requests] == [100, 101, 102]
+    assert [r.sampling_params.max_tokens for r in core.requests] == [3, 4, 1]
+    assert [r.sampling_params.stop_token_ids for r in core.requests] == [[2]] * 3
+    assert [r.request_id for r in core.requests] == ["rl-0-abcd", "rl-1-abcd", "rl-2-abcd"]
+    assert [r.params.seed for r in core.requests] == [100, 101, 102]
+    assert len({id(r.sampling_params) for r in core.requests}) == 3
+    assert like.seed is None and like.max_tokens == 5  # the caller's params are left alone
+    assert loop.running == 3
+
+    other = like.clone()
+    loop.add_turn("2-0", [4], other, 103, 2)  # other params: processed anew
+    assert processor.processed == 2
+    loop.lora_request = object()  # a new adapter version: processed anew, and carried
+    loop.add_turn("3-0", [4], other, 104, 2)
+    loop.add_turn("3-1", [4, 5], other, 105, 2)
+    assert processor.processed == 3
+    assert [r.lora_request for r in core.requests[-2:]] == [loop.lora_request] * 2
+
+    with pytest.raises(ValueError, match="turn 4-0: a prompt of 9 tokens .*1 to 8"):
+        loop.add_turn("4-0", list(range(9)), like, 106, 1)
+    with pytest.raises(ValueError, match="turn 4-0: a prompt of 0 tokens"):
+        loop.add_turn("4-0", [], like, 106, 1)
+    with pytest.raises(ValueError, match="turn 4-0: max_tokens 0 < 1"):
+        loop.add_turn("4-0", [1], like, 106, 0)
+    assert len(core.requests) == 6

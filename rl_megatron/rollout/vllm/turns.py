@@ -11,8 +11,9 @@ With rollout TP > 1 every rank of the replica runs its own engine core, and thos
 see the same requests before the same step. The replica's first rank drives (the
 environments run there); before each engine step it sends the others the requests it
 added since the last step (`LeaderChannel` over a gloo group of the replica's ranks):
-("step", [(request id, prompt, vLLM params), ...]), then ("done", result) or
-("error", message). The followers replay the adds and the step.
+first ("turns", the vLLM params every turn shares), then ("step", [(request id, prompt,
+seed, max tokens), ...]) per step, then ("done", result) or ("error", message). The
+followers replay the adds (`CoreLoop.add_turn`, as the leader) and the step.
 
 Each turn's seed is a function of its trajectory and turn only (`turn_seed`), so a
 trajectory samples the same whatever else runs beside it or which replica runs it.
@@ -21,7 +22,6 @@ trajectory samples the same whatever else runs beside it or which replica runs i
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from rl_megatron.rollout.multi_turn import MultiTurnSession, Turn, turn_seed
@@ -57,21 +57,19 @@ class CoreTurns:
         self.stop_token_ids = list(stop_token_ids)
         self.max_turns, self.first = max_turns, first_trajectory
         self.with_lp = calculate_log_probs
-        self._added: list[tuple[str, list[int], Any]] = []  # since the last step
+        # Every turn's vLLM params but its seed and cap (`CoreLoop.add_turn`).
+        self.like = to_vllm_sampling_params(
+            sampling, self.stop_token_ids, None, calculate_log_probs=calculate_log_probs
+        )
+        self._added: list[tuple[str, list[int], int | None, int]] = []  # since the last step
         self.steps = 0
 
     def submit(self, request_id: str, prompt_token_ids: list[int], max_tokens: int) -> None:
         t, turn = (int(x) for x in request_id.split("-"))
         seed = turn_seed(self.sampling.seed, self.first + t, turn, self.max_turns)
-        params = to_vllm_sampling_params(
-            replace(self.sampling, max_new_tokens=int(max_tokens)),
-            self.stop_token_ids,
-            seed,
-            calculate_log_probs=self.with_lp,
-        )
         prompt = list(prompt_token_ids)
-        self.loop.add(request_id, prompt, params)
-        self._added.append((request_id, prompt, params))
+        self.loop.add_turn(request_id, prompt, self.like, seed, int(max_tokens))
+        self._added.append((request_id, prompt, seed, int(max_tokens)))
 
     def finished(self, timeout_s: float) -> list[Turn]:
         """One engine step (it takes as long as it takes: `timeout_s` is not needed)."""
@@ -93,12 +91,15 @@ class CoreTurns:
 
 def follow_turns(loop: CoreLoop, channel: LeaderChannel) -> tuple[list[Trajectory], dict]:
     """A follower rank of the replica: replay the leader's adds and steps until its end."""
+    like = None
     try:
         while True:
             message = channel.receive()
-            if message[0] == "step":
-                for request_id, prompt, params in message[1]:
-                    loop.add(request_id, prompt, params)
+            if message[0] == "turns":
+                like = message[1]
+            elif message[0] == "step":
+                for request_id, prompt, seed, max_tokens in message[1]:
+                    loop.add_turn(request_id, prompt, like, seed, max_tokens)
                 loop.step()
             elif message[0] == "done":
                 return message[1]
@@ -135,6 +136,7 @@ def drive_turns(
         calculate_log_probs=calculate_log_probs,
     )
     try:
+        channel.send(("turns", generator.like))  # the followers' `like` for every turn
         trajectories, metrics = session.run(samples, sampling.n, generator, groups)
     except BaseException as exc:
         loop.abort()
