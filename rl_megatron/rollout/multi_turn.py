@@ -227,6 +227,7 @@ def run_trajectories(
 
     started, timeouts_before, waited_before = time.monotonic(), pool.timeouts, pool.waited
     forks_before = pool.forks
+    engine_idle_s = 0.0  # waiting on environments with no turn generating
     pool.seconds.clear()  # per trajectory index, of this call
     for t, sample in enumerate(s for s in samples for _ in range(n)):
         pool.start(t, sample)
@@ -234,7 +235,11 @@ def run_trajectories(
         while live:
             env_busy, gen_busy = pool.pending > 0, bool(generating)
             if env_busy:  # no wait while the engine has work: its step is the pause
-                for t, result in pool.ready(0.0 if gen_busy else 1.0):
+                waiting_from = time.monotonic()
+                results = pool.ready(0.0 if gen_busy else 1.0)
+                if not gen_busy:
+                    engine_idle_s += time.monotonic() - waiting_from
+                for t, result in results:
                     if t in live:
                         on_environment(t, result)
             if gen_busy:
@@ -253,6 +258,7 @@ def run_trajectories(
     metrics = _metrics(trajs, turn_count, pool.seconds, timeouts, env_metrics, wall_s)
     metrics["multi_turn/waited_for_worker"] = float(pool.waited - waited_before)
     metrics["multi_turn/env_workers_forked"] = float(pool.forks - forks_before)
+    metrics["multi_turn/engine_idle_s"] = engine_idle_s
     return trajs, metrics
 
 

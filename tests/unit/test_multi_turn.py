@@ -280,6 +280,20 @@ def test_a_slow_environment_holds_only_its_own_trajectory(pool):
     assert metrics["multi_turn/env_time_s"] >= 3.0
 
 
+def test_engine_idle_counts_the_waits_on_environments_with_nothing_generating(pool):
+    tokenizer = make_chat_tokenizer("qwen2.5")
+    slow = [{"id": 0, "key": 7, "slow": 0.2}]  # each step 0.2 s, nothing else to generate
+    engine = FakeEngine(tokenizer, calls_then_answer(2))
+    _, metrics = run_trajectories(slow, 1, pool, ChatIncrements(tokenizer), engine, BUDGET)
+    assert 0.6 <= metrics["multi_turn/engine_idle_s"] <= metrics["timing_s/multi_turn"]
+    # An instant environment and a slow engine: the wall time is the engine's, not idle.
+    quick = [{"id": 0, "key": 7}]
+    engine = FakeEngine(tokenizer, calls_then_answer(2), delay=lambda t: 0.2)
+    _, metrics = run_trajectories(quick, 1, pool, ChatIncrements(tokenizer), engine, BUDGET)
+    assert metrics["timing_s/multi_turn"] >= 0.6
+    assert metrics["multi_turn/engine_idle_s"] < 0.2
+
+
 class SlowCloseEnv(KeyEnv):
     def close(self):
         time.sleep(0.2)
