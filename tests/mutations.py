@@ -15,7 +15,7 @@ engine's routing record (routing replay), issue 21's engine sleep levels, batch
 padding and vLLM core loop, and issue 36's edges (non-finite values other than NaN, the
 dual clip engaged, routing replay's gate weights and sequence parallelism, dynamic
 sampling across replicas, the restricted unpickler), and issue 39's per-prompt caps on
-new tokens in both engines, issue 38's environment-worker cap, and issue 41's LoRA
+new tokens in both engines, issue 38's environment-worker cap, worker reuse and copied turn requests, and issue 41's LoRA
 merged weight sync and PEFT export (rows split two ways, shard order, the scale, the
 tool's merge), and issue 39's split placement (data position, seeds, the stop, the weight plan's
 destinations).
@@ -606,6 +606,27 @@ MUTATIONS = [
         "done.append(self._live.pop(out.request_id))",
         "done.append(self._live[out.request_id])",
         "tests/vllm/test_vllm_core_loop.py::test_requests_added_one_by_one_finish_step_by_step_under_their_keys",
+    ),
+    (
+        "vLLM core loop: a copied turn keeps the first turn's seed",
+        "rl_megatron/rollout/vllm/core_loop.py",
+        "request.sampling_params = replace_params(request.sampling_params, seed, max_tokens)",
+        "request.sampling_params = replace_params(request.sampling_params, None, max_tokens)",
+        "tests/vllm/test_vllm_core_loop.py",
+    ),
+    (
+        "vLLM core loop: a copied turn keeps the last adapter version's request",
+        "rl_megatron/rollout/vllm/core_loop.py",
+        "if cached is None or cached[0] is not like or cached[1] is not self.lora_request:",
+        "if cached is None or cached[0] is not like:",
+        "tests/vllm/test_vllm_core_loop.py",
+    ),
+    (
+        "multi-turn: a rollout ends before its workers' closes are acknowledged",
+        "rl_megatron/rollout/multi_turn.py",
+        "pool.wait_for_closes()  # so the next call's starts reuse these workers",
+        "pool.ready(0.0)",
+        "tests/unit/test_multi_turn.py::test_the_next_call_reuses_the_workers_the_last_one_closed",
     ),
     (
         "multi-turn waves: a turn's seed swaps its trajectory and turn",
