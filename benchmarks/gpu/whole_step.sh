@@ -124,7 +124,9 @@ step rollout_core_b256 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfl
   --cudagraph-capture-sizes 1,2,4,8,16,32,64,128,256 \
   --out-json "$RES/rollout_core_h200_085b_b256_$TAG.json"
 # Run 21 (H200): 0.857x and 0.866x, 141-155 s; --profile-dir adds two cProfiled calls of
-# each side (~15 s) to find the ~1.2 ms of host time per step the multi-turn side adds.
+# each side (~15 s). Since run 24 the JSON splits every call into engine-core steps and
+# the time outside them (`engine_split`): 0.863x (H100, 182 s with the profile), 0.922x
+# after `CoreLoop.add_turn` (run 24b).
 # Multi-turn generation on the in-trainer engine (issue 38: >= 0.9x at the median): 64
 # records x 4 trajectories x 3 turns of 128 tokens, an environment that answers at once
 # with 16 tokens, against single-turn generate of 384 tokens per row (the same sampled
@@ -273,7 +275,8 @@ kill $HOST_MEMORY_PID 2>/dev/null
 # against adapter (A and B only; vLLM's LoRA kernels in generation). Adapter needs vLLM to
 # load the frozen base itself: lora_hf_8b writes a random HF checkpoint first (/tmp holds it
 # while the machine stays warm), each step in a call of its own, in this order. Compare
-# timing_s/reshard and timing_s/generate (and tokens/s) of the two JSONs. Not run yet.
+# timing_s/reshard and timing_s/generate (and tokens/s) of the two JSONs. Run 24 (H100,
+# they fit one): 29 s, 192 s and 226 s; merged won both (RESULTS.md).
 LORA_HF=/tmp/llama8b_random_hf
 step lora_hf_8b 400 python3 benchmarks/random_checkpoint.py --out $LORA_HF $SHAPE_8B \
   --dtype bfloat16 --prompt-len 496 --max-new 1024
