@@ -90,15 +90,22 @@ def test_a_follower_replays_the_leaders_adds_and_steps():
     params = SamplingParams(seed=1)
     from rl_megatron.rollout.vllm.io import to_vllm_sampling_params
 
-    vparams = to_vllm_sampling_params(params, [2], 7, calculate_log_probs=False)
-    inbox = [("step", [("0-0", [1, 2], vparams)]), ("step", []), ("done", ("trajs", {"m": 1.0}))]
+    like = to_vllm_sampling_params(params, [2], None, calculate_log_probs=False)
+    inbox = [
+        ("turns", like),  # the params every turn shares, once
+        ("step", [("0-0", [1, 2], 7, 4)]),  # (request id, prompt, seed, max tokens)
+        ("step", []),
+        ("done", ("trajs", {"m": 1.0})),
+    ]
     channel = Channel(is_leader=False, inbox=inbox)
     assert follow_turns(loop, channel) == ("trajs", {"m": 1.0})
     assert [r.prompt_token_ids for r in core.requests] == [[1, 2]]
-    assert core.requests[0].sampling_params.seed == 7 and core.aborted == []
+    (request,) = core.requests
+    assert (request.sampling_params.seed, request.sampling_params.max_tokens) == (7, 4)
+    assert request.sampling_params.stop_token_ids == [2] and core.aborted == []
 
     loop, core = make_loop(lambda reqs: [[]])
-    inbox = [("step", [("0-0", [1], vparams)]), ("error", "ValueError: bad")]
+    inbox = [("turns", like), ("step", [("0-0", [1], 7, 4)]), ("error", "ValueError: bad")]
     with pytest.raises(RuntimeError, match="failed on the leading rank: ValueError: bad"):
         follow_turns(loop, Channel(is_leader=False, inbox=inbox))
     assert core.aborted == [core.requests[0].request_id]  # the engine is left clean
