@@ -155,18 +155,7 @@ class EnvironmentPool:
                 return []
             now = time.monotonic()
             nearest = min(w.sent_at + self.timeout_s for w in busy)
-            wait_s = max(0.0, min(end, nearest) - now)
-            readable = multiprocessing.connection.wait([w.conn for w in busy], wait_s)
-            results = []
-            for worker in busy:
-                if worker.conn in readable:
-                    result = self._receive(worker)
-                elif time.monotonic() >= worker.sent_at + self.timeout_s:
-                    result = self._time_out(worker)
-                else:
-                    continue
-                if result is not None:
-                    results.append(result)
+            results = self._collect(busy, max(0.0, min(end, nearest) - now))
             if results or time.monotonic() >= end:
                 return results
 
@@ -178,14 +167,7 @@ class EnvironmentPool:
         each (GPU run 24: the first rollout's 256 forks took 5 s)."""
         while closing := [w for w in self._workers if w.call == "close"]:
             nearest = min(w.sent_at for w in closing) + self.timeout_s
-            readable = multiprocessing.connection.wait(
-                [w.conn for w in closing], max(0.0, nearest - time.monotonic())
-            )
-            for worker in closing:
-                if worker.conn in readable:
-                    self._receive(worker)
-                elif time.monotonic() >= worker.sent_at + self.timeout_s:
-                    self._time_out(worker)
+            self._collect(closing, max(0.0, nearest - time.monotonic()))  # closes return none
 
     def shutdown(self) -> None:
         """Kill every worker (the pool can be used again: workers are forked on demand)."""
@@ -211,6 +193,22 @@ class EnvironmentPool:
             worker.traj_id = traj_id
             self._owner[traj_id] = worker
             self._send(worker, "start", sample)
+
+    def _collect(self, busy: list[_Worker], wait_s: float) -> list[tuple[Hashable, Any]]:
+        """Wait up to `wait_s` for any of `busy`; receive what is in, end the calls past
+        `timeout_s`; the start/step results among them."""
+        readable = multiprocessing.connection.wait([w.conn for w in busy], wait_s)
+        results = []
+        for worker in busy:
+            if worker.conn in readable:
+                result = self._receive(worker)
+            elif time.monotonic() >= worker.sent_at + self.timeout_s:
+                result = self._time_out(worker)
+            else:
+                continue
+            if result is not None:
+                results.append(result)
+        return results
 
     def _send(self, worker: _Worker, kind: str, payload: Any) -> None:
         worker.call, worker.sent_at = kind, time.monotonic()
