@@ -33,6 +33,7 @@ say where the multi-turn side's extra host time per engine step goes (run 21: ~1
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
@@ -144,15 +145,27 @@ def main() -> None:
         def engine_split(name: str, call):
             """`call` with its wall time split into engine-core steps and the rest."""
             seconds, steps, started = loop.step_seconds, loop.steps, time.perf_counter()
+            loop.step_log, collections = [], [g["collections"] for g in gc.get_stats()]
             out = call()
             wall = time.perf_counter() - started
             in_steps = loop.step_seconds - seconds
+            each = sorted(loop.step_log)
+            loop.step_log = None
             split[name].append(
                 {
                     "wall_s": wall,
                     "engine_steps_s": in_steps,
                     "outside_steps_s": wall - in_steps,
                     "engine_steps": loop.steps - steps,
+                    # Whether the steps are slower alike or a few (a turn's prefill) are.
+                    "step_ms_median": 1e3 * statistics.median(each),
+                    "step_ms_p90": 1e3 * each[int(0.9 * (len(each) - 1))],
+                    "slowest_4_steps_s": sum(each[-4:]),
+                    # Python's collections during the call, by generation (a pause lands
+                    # in whatever runs, engine steps included).
+                    "gc_collections": [
+                        g["collections"] - c for g, c in zip(gc.get_stats(), collections)
+                    ],
                 }
             )
             return out
@@ -199,7 +212,9 @@ def main() -> None:
         # time, and what the driver spent outside them (its host work between steps).
         "engine_split": timed,
         "engine_split_medians": {
-            name: {k: statistics.median(c[k] for c in calls) for k in calls[0]}
+            name: {
+                k: statistics.median(c[k] for c in calls) for k in calls[0] if k != "gc_collections"
+            }
             for name, calls in timed.items()
         },
     }
@@ -214,7 +229,9 @@ def main() -> None:
         print(
             f"{name}: median call {med['wall_s']:.3f} s = engine steps {med['engine_steps_s']:.3f} s "
             f"({med['engine_steps']:.0f} steps, {1e3 * med['engine_steps_s'] / med['engine_steps']:.2f} "
-            f"ms each) + outside them {med['outside_steps_s']:.3f} s"
+            f"ms each; median step {med['step_ms_median']:.2f} ms, p90 "
+            f"{med['step_ms_p90']:.2f} ms, slowest four {med['slowest_4_steps_s']:.3f} s) "
+            f"+ outside them {med['outside_steps_s']:.3f} s"
         )
     if args.out_json:
         args.out_json.write_text(json.dumps(result, indent=1))

@@ -130,9 +130,8 @@ step rollout_core_b256 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfl
 # Multi-turn generation on the in-trainer engine (issue 38: >= 0.9x at the median): 64
 # records x 4 trajectories x 3 turns of 128 tokens, an environment that answers at once
 # with 16 tokens, against single-turn generate of 384 tokens per row (the same sampled
-# tokens), interleaved. Not yet run; the limit is an estimate: start-up ~80 s (checkpoint
-# and engine) + 1 warm-up and 8 rounds x 2 calls of ~3-4 s each (256 rows, as a batch-256
-# call of 256 tokens took 2.2 s) = ~150 s.
+# tokens), interleaved. 141-182 s on an H100 or the H200 (runs 21-24): start-up ~80 s
+# (checkpoint and engine) + 1 warm-up and 8 rounds x 2 calls of ~2.5-3.5 s each.
 step multi_turn_085b 400 $TR1 benchmarks/multi_turn_generation.py $SHAPE_085B \
   --dtype bfloat16 --records 64 --samples 4 --turns 3 --prompt-len 128 --max-new 128 \
   --obs-len 16 --repeats 8 --gpu-memory-utilization 0.3 \

@@ -93,6 +93,8 @@ class CoreLoop:
         # and its caller's host work (benchmarks/multi_turn_generation.py splits a call by it).
         self.step_seconds = 0.0
         self.steps = 0
+        # Set to a list to have every step's seconds appended (a benchmark's per-step view).
+        self.step_log: list[float] | None = None
         # add_turn's last request built in full: (its params, its adapter, the request).
         self._turn_template: tuple[Any, Any, Any] | None = None
         self._max_model_len = int(self._engine.input_processor.model_config.max_model_len)
@@ -150,8 +152,11 @@ class CoreLoop:
         done = []
         started = time.perf_counter()
         outputs = self._client.get_output().outputs
-        self.step_seconds += time.perf_counter() - started
+        took = time.perf_counter() - started
+        self.step_seconds += took
         self.steps += 1
+        if self.step_log is not None:
+            self.step_log.append(took)
         for out in outputs:
             entry = self._live.get(out.request_id)
             if entry is None:
