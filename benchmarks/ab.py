@@ -150,6 +150,32 @@ class ABResult:
         return out
 
 
+def settle(
+    call: Callable[[], Any],
+    tolerance: float,
+    max_calls: int,
+    *,
+    sync: Callable[[], None] = _no_sync,
+    clock: Callable[[], float] = time.perf_counter,
+    log: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """Seconds of each `call()`, repeated until two in a row are within `tolerance` of
+    each other (relative to the faster) or `max_calls` ran. For an engine whose first
+    calls are slow an unknown number of times (fp8_rollout.py), before `interleave`."""
+    seconds: list[float] = []
+    while len(seconds) < max_calls:
+        sync()
+        start = clock()
+        call()
+        sync()
+        seconds.append(clock() - start)
+        if log is not None:
+            log(len(seconds), seconds[-1])
+        if len(seconds) >= 2 and abs(seconds[-1] - seconds[-2]) <= tolerance * min(seconds[-2:]):
+            break
+    return seconds
+
+
 def interleave(
     a: Callable[[], Any],
     b: Callable[[], Any],

@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ab import interleave  # noqa: E402
+from ab import interleave, settle  # noqa: E402
 from rollout_bench import make_checkpoint, parse_args, versions  # noqa: E402
 from rollout_engines_vllm import build_standalone  # noqa: E402
 
@@ -144,6 +144,16 @@ def bench_generate(args, ckpt: Path) -> dict[str, Any]:
             result[f"batch_{batch}"] = row
             write(args, {"generate": result})  # after every round: a cut run keeps its rows
 
+        # The fp8 engine's first calls take 1.5-3x its settled time at random (runs 22-25:
+        # 29-58 s against 19-20 s within its first four calls; bf16 steady from its first):
+        # call it alone until two calls in a row agree, so the rounds time settled engines.
+        result[f"settle_fp8_s_batch_{batch}"] = settle(
+            lambda: call(fp8_llm),
+            args.settle_tolerance,
+            args.settle_max_calls,
+            sync=torch.cuda.synchronize,
+            log=lambda n, took: print(f"settling fp8: call {n} took {took:.1f} s", flush=True),
+        )
         r = interleave(
             lambda: call(fp8_llm),
             lambda: call(bf16_llm),
@@ -176,10 +186,21 @@ def main() -> None:
                 "--warmup",
                 dict(
                     type=int,
-                    default=2,
-                    help="untimed rounds first (run 24: the fp8 engine's first two calls "
-                    "ran 2.7x slower than its third on an H100)",
+                    default=1,
+                    help="untimed rounds first, after the fp8 engine settled (--settle-*)",
                 ),
+            ),
+            (
+                "--settle-max-calls",
+                dict(
+                    type=int,
+                    default=5,
+                    help="fp8 calls alone before the rounds, at most (0: none)",
+                ),
+            ),
+            (
+                "--settle-tolerance",
+                dict(type=float, default=0.1, help="two calls in a row this close: settled"),
             ),
             (
                 "--no-prefix-caching",

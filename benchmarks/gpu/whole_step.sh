@@ -191,8 +191,12 @@ step sync_ab_7b_l0 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 --sleep-
 # them all (the prefill runs piecewise either way). Runs 22 and 24 (H100): fp8 start
 # 196-211 s, bf16 51-52 s, 446 s and 520 s in all. In run 24 the fp8 engine's warm-up call
 # and its first timed call took 54-58 s and its second 20 s (bf16: 26 s each), so one
-# round was a warm-up's, at 0.45x: two warm-up rounds now (--warmup 2, ~+50 s; the timed
-# rounds may be cut to one by the limit, and the JSON says how many ran).
+# round was a warm-up's, at 0.45x. Runs 25b and 25d (two warm-up rounds; 25d without
+# prefix caching) had a slow fp8 call after a fast one (43.5, 19.3, 30.6, 19.3 s), so a
+# fixed number of warm-ups is not enough: the fp8 engine is now called alone until two
+# calls in a row agree within 10 % (at most 5; `settle_fp8_s_*` in the JSON), then one
+# warm-up round and the timed ones (~500-570 s in all: the timed rounds may be cut to one
+# by the limit, and the JSON says how many ran).
 # Alone in a call (STEPS="fp8_rollout_8b"). JSON written after every round.
 SHAPE_8B="--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256"
 step fp8_rollout_8b 580 python3 benchmarks/fp8_rollout.py $SHAPE_8B --dtype bfloat16 \

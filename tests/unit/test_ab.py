@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-from ab import ABResult, interleave, round_order, target_record  # noqa: E402
+from ab import ABResult, interleave, round_order, settle, target_record  # noqa: E402
 
 
 class FakeClock:
@@ -217,3 +217,30 @@ def test_on_round_sees_every_timed_round_as_it_ends():
     )
     assert seen == [([1.0], [2.0]), ([1.0, 2.0], [2.0, 4.0]), ([1.0, 2.0, 3.0], [2.0, 4.0, 9.0])]
     assert result.ratios == [2.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    "times, tolerance, max_calls, expected",
+    [
+        # slow, fast, slow again (run 25b's pattern), then two that agree: stops there
+        ([43.5, 19.3, 30.6, 19.3, 19.4, 99.0], 0.1, 8, [43.5, 19.3, 30.6, 19.3, 19.4]),
+        # the bound: 10 % of the faster call is 2.0; 22.0 against 20.0 settles, 22.1 not
+        ([20.0, 22.0, 5.0], 0.1, 8, [20.0, 22.0]),
+        ([20.0, 22.1, 22.0], 0.1, 8, [20.0, 22.1, 22.0]),
+        # never settles: max_calls ends it; 0 calls none
+        ([10.0, 30.0, 10.0, 30.0], 0.1, 3, [10.0, 30.0, 10.0]),
+        ([10.0, 10.0], 0.1, 0, []),
+    ],
+)
+def test_settle_repeats_until_two_calls_agree(times, tolerance, max_calls, expected):
+    clock, log = FakeClock(), []
+    durations = iter(times)
+
+    def call() -> None:
+        clock.now += next(durations)
+
+    seconds = settle(
+        call, tolerance, max_calls, clock=clock, log=lambda n, took: log.append((n, took))
+    )
+    assert seconds == pytest.approx(expected)
+    assert [n for n, _ in log] == list(range(1, len(expected) + 1))
