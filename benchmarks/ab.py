@@ -40,6 +40,18 @@ def _no_sync() -> None:
     pass
 
 
+def _timed_call(
+    fn: Callable[[], Any], sync: Callable[[], None], clock: Callable[[], float]
+) -> tuple[float, Any]:
+    """`fn()`'s seconds, `sync` before and after so that the clock covers the device's
+    work, and its output."""
+    sync()
+    start = clock()
+    out = fn()
+    sync()
+    return clock() - start, out
+
+
 def meets(
     median: float,
     lo: float,
@@ -164,11 +176,7 @@ def settle(
     calls are slow an unknown number of times (fp8_rollout.py), before `interleave`."""
     seconds: list[float] = []
     while len(seconds) < max_calls:
-        sync()
-        start = clock()
-        call()
-        sync()
-        seconds.append(clock() - start)
+        seconds.append(_timed_call(call, sync, clock)[0])
         if log is not None:
             log(len(seconds), seconds[-1])
         if len(seconds) >= 2 and abs(seconds[-1] - seconds[-2]) <= tolerance * min(seconds[-2:]):
@@ -211,11 +219,7 @@ def interleave(
     def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
         if pause is not None:
             pause()
-        sync()
-        start = clock()
-        out = fn()
-        sync()
-        return clock() - start, out
+        return _timed_call(fn, sync, clock)
 
     result = ABResult(a_s=[], b_s=[], a_first=[], calls_per_round=calls_per_round)
     for k in range(warmup + repeats):
