@@ -8,6 +8,7 @@ samples what `LLM.generate` samples on a real engine is tests/vllm/test_vllm_eng
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -237,3 +238,33 @@ def test_turns_are_copies_of_the_first_processed_request_with_their_prompt_seed_
     with pytest.raises(ValueError, match="turn 4-0: max_tokens 0 < 1"):
         loop.add_turn("4-0", [1], like, 106, 0)
     assert len(core.requests) == 6
+
+
+def test_each_steps_seconds_are_logged_when_asked_and_sum_to_the_total():
+    """`step_seconds`/`steps` count every engine-core step; `step_log`, when a list, gets
+    each step's own seconds (a benchmark's per-step view): the slow step is the one logged
+    slow, and the log sums to the total."""
+
+    def script(reqs):
+        (rid,) = (r.request_id for r in reqs)
+        return [[], [], [core_output(rid, [5], finish="length")]]
+
+    loop, core = make_loop(script)
+    scripted, calls = core.get_output, []
+
+    def get_output():  # the second step takes 50 ms
+        calls.append(None)
+        if len(calls) == 2:
+            time.sleep(0.05)
+        return scripted()
+
+    core.get_output = get_output
+    loop.step_log = []
+    loop.run([[1, 2]], [vllm.SamplingParams(max_tokens=1)])
+    assert loop.steps == len(loop.step_log) == 3
+    assert loop.step_log[1] >= 0.05 > max(loop.step_log[0], loop.step_log[2])
+    assert sum(loop.step_log) == pytest.approx(loop.step_seconds)
+
+    loop, _ = make_loop(script)  # not asked: counted, not logged
+    loop.run([[1, 2]], [vllm.SamplingParams(max_tokens=1)])
+    assert loop.steps == 3 and loop.step_seconds > 0 and loop.step_log is None
