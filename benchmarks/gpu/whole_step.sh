@@ -195,12 +195,16 @@ step sync_ab_7b_l0 240 $TR1 benchmarks/sync_ab.py $SHAPE_7B --repeats 7 --sleep-
 # prefix caching) had a slow fp8 call after a fast one (43.5, 19.3, 30.6, 19.3 s), so a
 # fixed number of warm-ups is not enough: the fp8 engine is now called alone until two
 # calls in a row agree within 10 % (at most 5; `settle_fp8_s_*` in the JSON), then one
-# warm-up round and the timed ones (~500-570 s in all: the timed rounds may be cut to one
-# by the limit, and the JSON says how many ran).
+# warm-up round and the timed ones. Run 26 (H100, fresh machine: fp8 start-up 213 s, five
+# settle calls) was cut by the limit after one timed round; runs 26b and 26c on the same
+# machine afterwards (start-up 54-56 s, two settle calls) ran 3 and 4 rounds without a
+# warm-up round: 1.343x, 1.344x, 1.340x. Hence no warm-up round (the settle calls warm the
+# fp8 engine; bf16 is steady from its first call) and 3 rounds: 213 + 47 + 171 + 3 x 45 s
+# ~ 566 s at worst on a fresh machine.
 # Alone in a call (STEPS="fp8_rollout_8b"). JSON written after every round.
 SHAPE_8B="--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 128256"
 step fp8_rollout_8b 580 python3 benchmarks/fp8_rollout.py $SHAPE_8B --dtype bfloat16 \
-  --batches 256 --prompt-len 128 --max-new 1024 --repeats 2 --gpu-memory-utilization 0.4 \
+  --batches 256 --prompt-len 128 --max-new 1024 --repeats 3 --warmup 0 --gpu-memory-utilization 0.4 \
   --cudagraph-capture-sizes 256 --out-json "$RES/fp8_rollout_h200_8b_$TAG.json"
 # The trainer's whole sync phase into an fp8 engine (staged per parameter, then quantized
 # on the device: resharding/fp8.py) and into a bf16 one, at the same 8B shape: two runs,
