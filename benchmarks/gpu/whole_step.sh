@@ -8,7 +8,7 @@
 #   STEPS="sync_ab_* e2e_1.5b*" bash benchmarks/gpu/whole_step.sh
 #   STEPS="e2e_8b" bash benchmarks/gpu/whole_step.sh  # alone: it needs most of a call
 #   STEPS="async_ab_1.5b" bash benchmarks/gpu/whole_step.sh  # alone too (issue 39)
-#   STEPS="fp8_rollout_8b" bash benchmarks/gpu/whole_step.sh  # alone too (issue 40)
+#   STEPS="fp8_rollout_8b" bash benchmarks/gpu/whole_step.sh  # alone too (issue 40); "fp8_rollout_8b_b64" too
 #   STEPS="lora_8b_rank8 lora_8b_full" ...  # together (issue 41)
 #   STEPS="lora_hf_8b", then "lora_8b_sync_merged", then "lora_8b_sync_adapter"  # (issue 41)
 SUITE=whole_step
@@ -206,6 +206,12 @@ SHAPE_8B="--layers 32 --hidden 4096 --heads 32 --kv-heads 8 --ffn 14336 --vocab 
 step fp8_rollout_8b 580 python3 benchmarks/fp8_rollout.py $SHAPE_8B --dtype bfloat16 \
   --batches 256 --prompt-len 128 --max-new 1024 --repeats 3 --warmup 0 --gpu-memory-utilization 0.4 \
   --cudagraph-capture-sizes 256 --out-json "$RES/fp8_rollout_h200_8b_$TAG.json"
+# Issue 40's other batch: 64 prompts x 1 024 new tokens (not run yet). A call of its own:
+# the start-ups and settle as above, rounds shorter (decode at 64 rows). The first part
+# (the sync's quantization) repeats; skip reading it twice.
+step fp8_rollout_8b_b64 580 python3 benchmarks/fp8_rollout.py $SHAPE_8B --dtype bfloat16 \
+  --batches 64 --prompt-len 128 --max-new 1024 --repeats 4 --warmup 0 --gpu-memory-utilization 0.4 \
+  --cudagraph-capture-sizes 64 --out-json "$RES/fp8_rollout_h200_8b_b64_$TAG.json"
 # The trainer's whole sync phase into an fp8 engine (staged per parameter, then quantized
 # on the device: resharding/fp8.py) and into a bf16 one, at the same 8B shape: two runs,
 # their medians compared (not interleaved: one trainer holds one engine). Estimates as
