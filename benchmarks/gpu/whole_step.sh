@@ -207,8 +207,8 @@ step fp8_rollout_8b 580 python3 benchmarks/fp8_rollout.py $SHAPE_8B --dtype bflo
   --batches 256 --prompt-len 128 --max-new 1024 --repeats 3 --warmup 0 --gpu-memory-utilization 0.4 \
   --cudagraph-capture-sizes 256 --out-json "$RES/fp8_rollout_h200_8b_$TAG.json"
 # Issue 40's other batch: 64 prompts x 1 024 new tokens (not run yet). A call of its own:
-# the start-ups and settle as above, rounds shorter (decode at 64 rows). The first part
-# (the sync's quantization) repeats; skip reading it twice.
+# the start-ups and settle as above, rounds shorter (decode at 64 rows). Its first part
+# (the sync's quantization) measures what fp8_rollout_8b's does.
 step fp8_rollout_8b_b64 580 python3 benchmarks/fp8_rollout.py $SHAPE_8B --dtype bfloat16 \
   --batches 64 --prompt-len 128 --max-new 1024 --repeats 4 --warmup 0 --gpu-memory-utilization 0.4 \
   --cudagraph-capture-sizes 64 --out-json "$RES/fp8_rollout_h200_8b_b64_$TAG.json"

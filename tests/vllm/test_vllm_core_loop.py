@@ -240,22 +240,24 @@ def test_turns_are_copies_of_the_first_processed_request_with_their_prompt_seed_
     assert len(core.requests) == 6
 
 
-def test_each_steps_seconds_are_logged_when_asked_and_sum_to_the_total():
+def test_each_steps_seconds_are_logged_when_asked_and_sum_to_the_total(monkeypatch):
     """`step_seconds`/`steps` count every engine-core step; `step_log`, when a list, gets
     each step's own seconds (a benchmark's per-step view): the slow step is the one logged
-    slow, and the log sums to the total."""
+    slow, and the log sums to the total. The loop's clock is a fake the scripted steps
+    advance, so a loaded host cannot make a fast step look slow."""
 
     def script(reqs):
         (rid,) = (r.request_id for r in reqs)
         return [[], [], [core_output(rid, [5], finish="length")]]
 
     loop, core = make_loop(script)
-    scripted, calls = core.get_output, []
+    scripted, now = core.get_output, [0.0]
+    durations = iter([2**-6, 2**-4, 2**-6])  # exact in binary
+    clock = SimpleNamespace(perf_counter=lambda: now[0], time=time.time)
+    monkeypatch.setattr("rl_megatron.rollout.vllm.core_loop.time", clock)
 
-    def get_output():  # the second step takes 50 ms
-        calls.append(None)
-        if len(calls) == 2:
-            time.sleep(0.05)
+    def get_output():  # the second step takes 62.5 ms, the others 15.6
+        now[0] += next(durations)
         return scripted()
 
     core.get_output = get_output
@@ -265,6 +267,7 @@ def test_each_steps_seconds_are_logged_when_asked_and_sum_to_the_total():
     assert loop.step_log[1] >= 0.05 > max(loop.step_log[0], loop.step_log[2])
     assert sum(loop.step_log) == pytest.approx(loop.step_seconds)
 
+    monkeypatch.undo()  # the real clock again
     loop, _ = make_loop(script)  # not asked: counted, not logged
     loop.run([[1, 2]], [vllm.SamplingParams(max_tokens=1)])
     assert loop.steps == 3 and loop.step_seconds > 0 and loop.step_log is None
