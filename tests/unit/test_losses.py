@@ -151,6 +151,27 @@ def test_policy_loss_all_masked_is_zero_with_zero_grad():
     assert all(torch.isfinite(v) for v in m.values())
 
 
+def test_tokens_without_advantage_are_never_counted_as_clipped():
+    # A = 0 makes both surrogates 0: no clip is active, whatever the ratio (the fractions
+    # count where the clip changes the loss, as PPO's and verl's pg_clipfrac do).
+    ratios = torch.tensor([[2.0, 0.25, 5.0, 1.0]], dtype=F64)
+    adv = torch.tensor([[0.0, 0.0, 0.0, 1.0]], dtype=F64)
+    old = torch.zeros(1, 4, dtype=F64)
+    _, m = policy_loss(ratios.log(), old, adv, torch.ones(1, 4), 0.2, 0.28, clip_ratio_c=3.0)
+    for key in ("pg_clipfrac", "pg_clipfrac_upper", "pg_clipfrac_lower", "pg_clipfrac_dual"):
+        assert m[f"actor/{key}"].item() == 0.0, key
+
+
+def test_clip_ratios_of_zero_are_accepted():
+    # eps = 0 pins the clipped ratio at 1 (a legal, if odd, setting); only negatives are refused.
+    log_prob, old, adv, mask = _policy_batch(0)
+    loss, _ = policy_loss(log_prob, old, adv, mask, 0.0, 0.0)
+    want = naive_policy_loss(log_prob, old, adv, mask, 0.0, 0.0, None)
+    assert loss.item() == pytest.approx(want.item(), abs=TOL)
+    with pytest.raises(ValueError, match=">= 0"):
+        policy_loss(log_prob, old, adv, mask, 0.2, -1e-9)
+
+
 def test_policy_loss_bad_input():
     log_prob, old, adv, mask = _policy_batch(0)
     with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
@@ -267,7 +288,11 @@ def test_cispo_gradient_flows_only_through_log_prob(seed):
     silenced = valid & (adv > 0) & (r > 1.28)
     assert silenced.any() and (lp.grad[silenced] != 0).all()
     upper = (valid & (r > 1.28)).sum().item() / n
+    lower = (valid & (r < 0.8)).sum().item() / n
+    assert upper > 0 and lower > 0  # both of the weight's clips engage in this batch
     assert m["actor/pg_clipfrac_upper"].item() == pytest.approx(upper)
+    assert m["actor/pg_clipfrac_lower"].item() == pytest.approx(lower)
+    assert m["actor/pg_clipfrac"].item() == pytest.approx(upper + lower)
 
 
 def test_cispo_gradient_equals_ppo_at_the_start_of_a_step():
@@ -409,6 +434,35 @@ def test_value_loss_matches_naive(seed, cliprange):
     assert m["critic/vf_clipfrac"].item() == pytest.approx(clipped / len(terms))
     if cliprange is not None:
         assert clipped > 0
+    vpred = [values[i, t].item() for i in range(4) for t in range(5) if mask[i, t]]
+    assert m["critic/vpred_mean"].item() == pytest.approx(statistics.fmean(vpred), abs=TOL)
+
+
+def test_value_clip_counts_where_v_left_the_range_around_old_values():
+    # V = -1 with old values 1 has left the range by 2 (V + old would be 0: inside);
+    # R = -1 makes the clipped error the larger one: clipped, and no gradient.
+    values = torch.tensor([[-1.0]], dtype=F64, requires_grad=True)
+    loss, m = value_loss(
+        values, torch.ones(1, 1, dtype=F64), -torch.ones(1, 1, dtype=F64), torch.ones(1, 1), 0.2
+    )
+    assert loss.item() == pytest.approx(0.5 * 1.8**2, abs=TOL)  # V_clip = 0.8
+    assert m["critic/vf_clipfrac"].item() == 1.0
+    loss.backward()
+    assert values.grad.item() == 0.0
+
+
+def test_value_clip_fraction_is_zero_inside_the_range_despite_rounding():
+    # V inside the range around old values near 0 (signs and magnitudes differ): V - old is
+    # then inexact, old + (V - old) rounds away from V and the clipped error can exceed the
+    # plain one by an ulp. The value is unchanged, so that is not a clip.
+    gen = torch.Generator().manual_seed(0)
+    old = (torch.rand(64, 32, generator=gen) - 0.5) * 0.1  # |V - old| <= 0.2 everywhere
+    values = (torch.rand(64, 32, generator=gen) - 0.5) * 0.3
+    returns = torch.randn(64, 32, generator=gen)
+    v_clipped = old + (values - old).clamp(-0.2, 0.2)
+    assert ((v_clipped - returns).square() > (values - returns).square()).any()  # rounding occurs
+    _, m = value_loss(values, old, returns, torch.ones(64, 32), 0.2)
+    assert m["critic/vf_clipfrac"].item() == 0.0
 
 
 def test_explained_variance():
