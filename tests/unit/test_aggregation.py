@@ -149,3 +149,5 @@ def test_bad_input():
         aggregate(torch.zeros(2, 3), torch.ones(2, 4), "token-mean")
     with pytest.raises(ValueError, match="response_len"):
         batch_totals(torch.ones(3))
+    with pytest.raises(ValueError, match="norm_len must be positive, got 0"):
+        aggregate(torch.zeros(2, 3), torch.ones(2, 3), "seq-mean-token-sum-norm", norm_len=0)

@@ -153,8 +153,12 @@ def test_apply_kl_penalty():
     torch.testing.assert_close(rewards, want, atol=1e-12, rtol=0)
     assert m["actor/reward_kl_penalty"].item() == pytest.approx((0.5 - 1 + 0 + 1 + 0) / 5)
     assert m["actor/reward_kl_penalty_coeff"].item() == pytest.approx(0.1)
-    with pytest.raises(ValueError, match="must all be"):
-        apply_kl_penalty(scores, old[:, :2], ref, mask, 0.1)
+    for args in ((old[:, :2], ref, mask), (old, ref[:, :2], mask), (old, ref, mask[:, :2])):
+        with pytest.raises(ValueError, match="must all be"):
+            apply_kl_penalty(scores, *args, 0.1)
+    for full_kl in (None, torch.zeros(2, 2, dtype=F64)):
+        with pytest.raises(ValueError, match="kind 'full' needs full_kl of shape"):
+            apply_kl_penalty(scores, old, ref, mask, 0.1, "full", full_kl=full_kl)
 
 
 def test_adaptive_controller_update_rule():
@@ -186,5 +190,9 @@ def test_fixed_controller_and_builder():
         build_kl_controller("adaptive", 0.3)
     with pytest.raises(ValueError, match="'fixed' or 'adaptive'"):
         build_kl_controller("pid", 0.3)
+    with pytest.raises(ValueError, match="needs target_kl and horizon"):
+        build_kl_controller("adaptive", 0.3, target_kl=0.1)
     with pytest.raises(ValueError, match="must be positive"):
         AdaptiveKLController(0.3, target_kl=0.0, horizon=100)
+    with pytest.raises(ValueError, match="must be positive"):
+        AdaptiveKLController(0.3, target_kl=0.1, horizon=0)

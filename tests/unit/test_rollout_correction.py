@@ -147,6 +147,49 @@ def test_weight_arguments_refused():
         is_weights(x[:, :3], mask, "token")
 
 
+def test_a_band_from_zero_only_cuts_the_upper_tail():
+    # lower = 0 is a legal band: no ratio is below it, however small (log 0 is -inf).
+    log_ratio = torch.tensor([[-50.0, math.log(0.1), math.log(3.0), 0.0]], dtype=F64)
+    mask = torch.ones(1, 4, dtype=torch.long)
+    w, m = is_weights(log_ratio, mask, "token", (0.0, 2.0))
+    torch.testing.assert_close(
+        w.double(), torch.tensor([[math.exp(-50.0), 0.1, 0.0, 1.0]], dtype=F64), atol=0, rtol=1e-6
+    )
+    assert m["rollout_corr/is_clipped_frac"].item() == pytest.approx(1 / 4)
+    kept, m = rejection_mask(log_ratio, mask, "token", 0.0, 2.0)
+    assert kept.tolist() == [[1, 1, 0, 1]]
+    assert m["rollout_corr/rejected_token_frac"].item() == pytest.approx(1 / 4)
+    for band in ((1.0, 1.0), (-0.1, 2.0)):
+        with pytest.raises(ValueError, match="0 <= lower < upper"):
+            is_weights(log_ratio, mask, "token", band)
+        with pytest.raises(ValueError, match="0 <= lower < upper"):
+            rejection_mask(log_ratio, mask, "token", *band)
+
+
+def test_weights_of_a_batch_with_every_unit_outside_the_band():
+    # All weights 0: normalising by their mean (0) must not divide by it; the metrics say
+    # what happened (every unit clipped, mean 0) and stay finite.
+    log_ratio = torch.tensor([[math.log(5.0), math.log(0.1)], [math.log(4.0), 9.0]], dtype=F64)
+    mask = torch.tensor([[1, 1], [1, 0]])
+    w, m = is_weights(log_ratio, mask, "token", (0.5, 2.0), batch_normalize=True)
+    assert (w == 0).all()
+    assert m["rollout_corr/is_clipped_frac"].item() == 1.0
+    assert m["rollout_corr/is_weight_mean"].item() == 0.0
+    assert m["rollout_corr/is_weight_max"].item() == 0.0
+    assert m["rollout_corr/is_ess"].item() == 1.0  # all weights equal (to 0)
+
+
+def test_weight_metrics_of_an_all_padding_batch_are_zero():
+    # No unit at all (a replica whose rows are all padding): the extremes are 0, not the
+    # +-float max used as the identity of the max over units and replicas.
+    log_ratio, _ = _batch(0)
+    for level in ("token", "sequence"):
+        w, m = is_weights(log_ratio, torch.zeros_like(log_ratio, dtype=torch.long), level, 2.0)
+        assert (w == 0).all()
+        for key in ("is_weight_mean", "is_weight_max", "is_weight_min", "is_clipped_frac"):
+            assert m[f"rollout_corr/{key}"].item() == 0.0, (level, key)
+
+
 def test_rejection_hand_computed():
     log_ratio = torch.tensor(
         [[math.log(0.4), 0.0, math.log(3.0)], [math.log(1.5), math.log(1.5), 0.0]], dtype=F64
@@ -190,3 +233,7 @@ def test_mismatch_metrics_hand_computed():
     same = mismatch_metrics(trainer, trainer, torch.ones(1, 3))
     assert all(same[k].item() == 0 for k in same if "ratio" not in k)
     assert same["rollout/prob_ratio_mean"].item() == 1.0
+    mask = torch.ones(1, 3)
+    for rollout, recomputed in ((engine[:, :2], trainer), (engine, trainer[:, :2])):
+        with pytest.raises(ValueError, match="must all be"):
+            mismatch_metrics(rollout, recomputed, mask)
