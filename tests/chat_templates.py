@@ -77,6 +77,7 @@ FAMILIES = {
         special=["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
         plain=["\n\n", "\n"],
         eos="<|eot_id|>",
+        bos="<|begin_of_text|>",  # encode() adds it, as the real Llama-3 tokenizer does
     ),
     "qwen2.5": dict(
         template=QWEN25,
@@ -96,7 +97,7 @@ FAMILIES = {
 def make_chat_tokenizer(family: str):
     """A word-level tokenizer (WORDS, whitespace dropped) with the family's template and
     tokens; its newlines are tokens of their own, as in the real vocabularies."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     spec = FAMILIES[family]
@@ -107,8 +108,15 @@ def make_chat_tokenizer(family: str):
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     backend.add_special_tokens([AddedToken(t, normalized=False) for t in spec["special"]])
     backend.add_tokens([AddedToken(t, normalized=False) for t in spec["plain"]])
+    bos = spec.get("bos")
+    if bos is not None:
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A",
+            pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, backend.token_to_id(bos))],
+        )
     tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, unk_token="<unk>", eos_token=spec["eos"]
+        tokenizer_object=backend, unk_token="<unk>", eos_token=spec["eos"], bos_token=bos
     )
     tokenizer.chat_template = spec["template"]
     return tokenizer

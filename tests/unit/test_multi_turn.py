@@ -181,6 +181,18 @@ def test_trajectories_come_back_by_record_then_n_with_their_groups(pool):
     prompt = trajs[2].token_ids[: trajs[2].prompt_length]
     assert any(prompt[i : i + len(what)] == what for i in range(len(prompt)))
     assert metrics["multi_turn/turns_mean"] == pytest.approx(3.0)
+    # The other metrics, recomputed from the trajectories (uneven on purpose).
+    lengths = [len(t.token_ids) for t in trajs]
+    observed = [sum(e - s for s, e in t.observations) for t in trajs]
+    assert len(set(lengths)) == 3 and len(set(observed)) == 3
+    assert metrics["multi_turn/turns_max"] == 4
+    assert metrics["multi_turn/length_mean"] == pytest.approx(sum(lengths) / 6)
+    assert metrics["multi_turn/length_max"] == max(lengths)
+    assert metrics["multi_turn/observation_tokens_mean"] == pytest.approx(sum(observed) / 6)
+    assert [t.metrics for t in trajs] == [
+        {"tool_calls": c, "answers": 1} for c in (3.0, 3.0, 2.0, 2.0, 1.0, 1.0)
+    ]
+    assert (metrics["env/tool_calls"], metrics["env/answers"]) == (12, 6)
 
 
 def test_max_turns_ends_after_the_last_turns_observation(pool):
@@ -224,6 +236,12 @@ def test_an_observation_that_would_not_fit_is_not_appended(pool):
     engine = FakeEngine(tokenizer, calls_then_answer(2))
     (traj,), _ = run_trajectories([{"id": 0, "key": 7}], 1, pool, incs, engine, budget)
     assert (traj.finish_reason, len(traj.token_ids)) == ("context_length", prompt + turn)
+    # A prompt that fills the context leaves no room for one token: never submitted.
+    engine = FakeEngine(tokenizer, calls_then_answer(2))
+    (full,), _ = run_trajectories(
+        [{"id": 0, "key": 7}], 1, pool, incs, engine, TurnBudget(5, 16, prompt)
+    )
+    assert (full.finish_reason, full.turns, engine.submitted) == ("context_length", [], [])
     assert traj.observations == []
     # With one token more the observation fits and the next turn is cut by the total.
     budget = TurnBudget(5, 16, prompt + turn + observation + 1)
@@ -249,8 +267,15 @@ def test_a_failing_environment_is_counted_and_the_others_go_on(fail, error):
         trajs, metrics = run_trajectories(
             records, 2, pool, ChatIncrements(tokenizer), FakeEngine(tokenizer, calls_then_answer(1)), BUDGET
         )  # fmt: skip
+        # The same pool serves the next call, whose counts are its own.
+        good = [r for r in records if "fail" not in r]
+        again, again_metrics = run_trajectories(
+            good, 1, pool, ChatIncrements(tokenizer), FakeEngine(tokenizer, calls_then_answer(1)), BUDGET
+        )  # fmt: skip
     finally:
         pool.shutdown()
+    assert [t.finish_reason for t in again] == ["done", "done"]
+    assert again_metrics["multi_turn/env_errors"] == again_metrics["multi_turn/env_timeouts"] == 0
     reasons = [t.finish_reason for t in trajs]
     assert reasons == ["done", "done", "environment_error", "environment_error", "done", "done"]
     assert all(t.error.startswith(error) for t in trajs[2:4])
@@ -284,8 +309,10 @@ def test_engine_idle_counts_the_waits_on_environments_with_nothing_generating(po
     tokenizer = make_chat_tokenizer("qwen2.5")
     slow = [{"id": 0, "key": 7, "slow": 0.2}]  # each step 0.2 s, nothing else to generate
     engine = FakeEngine(tokenizer, calls_then_answer(2))
+    started = time.monotonic()
     _, metrics = run_trajectories(slow, 1, pool, ChatIncrements(tokenizer), engine, BUDGET)
-    assert 0.6 <= metrics["multi_turn/engine_idle_s"] <= metrics["timing_s/multi_turn"]
+    wall = time.monotonic() - started
+    assert 0.6 <= metrics["multi_turn/engine_idle_s"] <= metrics["timing_s/multi_turn"] <= wall
     # An instant environment and a slow engine: the wall time is the engine's, not idle.
     quick = [{"id": 0, "key": 7}]
     engine = FakeEngine(tokenizer, calls_then_answer(2), delay=lambda t: 0.2)

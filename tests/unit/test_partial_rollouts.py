@@ -86,6 +86,7 @@ def test_staleness_never_exceeds_the_bound_and_every_record_is_accounted_for():
                         assert sample.versions, "a finished sample has its tokens"
                         assert step - min(sample.versions) <= staleness
                         assert sample.versions == sorted(sample.versions)
+                        assert_is_the_script(engine, group.record, sample)
                 trained += [g.record for g in phase.groups]
             in_flight = [g.record for g in buffer.groups]
             # Drawn once each; trained, in flight or dropped: nothing lost, nothing twice.
@@ -93,6 +94,52 @@ def test_staleness_never_exceeds_the_bound_and_every_record_is_accounted_for():
             assert len(set(trained)) == len(trained)
             assert sorted(trained + in_flight) == sorted(drawn) or on_stale == "drop"
             assert len(trained) + len(in_flight) + dropped == len(drawn)
+
+
+def assert_is_the_script(engine, record, sample):
+    """A finished sample holds its script whole, however many chunks and phases it took:
+    up to its stop token, or MAX_NEW tokens ending at the length limit; a log-prob a token."""
+    length = engine.lengths[1000 + record]  # the prompt is [1000 + record]
+    if length <= MAX_NEW:
+        want, reason = [10 + i for i in range(length - 1)] + [STOP], "stop"
+    else:
+        want, reason = [10 + i for i in range(MAX_NEW)], "length"
+    assert (sample.tokens, sample.finish_reason) == (want, reason), record
+    assert sample.log_probs == [-0.25 * (t % 7) for t in want]
+    assert len(sample.versions) == len(want)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, MAX_NEW])
+def test_samples_are_their_scripts_whatever_the_chunk(chunk):
+    # 5 does not divide MAX_NEW: the last chunk's budget is what is left, not 5.
+    engine, drawn = ScriptedEngine(seed=6), []
+    buffer = buffer_of(chunk=chunk, extra_batches=1, staleness=MAX_NEW)
+    for step in range(4):
+        engine.version = step
+        phase = buffer.phase(step, LOCAL, make_draw(drawn), engine.generate)
+        for group in phase.groups:
+            for sample in group.samples:
+                assert_is_the_script(engine, group.record, sample)
+    assert max(budget for _, budget, _ in engine.calls) == chunk
+    assert set(engine.lengths.values()) >= {1, MAX_NEW, MAX_NEW + 5}  # every ending occurs
+
+
+def test_a_sample_exactly_at_the_bound_is_kept_and_one_past_it_restarted():
+    engine, drawn = ScriptedEngine(seed=1), []
+    buffer = buffer_of(chunk=2, extra_batches=2, staleness=1)
+    buffer.phase(0, LOCAL, make_draw(drawn), engine.generate)
+    partial = [s for g in buffer.groups for s in g.samples if s.tokens and not s.finished]
+    assert partial
+    engine.version = 1
+    phase = buffer.phase(1, LOCAL, make_draw(drawn), engine.generate)
+    assert phase.metrics["async/restarted"] == 0  # version 0 is 1 behind: within the bound
+    still = [s for s in partial if not s.finished and s.versions and s.versions[0] == 0]
+    assert all(s.restarts == 0 for s in partial)
+    assert still, "some version-0 samples outlive phase 1 (the script has long ones)"
+    engine.version = 2
+    phase = buffer.phase(2, LOCAL, make_draw(drawn), engine.generate)
+    assert phase.metrics["async/restarted"] >= len(still)
+    assert all(s.restarts == 1 and 0 not in s.versions for s in still)
 
 
 def test_a_partial_sample_keeps_its_tokens_and_later_ones_carry_the_new_version():
@@ -196,3 +243,30 @@ def test_rows_and_staleness_metrics():
 def test_bad_on_stale_is_refused():
     with pytest.raises(ValueError, match="rollout.on_stale"):
         PartialRollouts(N, MAX_NEW, 4, 0, 1, "skip")
+
+
+def test_a_phase_generates_even_when_carried_groups_fill_the_step():
+    # Groups finished in an earlier phase can fill this step alone; the phase still runs a
+    # chunk for the rest, so the records drawn for later steps start now.
+    engine, drawn = ScriptedEngine(seed=1), []
+    buffer = buffer_of(chunk=2, extra_batches=3, staleness=MAX_NEW)
+    buffer.phase(0, 0, make_draw(drawn), engine.generate)  # one chunk, nothing taken
+    assert sum(g.finished for g in buffer.groups) >= 1
+    unfinished = [s for g in buffer.groups for s in g.samples if not s.finished]
+    assert unfinished
+    calls = len(engine.calls)
+    engine.version = 1
+    phase = buffer.phase(1, 1, make_draw(drawn), engine.generate)
+    assert phase.metrics["async/chunks"] == 1 and len(engine.calls) > calls
+    carried = [s for g in buffer.groups for s in g.samples]
+    partial = sum(bool(s.tokens) and not s.finished for s in carried)
+    assert phase.metrics["async/carried_groups"] == len(buffer.groups)
+    assert phase.metrics["async/carried_partial_samples"] == partial > 0
+
+
+def test_tokens_carry_the_phase_version_when_the_engine_reports_none():
+    engine, drawn = ScriptedEngine(seed=2, version=None), []
+    phase = buffer_of(chunk=MAX_NEW, extra_batches=0).phase(
+        5, LOCAL, make_draw(drawn), engine.generate
+    )
+    assert {v for g in phase.groups for s in g.samples for v in s.versions} == {5}

@@ -111,6 +111,28 @@ def test_turn_text_leaves_the_stop_token_out():
     assert ChatIncrements(tokenizer).turn_text(ids) == "call lookup"
 
 
+def test_turn_text_keeps_a_last_token_that_is_not_a_stop_and_the_special_tokens():
+    # A turn cut by its token budget ends without the stop token: all of it is the text.
+    # Special tokens the policy wrote are part of what it said (the environment sees them).
+    tokenizer = make_chat_tokenizer("qwen2.5")
+    increments = ChatIncrements(tokenizer)
+    assert increments.turn_text(encode(tokenizer, "call lookup")) == "call lookup"
+    ids = encode(tokenizer, "call<|im_start|>lookup<|im_end|>")
+    assert increments.turn_text(ids) == "call <|im_start|> lookup"  # word-level: spaces
+    assert increments.turn_text([]) == ""
+
+
+def test_the_template_writes_the_only_bos():
+    # Llama-3's tokenizer adds <|begin_of_text|> on encode and its template writes one too:
+    # the rendered text must be encoded without extras, or every prompt starts with two.
+    tokenizer = make_chat_tokenizer("llama3")
+    assert tokenizer.encode("call")[0] == tokenizer.bos_token_id  # the fixture adds it
+    increments = ChatIncrements(tokenizer)
+    prompt = increments.prompt([{"role": "user", "content": "call lookup"}])
+    assert prompt.count(tokenizer.bos_token_id) == 1 and prompt[0] == tokenizer.bos_token_id
+    assert tokenizer.bos_token_id not in increments.increment(TOOL_RESULT)
+
+
 def test_a_template_without_the_stop_token_after_the_answer_is_refused():
     tokenizer = make_chat_tokenizer("qwen2.5")
     tokenizer.chat_template = QWEN25.replace("m.content + '<|im_end|>\n'", "m.content + '\n'")
