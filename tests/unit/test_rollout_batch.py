@@ -82,6 +82,8 @@ def test_indexing_chunk_and_cat_roundtrip():
         assert torch.equal(getattr(back, name), getattr(batch, name)), name
     with pytest.raises(ValueError, match="micro_batch_size"):
         batch.chunk(0)
+    singles = batch.chunk(1)
+    assert [c.group_index.tolist() for c in singles] == [[i] for i in range(9)]
 
 
 def test_compact_and_cat_equal_a_fresh_build_of_the_same_rows():
@@ -128,9 +130,16 @@ def test_metrics_count_prompts_not_rows():
     assert m["rollout/prompts_truncated"] == 1
     assert m["rollout/num_samples"] == 6
     assert m["rollout/finish_stop_frac"] == pytest.approx(2 / 6)
+    assert m["rollout/finish_length_frac"] == pytest.approx(2 / 6)
     # Rejected rows have no response and are left out of the length statistics.
     assert m["rollout/response_length_mean"] == pytest.approx((2 + 1 + 3 + 1) / 4)
+    assert m["rollout/response_length_max"] == 3
+    assert m["rollout/prompt_length_mean"] == pytest.approx((2 + 2 + 1 + 1 + 3 + 3) / 6)
     assert batch.weight_version == 5 and batch[1:3].weight_version == 5
+    # Rows sampled by one version keep it when joined; by two, the join has none.
+    assert RolloutBatch.cat([batch[0:2], batch[2:6]]).weight_version == 5
+    other = RolloutBatch.from_sequences([[1]], [[2]], [[-0.5]], ["stop"], weight_version=6)
+    assert RolloutBatch.cat([batch, other]).weight_version is None
 
 
 def test_errors_name_the_row():

@@ -111,6 +111,16 @@ def test_bad_settings_and_states_are_clear_errors():
     with pytest.raises(DataError, match="the dataset has 7 prompts, fewer than one batch of 8"):
         PromptSampler(7, 8)
     assert PromptSampler(7, 8, drop_last=False).next_global_batch()  # carrying can wrap
+    assert len(PromptSampler(8, 8).next_global_batch()) == 8  # exactly one batch is enough
+    with pytest.raises(DataError, match="data.train_batch_size: must be > 0, got 0"):
+        PromptSampler(8, 0)
+    with pytest.raises(DataError, match="data.val_batch_size: must be > 0, got 0"):
+        next(eval_batches(8, 0))
+    for dp_rank, dp_size in ((0, 0), (2, 2), (-1, 2)):
+        with pytest.raises(ValueError, match=rf"dp_rank={dp_rank} is not in \[0, dp_size="):
+            PromptSampler(8, 4, dp_rank, dp_size)
+        with pytest.raises(ValueError, match=rf"dp_rank={dp_rank} is not in \[0, dp_size="):
+            next(eval_batches(8, 4, dp_rank, dp_size))
     with pytest.raises(DataError, match="the dataset has no prompts"):
         PromptSampler(0, 8, drop_last=False)
     sampler = PromptSampler(100, 10)
