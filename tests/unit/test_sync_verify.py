@@ -435,3 +435,10 @@ def test_a_parameter_reshaped_after_the_first_check_is_an_error():
                              bucket_mb=BUCKET_MB, verifier=verifier)  # fmt: skip
     with pytest.raises(SyncVerifyError, match=f"{name} is .* as at the first check"):
         weight_sync.sync([case.chunk], version=1)
+
+
+def test_an_interval_verifies_the_first_sync_and_every_interval_th_after():
+    verifier = SyncVerifier("sample", interval=3, read_engine=lambda names: {})
+    assert [verifier.due() for _ in range(7)] == [True, False, False, True, False, False, True]
+    every = SyncVerifier("full", interval=1, read_engine=lambda names: {})
+    assert all(every.due() for _ in range(3))
