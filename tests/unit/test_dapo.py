@@ -4,6 +4,7 @@ groups under dynamic sampling (`trainer/dynamic_sampling.py`, with scripted roun
 from __future__ import annotations
 
 import logging
+import statistics
 
 import pytest
 import torch
@@ -137,3 +138,22 @@ def test_a_cap_reached_is_reported_and_filled_not_looped_on(caplog):
     # No extra round allowed: the first round is filled at once.
     out, calls = _collect([same, [1.0, 0.0, 1.0, 0.0]], groups=2, max_extra_rounds=0)
     assert calls == [0] and out.metrics["dynamic_sampling/groups_filled"] == 2.0
+
+
+def test_the_fill_takes_only_the_missing_groups_from_the_first_spares():
+    rounds = [
+        [1.0, 0.0, 0.5, 0.5, 0.2, 0.2, 0.7, 0.7],  # 1 informative, 3 uninformative
+        [1.0, 0.0, 0.0, 1.0, 0.3, 0.3, 0.4, 0.4],  # 2 informative: 1 group short
+    ]
+    out, calls = _collect(rounds, groups=4, max_extra_rounds=1)
+    assert calls == [0, 1]
+    # Round 0's group 0, round 1's groups 0 and 1, then round 0's first spare: 4 groups.
+    assert out.per_row["tag"].tolist() == [0, 0, 100, 100, 101, 101, 1, 1]
+    assert out.metrics["dynamic_sampling/groups_filled"] == 1.0
+    scores = out.scores.tolist()
+    assert scores == [1.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.5, 0.5]
+    metrics = out.reward_metrics()
+    assert metrics["reward/mean"] == pytest.approx(statistics.fmean(scores))
+    assert metrics["reward/std"] == pytest.approx(statistics.pstdev(scores))  # the rows'
+    assert metrics["reward/errors"] == 2.0  # both rounds'
+    assert "reward/overlong_penalty_mean" not in metrics

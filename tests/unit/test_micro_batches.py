@@ -15,6 +15,7 @@ from rl_megatron.trainer.micro_batches import (
     pad_responses,
     restore_order,
     row_index,
+    schedule_micro_batches,
     select_rows,
     trim_padding,
 )
@@ -67,6 +68,55 @@ def test_dynamic_count_constraints():
 def test_dynamic_rejects_a_row_over_budget():
     with pytest.raises(ValueError, match=r"1 sequence\(s\) are longer.*row 1"):
         dynamic_micro_batches([3, 50, 4], max_tokens=10)
+    assert dynamic_micro_batches([3, 10, 4], max_tokens=10) == [[0, 2], [1]]  # 10 fits alone
+    with pytest.raises(ValueError, match="max_tokens must be > 0, got 0"):
+        dynamic_micro_batches([3], max_tokens=0)
+
+
+def _three_rows():
+    prompts = torch.tensor([[0, 0, 5, 6], [0, 7, 8, 9], [1, 2, 3, 4]])
+    responses = torch.tensor([[3, 0, 0, 0], [4, 5, 0, 0], [6, 7, 8, 0]])
+    mask = torch.cat([prompts != 0, responses != 0], dim=1).long()
+    return {
+        "prompts": prompts,
+        "responses": responses,
+        "attention_mask": mask,
+        "response_mask": (responses != 0).long(),
+        "advantages": torch.tensor([[0.5, 0, 0, 0], [1.0, 2.0, 0, 0], [3.0, 4.0, 5.0, 0]]),
+    }
+
+
+@pytest.mark.parametrize("multiple_of", [1, 4])
+def test_scheduled_micro_batches_are_each_rows_own_alignment(multiple_of):
+    # Shapes come from a host copy of the mask (given or made); the result is what
+    # left_align makes of the rows when it measures them itself.
+    batch, split = _three_rows(), [[0], [1, 2]]
+    for host_mask in (None, batch["attention_mask"].clone()):
+        got = schedule_micro_batches(
+            batch, split, torch.device("cpu"), multiple_of=multiple_of, host_mask=host_mask
+        )
+        for rows, micro in zip(split, got, strict=True):
+            want = left_align(select_rows(batch, rows), multiple_of=multiple_of)
+            assert micro.keys() == want.keys()
+            assert all(torch.equal(micro[k], want[k]) for k in want), rows
+    assert [m["input_ids"].shape[1] for m in got] == ([3, 7] if multiple_of == 1 else [4, 8])
+
+
+def test_one_shape_fills_every_micro_batch_with_rows_that_count_nowhere():
+    # The interleaved pipeline's form: the batch's full width rounded up, as many rows as
+    # the largest micro-batch; the filler rows copy the first row with response_mask 0.
+    batch = _three_rows()
+    got = schedule_micro_batches(
+        batch, [[0], [1, 2]], torch.device("cpu"), one_shape=True, multiple_of=3
+    )
+    assert [tuple(m["input_ids"].shape) for m in got] == [(2, 9), (2, 9)]
+    assert [m["responses"].shape[1] for m in got] == [4, 4]
+    first, second = got
+    assert torch.equal(first["input_ids"][1], first["input_ids"][0])  # a copy of row 0
+    assert first["response_mask"].tolist() == [[1, 0, 0, 0], [0, 0, 0, 0]]
+    assert second["response_mask"].tolist() == batch["response_mask"][1:].tolist()
+    assert batch["response_mask"][0].tolist() == [1, 0, 0, 0]  # the caller's rows untouched
+    assert second["input_ids"][1, :7].tolist() == [1, 2, 3, 4, 6, 7, 8]
 
 
 def test_restore_order_inverts_any_split():

@@ -65,6 +65,8 @@ def test_missing_name_arguments_not_object_and_unknown_tool():
         '<tool_call>{"name": "calculator", "arguments": [1, 2]}</tool_call>'
         '<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>'
         "<tool_call>[1, 2]</tool_call>"
+        '<tool_call>{"name": "", "arguments": {}}</tool_call>'
+        '<tool_call>{"name": 5, "arguments": {}}</tool_call>'
     )
     errors = [c.error for c in parse_tool_calls(text, KNOWN)]
     assert errors == [
@@ -72,6 +74,8 @@ def test_missing_name_arguments_not_object_and_unknown_tool():
         "\"arguments\" of tool call 'calculator' must be a JSON object",
         "unknown tool 'search' (tools: calculator, python)",
         'tool call must be a JSON object {"name": ..., "arguments": {...}}',
+        'tool call has no "name" string',
+        'tool call has no "name" string',
     ]
 
 
@@ -79,6 +83,10 @@ def test_arguments_as_a_json_string_are_accepted():
     text = '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"5*5\\"}"}</tool_call>'
     (call,) = parse_tool_calls(text, KNOWN)
     assert call.error is None and call.arguments == {"expression": "5*5"}
+    # Raw newlines inside its strings too (models write code that way), as in the body.
+    text = '<tool_call>{"name": "python", "arguments": "{\\"code\\": \\"x = 1\nprint(x)\\"}"}</tool_call>'
+    (call,) = parse_tool_calls(text, KNOWN)
+    assert call.error is None and call.arguments == {"code": "x = 1\nprint(x)"}
 
 
 def test_any_name_when_no_tool_list_is_given():
