@@ -15,6 +15,8 @@ from rl_megatron.environments.workers import (
     CUT_MARK,
     EnvironmentCallError,
     EnvironmentPool,
+    check_messages,
+    check_observation,
 )
 
 
@@ -183,6 +185,36 @@ def test_a_huge_observation_is_cut_and_marked(pool):
     content = obs.messages[0]["content"]
     assert content == "x" * 16384 + CUT_MARK.format(1_000_000 - 16384)
     assert obs.metrics["observations_cut"] == 1.0
+
+
+def test_the_observation_budget_counts_all_messages_and_cuts_only_past_it():
+    def observe(max_chars):
+        two = [{"role": "tool", "content": "abcd"}, {"role": "tool", "content": "efgh"}]
+        return check_observation(Observation(messages=two, reward=0.5), max_chars)
+
+    exact = observe(8)  # the two messages fill the budget exactly: nothing is cut
+    assert [m["content"] for m in exact.messages] == ["abcd", "efgh"]
+    assert "observations_cut" not in exact.metrics and exact.reward == 0.5
+    short = observe(6)  # the second message keeps what is left after the first
+    assert [m["content"] for m in short.messages] == ["abcd", "ef" + CUT_MARK.format(2)]
+    assert short.metrics["observations_cut"] == 1.0
+    cut_first = observe(3)
+    assert [m["content"] for m in cut_first.messages] == ["abc", CUT_MARK.format(5)]
+
+
+def test_messages_must_be_a_list_of_dicts_with_string_role_and_content():
+    good = [{"role": "user", "content": "hi"}]
+    assert check_messages(good, "start") == good
+    for value, error in (
+        ("hi", "start returned str, not a list of message dicts"),
+        (good + ["hi"], "start returned list, not a list of message dicts"),
+        ([{"role": "user"}], "start: message 0 has no string 'content' (None)"),
+        ([{"role": 1, "content": "x"}], "start: message 0 has no string 'role' (1)"),
+    ):
+        with pytest.raises(
+            EnvironmentCallError, match=error.replace("(", r"\(").replace(")", r"\)")
+        ):
+            check_messages(value, "start")
 
 
 def test_at_most_max_concurrent_workers_the_rest_queue():

@@ -16,6 +16,7 @@ from rl_megatron.config import Config
 from rl_megatron.rewards.registry import RewardError, get_reward_fn, reward_fn_from_config
 from rl_megatron.rewards.rules import (
     boxed_math,
+    digit_echo,
     exact_match,
     extract_boxed,
     extract_last_number,
@@ -163,6 +164,25 @@ def test_boxed_helpers():
     assert normalize_math_answer(r"a\rightarrow b") == r"a\rightarrowb"
     with pytest.raises(ValueError, match="is empty"):
         boxed_math(r"\boxed{1}", {"answer": "  "})
+    # A box at the very end of the text, or followed by nothing but spaces: cut off.
+    for text in (r"the answer is \boxed", "\\boxed  ", r"\fbox", r"\boxed{"):
+        assert extract_boxed(text) is None, text
+    assert extract_boxed(r"\boxed5") is None  # neither a brace nor the spaced form
+    assert extract_boxed("\\boxed \n 7 ") == "7"
+    # Only a single-letter unknown before one "=" is dropped.
+    assert normalize_math_answer("x=5") == "5"
+    assert normalize_math_answer("xy=5") == "xy=5"
+    assert normalize_math_answer("a=b=5") == "a=b=5"
+
+
+def test_digit_echo_credits_each_character():
+    # 1 for the answer digit, 0.2 for another digit, 0 for anything else; mean over chars.
+    assert digit_echo("7a33", {"answer": "7"}) == pytest.approx((1 + 0 + 0.2 + 0.2) / 4)
+    assert digit_echo("777", {"answer": " 7 "}) == 1.0
+    assert digit_echo("", {"answer": "7"}) == 0.0
+    for bad in ("12", "x", ""):
+        with pytest.raises(ValueError, match="'answer' must be one digit"):
+            digit_echo("7", {"answer": bad})
 
 
 # --------------------------------------------------------------------------- exact match
