@@ -10,6 +10,8 @@ engine must refuse to generate (the target aborted). Bit-exact: any difference i
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -210,7 +212,10 @@ def test_an_honest_engine_passes_and_off_reads_nothing():
     verifier = SyncVerifier("full", interval=1, read_engine=read)
     weight_sync = WeightSync(case.store, info=case.info, training=case.training,
                              bucket_mb=BUCKET_MB, verifier=verifier)  # fmt: skip
+    started = time.perf_counter()
     stats = weight_sync.sync([case.chunk], version=1)
+    wall = time.perf_counter() - started
+    assert 0 < stats.verify.verify_s <= wall  # its cost, as the metrics report it
     # the plan's first check reads every parameter (which are comparable), then the chosen
     assert stats.verify.verified_tensors == len(names_of(case))
     assert reads[0] is None and sorted(reads[1]) == sorted(names_of(case)) and len(reads) == 2
