@@ -6,7 +6,13 @@ import time
 
 import pytest
 
-from rl_megatron.environments.calculator import CalculatorError, calculate, evaluate
+from rl_megatron.environments.calculator import (
+    MAX_CHARS,
+    MAX_INT_BITS,
+    CalculatorError,
+    calculate,
+    evaluate,
+)
 
 
 @pytest.mark.parametrize(
@@ -70,3 +76,14 @@ def test_answers_are_text():
     assert calculate("2 ** 100") == "1267650600228229401496703205376"
     assert calculate("1 / 3") == "0.333333333333333"
     assert calculate("foo") == "error: Name is not allowed (numbers and + - * / // % ** only)"
+
+
+def test_the_bounds_are_inclusive():
+    # MAX_CHARS characters and MAX_INT_BITS-bit integers are computed; one more is refused.
+    longest = "1" + "+1" * ((MAX_CHARS - 1) // 2)  # padded with spaces to the length
+    assert evaluate(longest.ljust(MAX_CHARS)) == (MAX_CHARS + 1) // 2
+    with pytest.raises(CalculatorError, match=f"longer than {MAX_CHARS} characters"):
+        evaluate(longest.ljust(MAX_CHARS + 1))
+    assert evaluate(f"2**{MAX_INT_BITS - 1}").bit_length() == MAX_INT_BITS
+    with pytest.raises(CalculatorError, match=f"larger than {MAX_INT_BITS} bits"):
+        evaluate(f"2**{MAX_INT_BITS}")

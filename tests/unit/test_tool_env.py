@@ -111,3 +111,17 @@ def test_wrong_argument_types():
         'error: calculator needs an "expression" string argument',
     ]
     assert obs.metrics["tool_errors"] == 2
+
+
+def test_a_number_is_an_expression_but_a_boolean_is_not():
+    # Models often pass {"expression": 42}; JSON's true is not a number to compute.
+    obs = ToolEnvironment().step(
+        _call("calculator", expression=42) + _call("calculator", expression=2.5)
+        + _call("calculator", expression=True)
+    )  # fmt: skip
+    assert [m["content"] for m in obs.messages] == [
+        "42",
+        "2.5",
+        'error: calculator needs an "expression" string argument',
+    ]
+    assert obs.metrics["tool_errors"] == 1
