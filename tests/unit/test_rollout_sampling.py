@@ -76,6 +76,7 @@ def test_prompt_max_new_tokens_cap_each_prompt_and_must_cover_every_prompt():
 def test_prompt_limit():
     assert SamplingParams(max_new_tokens=10).prompt_limit(100) == 90
     assert SamplingParams(max_new_tokens=10, max_prompt_len=20).prompt_limit(100) == 20
+    assert SamplingParams(max_new_tokens=99).prompt_limit(100) == 1  # one token of room
     with pytest.raises(ValueError, match="leaves no room for a prompt"):
         SamplingParams(max_new_tokens=100).prompt_limit(100)
 
@@ -151,6 +152,10 @@ def test_inverse_cdf_never_picks_a_zero_probability_token():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).expand(5, 5)
     u = torch.tensor([2.0**-53, 0.25, 0.5, 0.5 + 2.0**-50, 1.0], dtype=torch.float64)
     assert inverse_cdf_sample(probs, u).tolist() == [1, 1, 1, 3, 3]
+    # Masses need not sum to 1: u scales the total (here 4: token 0 owns (0, 1]).
+    masses = torch.tensor([[1.0, 3.0]]).expand(3, 2)
+    u = torch.tensor([0.25, 0.25 + 2.0**-40, 1.0], dtype=torch.float64)
+    assert inverse_cdf_sample(masses, u).tolist() == [0, 1, 1]
 
 
 @pytest.mark.parametrize("temperature, top_k, top_p", FILTERS)
@@ -231,6 +236,10 @@ def test_fit_prompts_truncate_left_keeps_the_end():
     assert fitted.token_ids == [[1, 2, 3], [16, 17, 18, 19], [4]]
     assert fitted.truncated == [False, True, False] and fitted.num_truncated == 1
     assert fitted.num_rejected == 0
+    for policy in ("truncate_left", "reject"):  # exactly at the limit: whole, not counted
+        exact = fit_prompts([[1, 2, 3, 4]], limit=4, policy=policy)
+        assert exact.token_ids == [[1, 2, 3, 4]]
+        assert exact.num_truncated == exact.num_rejected == 0
 
 
 def test_fit_prompts_reject_counts_and_keeps_the_row():
@@ -460,3 +469,23 @@ def test_prefetch_wakes_the_weights_only_when_they_fit():
     eng._has_room = lambda tags: True
     assert eng.prefetch_weights() is True and "weights" in eng.awake_tags
     assert eng.calls[-1] == "wake:weights" and "room:weights" not in eng.calls
+
+
+def test_per_prompt_seeds_replace_the_spaced_ones():
+    spaced = SamplingParams(max_new_tokens=4, n=2, seed=100)
+    assert [spaced.prompt_seed(i) for i in range(3)] == [100, 102, 104]
+    given = SamplingParams(max_new_tokens=4, n=2, seed=100, prompt_seeds=[7, 3, 11])
+    assert [given.prompt_seed(i) for i in range(3)] == [7, 3, 11]
+    assert SamplingParams(max_new_tokens=4).prompt_seed(0) is None
+
+
+def test_the_smallest_legal_values_are_accepted():
+    params = SamplingParams(
+        max_new_tokens=1, max_prompt_len=1, stop_token_ids=[0], prompt_max_new_tokens=[1]
+    )
+    assert (params.max_new_tokens, params.max_prompt_len, params.stop_token_ids) == (1, 1, (0,))
+    assert fit_prompts([[0]], limit=1, policy="reject", vocab_size=1).token_ids == [[0]]
+    seeded = SamplingParams(max_new_tokens=1, prompt_seeds=[1, 2])
+    seeded.check_prompt_seeds(2)
+    with pytest.raises(ValueError, match="sampling.prompt_seeds holds 2 seeds for 3 prompts"):
+        seeded.check_prompt_seeds(3)
