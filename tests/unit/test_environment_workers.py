@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 
 import pytest
@@ -211,9 +212,7 @@ def test_messages_must_be_a_list_of_dicts_with_string_role_and_content():
         ([{"role": "user"}], "start: message 0 has no string 'content' (None)"),
         ([{"role": 1, "content": "x"}], "start: message 0 has no string 'role' (1)"),
     ):
-        with pytest.raises(
-            EnvironmentCallError, match=error.replace("(", r"\(").replace(")", r"\)")
-        ):
+        with pytest.raises(EnvironmentCallError, match=re.escape(error)):
             check_messages(value, "start")
 
 

@@ -477,6 +477,10 @@ def test_per_prompt_seeds_replace_the_spaced_ones():
     given = SamplingParams(max_new_tokens=4, n=2, seed=100, prompt_seeds=[7, 3, 11])
     assert [given.prompt_seed(i) for i in range(3)] == [7, 3, 11]
     assert SamplingParams(max_new_tokens=4).prompt_seed(0) is None
+    seeded = SamplingParams(max_new_tokens=1, prompt_seeds=[1, 2])
+    seeded.check_prompt_seeds(2)
+    with pytest.raises(ValueError, match="sampling.prompt_seeds holds 2 seeds for 3 prompts"):
+        seeded.check_prompt_seeds(3)
 
 
 def test_the_smallest_legal_values_are_accepted():
@@ -485,7 +489,3 @@ def test_the_smallest_legal_values_are_accepted():
     )
     assert (params.max_new_tokens, params.max_prompt_len, params.stop_token_ids) == (1, 1, (0,))
     assert fit_prompts([[0]], limit=1, policy="reject", vocab_size=1).token_ids == [[0]]
-    seeded = SamplingParams(max_new_tokens=1, prompt_seeds=[1, 2])
-    seeded.check_prompt_seeds(2)
-    with pytest.raises(ValueError, match="sampling.prompt_seeds holds 2 seeds for 3 prompts"):
-        seeded.check_prompt_seeds(3)
