@@ -94,6 +94,17 @@ def test_a_quantized_method_and_a_changed_dtype_are_found():
     assert "(12, 4) torch.float32 became (12, 4) torch.bfloat16" in found.why
 
 
+def test_a_weight_reordered_in_its_own_shape_and_dtype_is_found():
+    # A square weight left as a transposed view: same shape and dtype, other strides.
+    from vllm.model_executor.model_loader.reload.layerwise import record_metadata_for_reloading
+
+    model = tiny_model()
+    record_metadata_for_reloading(model)
+    model.o_proj.weight.data = model.o_proj.weight.data.t()
+    (found,) = repacked_parameters(model, "cuda")
+    assert found.name == "o_proj.weight" and found.storage
+
+
 class FakeEngine:
     """What `VllmEngineTarget` reads of a `VllmEngine` before the first sync."""
 
