@@ -204,6 +204,23 @@ def test_prompt_caps_cut_the_seeded_samples(run):
     assert run[0]["capped"] == run[1]["capped"]
 
 
+def test_prompts_over_one_steps_budget_sample_as_in_smaller_calls(run):
+    """More seeded prompt tokens per replica than one engine step takes: the prefill spans
+    steps (the CPU build crashed here with chunked prefill on), and every prompt samples
+    what it samples in a call of half as many prompts, log-probs included."""
+    for res in run:
+        replicas = res["layout"]["num_replicas"]
+        assert res["over_budget_prompt_tokens"] > replicas * res["step_budget"]
+        assert res["chunked_prefill"] is False  # CPU build: whole prompts per step
+        whole = res["over_budget"]["rows"]
+        halves = [r for part in res["over_budget_halves"] for r in part["rows"]]
+        assert len(whole) == len(halves) == res["over_budget_prompt_tokens"] // (MAX_MODEL_LEN - 8)
+        assert [r["response"] for r in whole] == [r["response"] for r in halves]
+        assert len({tuple(r["response"]) for r in whole}) > 1
+        for a, b in zip(whole, halves):  # the halves' prompts are prefix-cache hits
+            assert max(abs(x - y) for x, y in zip(a["log_probs"], b["log_probs"])) < LOGPROB_TOL
+
+
 def test_samples_are_those_of_vllms_own_generate(run):
     """The engine drives vLLM's engine core itself (`CoreLoop`), not `LLM.generate`: the
     same seeded requests through `LLM.generate` sample the same tokens with the same

@@ -167,6 +167,28 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     res["capped"] = dump(
         engine.generate(prompts[:3], replace(free, prompt_max_new_tokens=spec["caps"]))
     )
+    # More prompt tokens per replica than one engine step takes (max_num_batched_tokens),
+    # seeded: prefill spans steps. The CPU build crashed here while chunked prefill was on
+    # (rolling back a discarded sample's CPU generator); the samples must equal those of
+    # the same prompts and seeds in two calls of half the size.
+    scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
+    res["step_budget"] = scheduler.max_num_batched_tokens
+    res["chunked_prefill"] = scheduler.enable_chunked_prefill
+    width = spec["max_model_len"] - 8
+    per_replica = res["step_budget"] // width + 2
+    g = torch.Generator().manual_seed(11)
+    shape = (per_replica * engine.layout.num_replicas, width)
+    many = torch.randint(3, 100, shape, generator=g)  # ids below the tiny vocabulary (128)
+    many = many.tolist()
+    seeds = tuple(range(500, 500 + len(many)))
+    over = SamplingParams(temperature=0.7, max_new_tokens=4, ignore_eos=True, prompt_seeds=seeds)
+    res["over_budget"] = dump(engine.generate(many, over))
+    half = len(many) // 2
+    res["over_budget_halves"] = [
+        dump(engine.generate(many[:half], replace(over, prompt_seeds=seeds[:half]))),
+        dump(engine.generate(many[half:], replace(over, prompt_seeds=seeds[half:]))),
+    ]
+    res["over_budget_prompt_tokens"] = len(many) * width
     # A prompt longer than the context: rejected, or truncated on the left.
     with_long = [prompts[0], spec["long_prompt"], prompts[1]]
     for policy in ("reject", "truncate_left"):

@@ -445,6 +445,14 @@ class VllmEngine(RolloutEngine):
             kwargs["quantization"] = args.quantization
         if args.kv_cache_dtype != "auto":
             kwargs["kv_cache_dtype"] = args.kv_cache_dtype
+        if on_cpu:
+            # Whole prompts per engine step. With chunked prefill the CPU build crashes on
+            # the first seeded request whose prompt is split across steps (vLLM rolls the
+            # request's generator back by a CUDA Philox offset, which a CPU generator lacks:
+            # "CPU Generator does not use offset"), and every rollout request is seeded.
+            # vLLM warns that this model "does not officially support disabling" it; the
+            # engine tests compare the samples with smaller calls and with transformers.
+            kwargs["enable_chunked_prefill"] = False
         kwargs.update(args.extra)
         # The CPU build's TP groups talk through /dev/shm: per-run names, removed once mapped.
         with run_shm_names() if on_cpu else contextlib.nullcontext() as shm_ident:
