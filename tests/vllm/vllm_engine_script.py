@@ -174,12 +174,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
     res["step_budget"] = scheduler.max_num_batched_tokens
     res["chunked_prefill"] = scheduler.enable_chunked_prefill
-    width = spec["max_model_len"] - 8
+    width = spec["max_model_len"] - 8  # room for the 4 new tokens
     per_replica = res["step_budget"] // width + 2
-    g = torch.Generator().manual_seed(11)
     shape = (per_replica * engine.layout.num_replicas, width)
-    many = torch.randint(3, 100, shape, generator=g)  # ids below the tiny vocabulary (128)
-    many = many.tolist()
+    g = torch.Generator().manual_seed(11)
+    many = torch.randint(3, 100, shape, generator=g).tolist()  # ids below the vocabulary (128)
     seeds = tuple(range(500, 500 + len(many)))
     over = SamplingParams(temperature=0.7, max_new_tokens=4, ignore_eos=True, prompt_seeds=seeds)
     res["over_budget"] = dump(engine.generate(many, over))
