@@ -174,7 +174,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     scheduler = engine.llm.llm_engine.vllm_config.scheduler_config
     res["step_budget"] = scheduler.max_num_batched_tokens
     res["chunked_prefill"] = scheduler.enable_chunked_prefill
-    width = spec["max_model_len"] - 8  # room for the 4 new tokens
+    width = spec["max_model_len"] - 8  # room for the 4 new tokens, and 4 to spare
     per_replica = res["step_budget"] // width + 2
     shape = (per_replica * engine.layout.num_replicas, width)
     g = torch.Generator().manual_seed(11)
@@ -187,6 +187,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         dump(engine.generate(many[:half], replace(over, prompt_seeds=seeds[:half]))),
         dump(engine.generate(many[half:], replace(over, prompt_seeds=seeds[half:]))),
     ]
+    res["over_budget_prompts"] = len(many)
     res["over_budget_prompt_tokens"] = len(many) * width
     # A prompt longer than the context: rejected, or truncated on the left.
     with_long = [prompts[0], spec["long_prompt"], prompts[1]]
