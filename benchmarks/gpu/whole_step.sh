@@ -126,7 +126,7 @@ step rollout_core_b256 560 $TR1 benchmarks/rollout_ab.py $SHAPE_085B --dtype bfl
 # Run 21 (H200): 0.857x and 0.866x, 141-155 s; --profile-dir adds two cProfiled calls of
 # each side (~15 s). Since run 24 the JSON splits every call into engine-core steps and
 # the time outside them (`engine_split`): 0.863x (H100, 182 s with the profile), 0.922x
-# after `CoreLoop.add_turn` (run 24b).
+# after `CoreLoop.add_turn` (run 24b); run 38 (H200): 0.985x and 0.931x, 221-230 s each.
 # Multi-turn generation on the in-trainer engine (issue 38: >= 0.9x at the median): 64
 # records x 4 trajectories x 3 turns of 128 tokens, an environment that answers at once
 # with 16 tokens, against single-turn generate of 384 tokens per row (the same sampled
@@ -272,9 +272,10 @@ step e2e_8b 580 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h20
 # small batch (4 prompts x 8, one optimizer step of 32 rows), so the update is what differs.
 # Responses of at most 256 tokens (the Megatron engine's eager decode is the slow part;
 # the update's rows stay 511 + up to 256 tokens), so both fit one call: rank 8 first.
-# Not run yet; ~150-250 s each, estimated from e2e_8b's phases.
-# On an H100 (80 GB) full fine-tuning needs more of its optimizer on the host: run both
-# with LORA_EXTRA="actor.optim.cpu_offload_fraction=0.8" (the same config on both sides).
+# Run 38 (H200): 129 s and 197 s; update 0.87 vs 7.04 s, peak 22.3 vs 104.6 GiB allocated.
+# On an H100 (80 GB) full fine-tuning does not fit at any offload (runs 23, 35: CUDA OOM at
+# 0.8 and at 0.85 with grads offloaded, host OOM at 1.0); LORA_EXTRA="..." adds the same
+# overrides to both sides.
 LORA_8B="rollout.engine=megatron rollout.engine_kwargs={} data.train_batch_size=4 actor.mini_batch_size=32 rollout.max_response_length=256 ${LORA_EXTRA:-}"
 step lora_8b_rank8 580 $TR1 benchmarks/trainer_bench.py --config yaml_configs/bench_h200_e2e_8b.yaml \
   --algorithms grpo --no-plain --warmup-steps 1 --steps 2 \
